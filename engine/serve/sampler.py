@@ -1,0 +1,38 @@
+"""SimpleSampler: one token per sample row — argmax for greedy rows, chapter 8 for the rest."""
+from __future__ import annotations
+
+import torch
+
+from engine.sampling import sample_token
+from engine.serve.request import Request
+
+
+class SimpleSampler:
+    """Greedy rows are answered by one batched argmax; sampled rows one at a time with chapter 8's
+    ``sample_token``, drawing from the request's own generator when it has a seed (so its tokens
+    don't depend on its batch-mates) and from the engine's shared generator otherwise."""
+
+    name = "simple"
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def check(self, params) -> None:
+        """ValueError for the settings this sampler cannot honour."""
+        if params.logprobs is not None:
+            raise ValueError("logprobs needs the full sampler (chapter 34); leave logprobs=None")
+        if params.repetition_penalty != 1.0:
+            raise ValueError("repetition_penalty needs the full sampler (chapter 34); leave it at 1.0")
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 generators: dict[str, torch.Generator]) -> list[int]:
+        """logits [M, V] (row i belongs to requests[i]) -> M token ids."""
+        if logits.shape[0] == 0:
+            return []
+        tokens = torch.argmax(logits, dim=-1).tolist()
+        for i, req in enumerate(requests):
+            p = req.params
+            if not p.greedy:
+                gen = generators.get(req.request_id, self.generator)
+                tokens[i] = sample_token(logits[i], p.temperature, p.top_k, p.top_p, gen)
+        return tokens

@@ -1,0 +1,107 @@
+"""Attention over the block pool, and the registry of attention backends.
+
+Per layer the pool is two tensors, K and V, of shape ``[num_blocks + 1, block_size, Hkv, D]``:
+slot-major, so flat slot s is block ``s // block_size``, offset ``s % block_size``, and a write is
+one ``index_copy_`` over flat slot numbers. The extra last block is scratch: padding rows write
+there and the block manager never hands it out.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+import torch
+
+from engine.attention import causal_attention
+from engine.serve.batch import BatchMeta
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_pool, v_pool), each [num_blocks + 1, block_size, Hkv, D]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K and V rows into their pool slots. (Your engine: Chapter 31)
+
+    k, v: [N, Hkv, D]; slot_mapping: int64 [N] flat slot numbers. A padding row has slot -1
+    (``PAD_SLOT``): it is redirected to the pool's LAST slot (inside the scratch block) instead of
+    being filtered out, because filtering would need the host to count the real rows — a device
+    sync that a CUDA graph cannot contain. Writes in place, one ``index_copy_`` per pool.
+    """
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    slots = torch.where(slot_mapping < 0, num_slots - 1, slot_mapping)
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+class AttentionBackend(Protocol):
+    """What FlatModel needs from a backend: a pool per layer, a write, and paged attention."""
+
+    name: str
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache: ...
+
+    def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None: ...
+
+    def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
+                window: int = 0) -> torch.Tensor: ...
+
+
+class ReferenceBackend:
+    """Paged attention as a Python loop over requests: slow, and obviously right.
+
+    Every faster backend is tested against this one.
+    """
+
+    name = "reference"
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+    def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
+        write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+
+    def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
+                window: int = 0) -> torch.Tensor:
+        """Attention for every row of the flat batch. (Your engine: Chapter 31)
+
+        q: [N, Hq, D] -> [N, Hq, D]. For request r with t = its number of rows and L = seq_lens[r]:
+        gather its first L slots through ``block_table[r]`` (slot of position p is
+        ``table[p // block_size] * block_size + p % block_size``), and run chapter 5's causal
+        attention with the t queries at positions L-t .. L-1 (query i sees keys 0 .. L-t+i;
+        with ``window > 0`` only keys with k_pos > q_pos - window). Requests with L == 0 are
+        padding: their rows are left as zeros.
+        """
+        k_pool, v_pool = cache
+        bs = meta.block_size
+        k_flat = k_pool.view(-1, *k_pool.shape[2:])  # [slots, Hkv, D]
+        v_flat = v_pool.view(-1, *v_pool.shape[2:])
+        tables = meta.block_table.cpu()
+        out = torch.zeros_like(q)
+        for r in range(meta.num_reqs):
+            start, end = int(meta.query_start_loc_cpu[r]), int(meta.query_start_loc_cpu[r + 1])
+            seq_len = int(meta.seq_lens_cpu[r])
+            if seq_len == 0 or end == start:
+                continue
+            pos = torch.arange(seq_len)
+            slots = tables[r, pos // bs].long() * bs + pos % bs  # [L]
+            slots = slots.to(q.device)
+            k_pos = pos.to(q.device)
+            q_pos = k_pos[seq_len - (end - start):]
+            out[start:end] = causal_attention(q[start:end], k_flat[slots], v_flat[slots], q_pos, k_pos,
+                                              scale=scale, window=window)
+        return out
+
+
+# Backends by name. Faster ones live in their own modules and are imported only when asked for.
+BACKENDS: dict[str, str] = {
+    "reference": "engine.serve.attention:ReferenceBackend",
+}
+
+
+def get_backend(name: str, **options) -> AttentionBackend:
+    """The attention backend called ``name`` (see ``BACKENDS``), built with ``options``."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}: choose one of {sorted(BACKENDS)}")
+    module_name, cls_name = BACKENDS[name].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(**options)

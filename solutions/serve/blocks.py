@@ -1,0 +1,257 @@
+"""The block pool's bookkeeping: reference counts, hash-chain prefix cache, LRU free queue.
+
+Every layer's K/V lives in fixed-size blocks of ``block_size`` token slots shared by all requests.
+A full block is named by a hash chain: its digest covers its parent block's digest and its own
+tokens, so equal digests mean equal whole prefixes. A block is always in exactly one state:
+- in use: ``ref_count > 0`` (held by that many request tables);
+- cached-free: ``ref_count == 0`` but still carrying its hash and K/V — findable by the prefix
+  cache, yet in the free queue and next in line for reuse;
+- free-and-blank: ``ref_count == 0`` and no hash.
+It leaves the cache (loses its hash) only when the allocator actually hands it out again.
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from engine.serve.request import Request
+
+ROOT_HASH = b"engine-ch31-root"  # the "parent" of a request's first block
+
+
+def hash_block(parent: bytes | None, tokens: Sequence[int], extra: tuple = ()) -> bytes:
+    """The 16-byte BLAKE2b digest that names one full block. (Your engine: Chapter 31)
+
+    Hashes, in order: the parent block's digest (``ROOT_HASH`` for the first block), the block's
+    token ids packed as little-endian 64-bit integers, and — only when ``extra`` is non-empty —
+    ``repr(extra)`` (cache_key items must have a stable repr: str, int, bytes, tuples of those).
+    It must be a cryptographic hash that is the same in every process: never Python's ``hash()``,
+    whose value changes with PYTHONHASHSEED and whose collisions can be crafted — a collision
+    here would hand one user another user's cached K/V.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update(ROOT_HASH if parent is None else parent)
+    packed = array("q", tokens)  # signed 64-bit on every platform torch supports
+    if sys.byteorder == "big":  # pragma: no cover - keep the digest identical across machines
+        packed.byteswap()
+    h.update(packed.tobytes())
+    if extra:
+        h.update(b"\x00extra\x00")
+        h.update(repr(extra).encode())
+    return h.digest()
+
+
+class BlockManager:
+    """Hands out pool blocks to requests and keeps the prefix cache.
+
+    Invariants (``check_invariants`` verifies them):
+    - ``ref_count[b]`` equals the number of request tables that hold block b;
+    - the free queue holds exactly the blocks with ``ref_count == 0``, each once, front = evicted
+      first; ``num_free + blocks in use == num_blocks``;
+    - ``cached[h] == b`` implies ``block_hash[b] == h``;
+    - block ``num_blocks`` (the scratch block) is never handed out.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        # LRU free queue: insertion order is eviction order (front = next to be handed out).
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.req_blocks: dict[str, list[int]] = {}
+        self.num_published: dict[str, int] = {}  # per request: leading blocks already offered to the cache
+        self.num_queries = 0  # tokens looked up in the prefix cache
+        self.num_hits = 0  # of those, tokens found
+        self.num_evicted = 0  # cached blocks whose hash was dropped because the block was reused
+
+    # ----- sizes -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool held by requests (cached-free blocks count as free)."""
+        return 1.0 - self.num_free / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hits / self.num_queries if self.num_queries else 0.0
+
+    # ----- hashing -----------------------------------------------------------------------
+    def update_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
+        known = request.num_tokens - request.num_placeholders
+        bs = self.block_size
+        hashes = request.block_hashes
+        for i in range(len(hashes), known // bs):
+            parent = hashes[i - 1] if i else None
+            extra = request.cache_key if i == 0 else ()  # the chain carries it to every later block
+            hashes.append(hash_block(parent, request.token_ids[i * bs:(i + 1) * bs], extra))
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """The longest run of cached full blocks at the start of ``request``. (Your engine: Chapter 31)
+
+        Walks ``request.block_hashes`` from the first block and stops at the first miss. Never
+        matches the block holding the request's LAST token — at most ``(num_tokens - 1) //
+        block_size`` blocks — because that token's logits pick the next token, so at least one
+        token must be computed. Returns [] when prefix caching is off or the request asks for
+        prompt logprobs (cached rows would never produce them). Counts the request's tokens as
+        queries and the matched tokens as hits.
+        """
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return []
+        self.update_hashes(request)
+        found: list[int] = []
+        for h in request.block_hashes[:(request.num_tokens - 1) // self.block_size]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            found.append(block)
+        self.num_queries += request.num_tokens
+        self.num_hits += len(found) * self.block_size
+        return found
+
+    # ----- allocation --------------------------------------------------------------------
+    def allocate_slots(self, request: Request, n: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Make room for ``n`` more tokens of ``request``. (Your engine: Chapter 31)
+
+        The request's table must cover ``num_computed_tokens + len(cached_blocks) * block_size + n``
+        tokens: first the adopted ``cached_blocks`` (only for a request that holds no blocks yet),
+        then new blocks from the FRONT of the free queue. All or nothing: if the free queue can't
+        supply what is needed, return False and change nothing. Adopting a cached-FREE block
+        (ref 0) takes it out of the free queue, so it counts against what is left. A new block
+        loses its old hash (and the ``cached`` entry, if that entry pointed at it). Returns True
+        on success.
+        """
+        rid = request.request_id
+        table = self.req_blocks.get(rid, [])
+        if cached_blocks and table:
+            raise ValueError(f"request {rid!r} already holds blocks; cached blocks are adopted at admission only")
+        total = request.num_computed_tokens + len(cached_blocks) * self.block_size + n
+        num_new = max(0, self.blocks_for(total) - len(table) - len(cached_blocks))
+        num_adopt_free = sum(1 for b in cached_blocks if self.ref_count[b] == 0)
+        if num_new + num_adopt_free > self.num_free:
+            return False
+        if rid not in self.req_blocks:
+            self.req_blocks[rid] = table
+            self.num_published[rid] = 0
+        for b in cached_blocks:
+            if self.ref_count[b] == 0:
+                del self.free_queue[b]
+            self.ref_count[b] += 1
+            table.append(b)
+        if cached_blocks:
+            self.num_published[rid] = len(cached_blocks)
+        for _ in range(num_new):
+            b, _ = self.free_queue.popitem(last=False)
+            self._evict(b)
+            self.ref_count[b] = 1
+            table.append(b)
+        return True
+
+    def _evict(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            if self.cached.get(h) == block:
+                del self.cached[h]
+            self.block_hash[block] = None
+            self.num_evicted += 1
+
+    def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+        """Publish ``request``'s full blocks among its first ``num_tokens`` tokens.
+        (Your engine: Chapter 31)
+
+        ``num_tokens`` defaults to ``num_computed_tokens``. Each newly full block is entered in
+        ``cached`` under its hash — unless that hash is already cached (first writer wins; the
+        duplicate stays private, with no hash). The scheduler calls this right after allocating a
+        step's blocks, before they are computed: a request admitted later in the same step may
+        adopt them, which is safe because in a flattened batch every layer writes all K/V before
+        any attention reads. The engine calls it again after each step, for generated tokens.
+        """
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        table = self.req_blocks.get(rid)
+        if table is None:
+            return
+        if num_tokens is None:
+            num_tokens = request.num_computed_tokens
+        self.update_hashes(request)
+        full = min(num_tokens // self.block_size, len(request.block_hashes), len(table))
+        for i in range(self.num_published.get(rid, 0), full):
+            h, b = request.block_hashes[i], table[i]
+            if h not in self.cached and self.block_hash[b] is None:
+                self.cached[h] = b
+                self.block_hash[b] = h
+        self.num_published[rid] = max(full, self.num_published.get(rid, 0))
+
+    # ----- release -----------------------------------------------------------------------
+    def free(self, request: Request) -> None:
+        """Drop ``request``'s references to its blocks. (Your engine: Chapter 31)
+
+        Blocks whose count reaches 0 join the BACK of the free queue in reverse table order (tail
+        first): a finished request's private last blocks are then evicted before its first blocks,
+        which are the ones most likely shared (a system prompt). Freeing a block whose count is
+        already 0 raises RuntimeError. A request without blocks is a no-op.
+        """
+        table = self.req_blocks.pop(request.request_id, [])
+        self.num_published.pop(request.request_id, None)
+        self._release(reversed(table))
+
+    def _release(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            if self.ref_count[b] <= 0:
+                raise RuntimeError(f"block {b} freed more often than it was allocated")
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free_queue[b] = None
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Release ``request``'s blocks past the first ``num_tokens`` tokens (tail first)."""
+        table = self.req_blocks.get(request.request_id)
+        if table is None:
+            return
+        keep = self.blocks_for(num_tokens)
+        dropped = table[keep:]
+        del table[keep:]
+        self.num_published[request.request_id] = min(self.num_published.get(request.request_id, 0), keep)
+        self._release(reversed(dropped))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the hash of every cached-free block; returns how many were forgotten."""
+        forgotten = 0
+        for b in self.free_queue:
+            if self.block_hash[b] is not None:
+                self._evict(b)
+                forgotten += 1
+        return forgotten
+
+    # ----- checking ----------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (used by the tests after each step)."""
+        holders = [0] * self.num_blocks
+        for rid, table in self.req_blocks.items():
+            assert len(set(table)) == len(table), f"request {rid!r} holds a block twice: {table}"
+            for b in table:
+                assert 0 <= b < self.num_blocks, f"request {rid!r} holds block {b} outside the pool"
+                holders[b] += 1
+        assert holders == self.ref_count, "ref_count differs from the number of tables holding each block"
+        free = [b for b in range(self.num_blocks) if self.ref_count[b] == 0]
+        assert sorted(self.free_queue) == free, "free queue is not exactly the ref-0 blocks"
+        assert self.num_free + sum(1 for c in self.ref_count if c > 0) == self.num_blocks
+        for h, b in self.cached.items():
+            assert self.block_hash[b] == h, f"cached entry for block {b} does not match its hash"

@@ -1,0 +1,266 @@
+"""The scheduler: which requests compute how many tokens this step.
+
+Policy in four sentences. Running requests go first, in arrival order (or (priority, arrival)
+under the priority policy), each taking what it still needs within the step's token budget and
+the chunk cap; when the pool can't hold a running request's next tokens, the last running
+request — the newest, or the lowest priority — is preempted and the attempt retried. Waiting
+requests are admitted afterwards, in queue order, while budget, sequence slots and blocks last,
+and never in a step that preempted (the pool is evidently full), and never by preempting anyone.
+Its only output is a list of (request, n): compute the next n tokens of this request.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.serve.blocks import BlockManager
+from engine.serve.request import Request, Status
+
+POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass
+class SchedulerConfig:
+    """``max_num_batched_tokens`` is the step's token budget; ``long_prefill_token_threshold``
+    caps one request's chunk (0 = no cap beyond the budget)."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0 = no cap), "
+                             f"got {self.long_prefill_token_threshold!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}: choose one of {POLICIES}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}: choose one of {PREEMPTION_MODES}")
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. ``swap_out`` / ``swap_in`` list (request, blocks) copies the runner must
+    make BEFORE the step's forward pass (swap-outs first)."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    """Decides each step's (request, n) pairs; owns the waiting queue and the running list.
+
+    Invariants: a request is in exactly one of ``waiting`` and ``running`` until it finishes;
+    ``running`` is sorted by ``order_key`` and every running request holds blocks for its computed
+    tokens; ``waiting`` is FIFO (fcfs, with preempted requests at the front) or sorted by
+    ``order_key`` (priority).
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.on_finish: Callable[[Request], None] | None = None  # e.g. drop swapped K/V, generators
+        self._seq = itertools.count()
+        self._order: dict[str, int] = {}
+
+    # ----- queues --------------------------------------------------------------------------
+    def order_key(self, request: Request) -> tuple:
+        """Sort key: (arrival) for fcfs, (priority, arrival) for priority; ties by add order."""
+        tie = self._order[request.request_id]
+        if self.config.policy == "priority":
+            return (request.priority, request.arrival_time, tie)
+        return (request.arrival_time, tie)
+
+    def _insert_sorted(self, queue: list[Request], request: Request) -> None:
+        keys = [self.order_key(r) for r in queue]
+        queue.insert(bisect.bisect_right(keys, self.order_key(request)), request)
+
+    def add(self, request: Request) -> None:
+        """Queue a new request; ValueError if it could never run under this configuration."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in the scheduler; use a new id")
+        pool_tokens = self.blocks.num_blocks * self.blocks.block_size
+        need = request.num_prompt_tokens + request.params.max_tokens
+        if need > pool_tokens:
+            raise ValueError(
+                f"request {rid!r}: prompt ({request.num_prompt_tokens}) + max_tokens "
+                f"({request.params.max_tokens}) = {need} tokens exceeds the whole KV pool of "
+                f"{pool_tokens} tokens; lower max_tokens or give the engine more blocks")
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and request.num_prompt_tokens > budget:
+            raise ValueError(
+                f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens exceeds "
+                f"max_num_batched_tokens={budget} and chunked prefill is off; enable chunked "
+                "prefill or raise the budget")
+        self._order[rid] = next(self._seq)
+        self.requests[rid] = request
+        request.status = Status.WAITING
+        if self.config.policy == "priority":
+            self._insert_sorted(self.waiting, request)
+        else:
+            self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----- the step ------------------------------------------------------------------------
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        """What ``request`` asks for this step: everything it still needs, capped by budget and chunk."""
+        if request.num_output_tokens >= request.params.max_tokens:
+            return 0
+        n = request.num_tokens_with_spec - request.num_computed_tokens
+        if self.config.enable_chunked_prefill and self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return max(0, min(n, budget))
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first, then admissions. (Your engine: Chapter 31)
+
+        1. Running requests in ``running`` order: each gets n = min(what it still needs, budget
+           left, chunk cap); n == 0 is skipped. If ``allocate_slots`` fails, preempt the LAST
+           running request and retry; if the victim is the request itself, stop scheduling
+           running requests. After a successful allocation, publish the blocks the step will
+           fill (``cache_full_blocks(request, num_computed_tokens + n)``).
+        2. Waiting requests from the queue's front, only if nothing was preempted this step, while
+           budget remains and fewer than ``max_num_seqs`` run. A request with nothing computed
+           starts after its longest cached prefix (``find_cached_prefix``); a swapped-out one keeps
+           its computed tokens and is listed in ``swap_in`` with the first blocks of its new table.
+           With chunked prefill off, a request that needs more than the budget left waits (unless
+           its history exceeds the whole budget — only a resumed request can — then it is chunked).
+           If its blocks don't fit, admission stops; never preempt to admit. On admission:
+           ``num_computed_tokens += cached tokens``, and on the first admission
+           ``num_cached_tokens`` records them.
+        """
+        cfg = self.config
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self.blocks.allocate_slots(req, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                break  # it preempted itself: nothing after it can fit either
+            self.blocks.cache_full_blocks(req, req.num_computed_tokens + n)
+            out.scheduled.append((req, n))
+            budget -= n
+            i += 1
+
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) < cfg.max_num_seqs):
+            req = self.waiting[0]
+            cached: list[int] = []
+            if not req.swapped_out and req.num_computed_tokens == 0:
+                cached = self.blocks.find_cached_prefix(req)
+            num_cached = len(cached) * self.blocks.block_size
+            need = req.num_tokens_with_spec - req.num_computed_tokens - num_cached
+            if (not cfg.enable_chunked_prefill and need > budget
+                    and need <= cfg.max_num_batched_tokens):
+                break
+            n = min(need, budget)
+            if cfg.enable_chunked_prefill and cfg.long_prefill_token_threshold > 0:
+                n = min(n, cfg.long_prefill_token_threshold)
+            if not self.blocks.allocate_slots(req, n, cached):
+                break
+            self.waiting.pop(0)
+            if not req.admitted:
+                req.admitted = True
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens += num_cached
+            if req.swapped_out:
+                table = self.blocks.req_blocks[req.request_id]
+                out.swap_in.append((req, table[:self.blocks.blocks_for(req.num_computed_tokens)]))
+                req.swapped_out = False
+            req.status = Status.RUNNING
+            self._insert_sorted(self.running, req)
+            self.blocks.cache_full_blocks(req, req.num_computed_tokens + n)
+            out.scheduled.append((req, n))
+            budget -= n
+        return out
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Take a running request off the device. (Your engine: Chapter 31)
+
+        Remove it from ``running``. Recompute mode: forget its K/V (``num_computed_tokens = 0``);
+        readmission prefills prompt + output again, often from its own blocks in the prefix
+        cache. Swap mode (when it has computed tokens): list (request, its blocks covering the
+        computed tokens) in ``out.swap_out`` and set ``swapped_out`` — num_computed_tokens is kept.
+        Either way free its blocks, mark it PREEMPTED, count the preemption, record it in
+        ``out.preempted``, and put it back at the FRONT of ``waiting`` (priority policy: at its
+        (priority, arrival) place, which is ahead of every later arrival of its priority).
+        """
+        self.running.remove(request)
+        if self.config.preemption_mode == "swap" and request.num_computed_tokens > 0:
+            table = self.blocks.req_blocks.get(request.request_id, [])
+            out.swap_out.append((request, list(table[:self.blocks.blocks_for(request.num_computed_tokens)])))
+            request.swapped_out = True
+        else:
+            request.num_computed_tokens = 0
+        self.blocks.free(request)
+        request.status = Status.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(request)
+        if self.config.policy == "priority":
+            self._insert_sorted(self.waiting, request)
+        else:
+            self.waiting.insert(0, request)
+
+    # ----- endings -------------------------------------------------------------------------
+    def finish(self, request: Request, status: Status) -> None:
+        """End ``request`` with a FINISHED_* status and free its blocks at once (so the same step
+        can admit into them)."""
+        if not status.finished:
+            raise ValueError(f"finish() needs a FINISHED_* status, got {status}")
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.blocks.free(request)
+        request.status = status
+        request.finish_time = time.monotonic()
+        self.requests.pop(request.request_id, None)
+        self._order.pop(request.request_id, None)
+        if self.on_finish is not None:
+            self.on_finish(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort a queued or running request; unknown or finished ids are ignored (returns None)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.finish(request, Status.FINISHED_ABORTED)
+        return request
