@@ -123,6 +123,7 @@ def test_eos_stops_a_request_unless_ignore_eos():
     stops, ignores = outputs["stops"], outputs["ignores"]
     assert [t for o in stops for t in o.new_token_ids] == expected, "output must end at the EOS, EOS included"
     assert stops[-1].finished and stops[-1].finish_reason == "stop"
+    assert stops[-1].output_token_ids == expected
     assert not any(o.finished for o in stops[:-1])
     assert [t for o in ignores for t in o.new_token_ids] == free_run
     assert ignores[-1].finish_reason == "length"

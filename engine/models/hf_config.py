@@ -90,7 +90,7 @@ def config_from_hf(raw: dict[str, Any], source: str = "config.json") -> tuple[st
         sliding_window=_sliding_window(raw, layers, moe, source),
     )
     if moe:
-        experts = raw.get("num_experts", raw.get("num_local_experts"))
+        experts = raw.get("num_experts") or raw.get("num_local_experts")
         if experts is None:
             raise ValueError(f"{source}: a Qwen3MoeForCausalLM config needs 'num_experts' "
                              "(or 'num_local_experts')")
@@ -107,7 +107,7 @@ def config_from_hf(raw: dict[str, Any], source: str = "config.json") -> tuple[st
         cfg = Qwen3Config(**fields)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
-    dtype_name = raw.get("torch_dtype", raw.get("dtype"))
+    dtype_name = raw.get("torch_dtype") or raw.get("dtype")
     try:
         dtype = resolve_dtype(dtype_name)
     except ValueError:

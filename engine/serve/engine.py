@@ -2,6 +2,7 @@
 """EngineCore: one scheduler, one block pool, one flattened forward pass per step."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -53,11 +54,19 @@ class EngineConfig:
 
         positive("block_size")
         positive("kv_cache_bytes")
+        positive("max_num_batched_tokens")
+        positive("max_num_seqs")
+        for flag in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"EngineConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
         if self.num_blocks is not None:
             positive("num_blocks")
         if self.max_model_len is not None:
             positive("max_model_len")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        util = self.gpu_memory_utilization
+        if not isinstance(util, (int, float)) or isinstance(util, bool) or not 0.0 < util <= 1.0:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"unknown sampler {self.sampler!r}: choose one of {SAMPLERS}")
@@ -154,6 +163,9 @@ class EngineCore:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must be a list of token ids (ints), "
+                             f"got {type(prompt_token_ids).__name__}; tokenize text first")
         prompt = list(prompt_token_ids)
         if not prompt:
             raise ValueError(f"request {request_id!r}: prompt_token_ids is empty; give at least one token")
@@ -169,6 +181,13 @@ class EngineCore:
                 f"exceeds max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens")
         if not isinstance(cache_key, tuple):
             raise ValueError(f"cache_key must be a tuple, got {type(cache_key).__name__}")
+        # Both end up in the queues' sort keys: a value that can't be compared would fail mid-step.
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"request {request_id!r}: priority must be an int (lower runs first), got {priority!r}")
+        if arrival_time is not None and (not isinstance(arrival_time, (int, float)) or isinstance(arrival_time, bool)
+                                         or not math.isfinite(arrival_time)):
+            raise ValueError(f"request {request_id!r}: arrival_time must be a finite number of seconds "
+                             f"(time.monotonic()) or None, got {arrival_time!r}")
         self.sampler.check(params)
         ids = [request_id] if params.n == 1 else [f"{request_id}:{i}" for i in range(params.n)]
         for rid in ids + ([request_id] if params.n > 1 else []):
@@ -243,7 +262,7 @@ class EngineCore:
         result: dict[str, list[dict[int, float]]] = {}
         if logits.shape[0] == 0:
             return result
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        logprobs = torch.log_softmax(logits, dim=-1)  # float32, or float64 for a float64 model
         row = 0
         for req, _, targets in batch.prompt_spans:
             k = req.params.prompt_logprobs

@@ -47,12 +47,14 @@ class SlotOutput:
     """What one request got out of one ``step()``.
 
     ``new_token_ids`` holds the token sampled this step (one per step in this engine; a list so
-    it reads like the core's outputs). ``finish_reason`` is "stop" (EOS), "length" (max_tokens)
-    or "abort", and None while the request is still running.
+    it reads like the core's ``RequestOutput``); ``output_token_ids`` is everything the request
+    has produced so far, this token included. ``finish_reason`` is "stop" (EOS), "length"
+    (max_tokens) or "abort", and None while the request is still running.
     """
 
     request_id: str
     new_token_ids: list[int]
+    output_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
 
@@ -291,6 +293,7 @@ class SlotEngine:
             for req, row in zip(decoding, logits):
                 req.num_computed_tokens += 1
                 outputs.append(self._accept(req, self._sample(req, row)))
+        assert self.num_free_slots + len(self.running) == self.num_slots, "a slot leaked"
         return outputs
 
     def run_to_completion(self) -> dict[str, list[int]]:
@@ -326,8 +329,8 @@ class SlotEngine:
         elif req.num_output_tokens >= req.max_tokens:
             reason = "length"
         if reason is not None:
-            self.running.remove(req)
-        return SlotOutput(req.request_id, [token], reason is not None, reason)
+            self._free(req)
+        return SlotOutput(req.request_id, [token], req.output_token_ids, reason is not None, reason)
 
     # ------------------------------------------------------------------ model passes
     def _run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:

@@ -95,6 +95,8 @@ class ReferenceBackend:
 # Backends by name. Faster ones live in their own modules and are imported only when asked for.
 BACKENDS: dict[str, str] = {
     "reference": "engine.serve.attention:ReferenceBackend",
+    "torch": "engine.serve.torch_attention:TorchBackend",
+    "triton": "engine.serve.triton_attention:TritonBackend",
 }
 
 

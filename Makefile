@@ -1,0 +1,60 @@
+# The course's commands. `make run` and `make test` set everything up on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST := $(PY) -m pytest
+
+.PHONY: setup run test test-learner check skeleton grade mutants soak notebooks test-triton gpu-check solutions-branch bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev,notebooks,triton]"
+	touch $(STAMP)
+
+run: $(STAMP)                ## the chapter benchmark on the reference engine
+	$(PY) run.py core --requests 16
+
+test: $(STAMP)               ## the whole suite against the reference, plus the learner-layer contract checks
+	$(PYTEST) -q --impl solution tests
+
+test-learner: $(STAMP)       ## the chapter's tests against YOUR engine (red until the holes are filled)
+	$(PYTEST) -q tests/test_ch31_engine_v2.py
+
+check: $(STAMP)              ## is engine/ exactly the skeleton generated from solutions/?
+	$(PY) -m tools.skeleton --check
+
+skeleton: $(STAMP)           ## regenerate engine/'s chapter files from solutions/
+	$(PY) -m tools.skeleton
+
+grade: $(STAMP)              ## grade this checkout hole by hole
+	$(PY) run.py grade
+
+mutants: $(STAMP)            ## apply each named bug to the reference; the tests must kill every one
+	$(PY) -m tools.mutants
+
+soak: $(STAMP)               ## 20,000 random engine operations with invariant checks after each
+	$(PY) scripts/soak.py --operations 20000
+
+notebooks: $(STAMP)          ## execute the chapter notebook against the reference
+	ENGINE_IMPL=solution $(PY) -m tools.notebooks
+
+bench: $(STAMP)              ## engines side by side (chapter 24, core, fast backend, HF transformers)
+	$(PY) run.py bench
+
+test-triton: $(STAMP)        ## the Triton backend's full tests under the CPU interpreter (slow)
+	TRITON_INTERPRET=1 $(PYTEST) -q --impl solution tests/test_triton_backend.py --triton-full
+
+gpu-check: $(STAMP)          ## Triton backend tests and the bench on a CUDA device
+	$(PY) scripts/gpu_check.py
+
+solutions-branch:            ## a local branch `solutions` whose engine/ has the reference filled in
+	$(PY) -m tools.solutions_branch
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

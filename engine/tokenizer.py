@@ -1,0 +1,258 @@
+"""Text in and out: a thin wrapper over the ``tokenizers`` library, chat templates, streaming.
+
+``Tokenizer.from_pretrained(dir)`` reads an HF checkpoint's tokenizer files:
+
+* ``tokenizer.json`` — the tokenizer itself (vocabulary, merges, normaliser, pre-tokeniser,
+  decoder and the special tokens it adds);
+* ``tokenizer_config.json`` — the special tokens by role (``eos_token`` ...) and usually the
+  Jinja ``chat_template`` (newer saves put it in ``chat_template.jinja`` instead);
+* ``generation_config.json`` (optional) — ``eos_token_id``, often a list: chat models end a turn
+  with one token (``<|im_end|>``) and a document with another (``<|endoftext|>``).
+
+``IncrementalDetokenizer`` turns a stream of token ids into a stream of text pieces. With a
+byte-level vocabulary one character may span several tokens (an emoji is 4 bytes and can be 4
+tokens), and decoding a prefix that ends inside a character yields U+FFFD, the replacement
+character. The detokenizer therefore decodes a short window of recent tokens and holds its
+output back while that window's text ends in U+FFFD.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _Backend
+
+REPLACEMENT_CHAR = "\ufffd"  # what decoding an incomplete UTF-8 sequence produces
+# How many prompt tokens the detokenizer decodes as left context for the first output token, so
+# that a leading space or a merge with the prompt's last word comes out right.
+PROMPT_CONTEXT_TOKENS = 5
+
+Message = dict[str, Any]  # {"role": "user", "content": "..."}
+
+
+class Tokenizer:
+    """Encode/decode plus the special tokens and chat template of one checkpoint.
+
+    Invariant: ``eos_token_id`` (when not None) is the first entry of ``eos_token_ids``, and
+    every id in ``eos_token_ids`` is a token of this vocabulary.
+    """
+
+    def __init__(
+        self,
+        backend: _Backend,
+        eos_token: str | None = None,
+        bos_token: str | None = None,
+        pad_token: str | None = None,
+        chat_template: str | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.backend = backend
+        self.eos_token, self.bos_token, self.pad_token = eos_token, bos_token, pad_token
+        self.chat_template = chat_template
+        self.eos_token_id = self._known_id(eos_token, "eos_token")
+        self.bos_token_id = self._known_id(bos_token, "bos_token")
+        self.pad_token_id = self._known_id(pad_token, "pad_token")
+        ids = [] if self.eos_token_id is None else [self.eos_token_id]
+        for t in extra_eos_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"eos token id {t} is outside the vocabulary (size {self.vocab_size})")
+            if t not in ids:
+                ids.append(t)
+        if self.eos_token_id is None and ids:  # only generation_config.json named an EOS
+            self.eos_token_id = ids[0]
+        self.eos_token_ids: list[int] = ids
+        self._compiled_template = None
+
+    def _known_id(self, token: str | None, role: str) -> int | None:
+        if token is None:
+            return None
+        tid = self.backend.token_to_id(token)
+        if tid is None:
+            raise ValueError(f"{role} {token!r} is not in the tokenizer's vocabulary; fix "
+                             "tokenizer_config.json")
+        return tid
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Read ``tokenizer.json`` (required), ``tokenizer_config.json``, ``chat_template.jinja``
+        and ``generation_config.json`` (all optional) from a checkpoint directory."""
+        root = Path(path).expanduser()
+        if not root.is_dir():
+            raise ValueError(f"tokenizer directory {str(root)!r} does not exist")
+        tok_file = root / "tokenizer.json"
+        if not tok_file.is_file():
+            found = sorted(p.name for p in root.glob("*token*"))
+            raise ValueError(
+                f"{root}: no tokenizer.json (found {found or 'no tokenizer files'}). This engine "
+                "reads only the fast-tokenizer format; save one with transformers' "
+                "AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
+        backend = _Backend.from_file(str(tok_file))
+        config = _read_json(root / "tokenizer_config.json")
+        template = config.get("chat_template")
+        if (root / "chat_template.jinja").is_file():
+            template = (root / "chat_template.jinja").read_text()
+        elif template is None and (root / "chat_template.json").is_file():
+            template = _read_json(root / "chat_template.json").get("chat_template")
+        if isinstance(template, list):  # several named templates: take the default one
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default", next(iter(named.values()), None))
+        gen_eos = _read_json(root / "generation_config.json").get("eos_token_id")
+        gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        return cls(backend, eos_token=_token_text(config.get("eos_token")),
+                   bos_token=_token_text(config.get("bos_token")),
+                   pad_token=_token_text(config.get("pad_token")),
+                   chat_template=template, extra_eos_token_ids=gen_eos)
+
+    # ------------------------------------------------------------------ ids and text
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added special tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text -> token ids. ``add_special_tokens`` lets the tokenizer add what its post-processor
+        adds (a BOS for Llama-style tokenizers; nothing for Qwen's)."""
+        if not isinstance(text, str):
+            raise ValueError(f"encode takes a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Token ids -> text; special tokens (EOS, chat markers) are dropped by default."""
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    # ------------------------------------------------------------------ chat
+
+    def apply_chat_template(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **template_kwargs: Any,
+    ) -> str | list[int]:
+        """Render a conversation with the checkpoint's Jinja chat template.
+
+        ``add_generation_prompt`` appends the opening of an assistant turn, so the model answers
+        rather than continues the user's message. Extra keyword arguments reach the template
+        (Qwen3 reads ``enable_thinking``; ``tools`` lists tool schemas). Returns the text, or its
+        token ids with ``tokenize=True`` (special tokens come from the text, none are added).
+        """
+        if self.chat_template is None:
+            raise ValueError(
+                "this tokenizer has no chat template (no 'chat_template' in tokenizer_config.json "
+                "and no chat_template.jinja); use a chat/instruct checkpoint, set "
+                "tokenizer.chat_template to a Jinja template, or pass plain prompts to generate()")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError("messages must be a list of dicts like {'role': 'user', 'content': '...'}")
+        if self._compiled_template is None:
+            self._compiled_template = _compile_template(self.chat_template)
+        text = self._compiled_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            pad_token=self.pad_token or "", **template_kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _compile_template(source: str):
+    """Compile a chat template the way HF renders them: a sandbox (templates come with
+    downloaded checkpoints), trimmed block whitespace, ``break``/``continue``, and the helpers
+    templates expect (``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII)."""
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:  # pragma: no cover - jinja2 is a dev dependency
+        raise ValueError("chat templates need jinja2: pip install jinja2") from e
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
+
+
+class IncrementalDetokenizer:
+    """Turns output tokens, as they arrive, into text pieces that concatenate to the full text.
+
+    It keeps every token and two offsets into that list: text of ``tokens[prefix:read]`` has
+    already been emitted; ``tokens[read:]`` has not. Each ``add`` decodes the window
+    ``tokens[prefix:]`` and emits what it adds beyond ``tokens[prefix:read]`` — unless the
+    window's text ends in U+FFFD (a character whose bytes have not all arrived), in which case
+    nothing is emitted and the tokens wait for the rest of their character. Decoding a window
+    rather than everything keeps each step's cost constant; starting the window one emitted
+    piece back keeps decoders that treat the first token specially (a leading space) right.
+
+    Invariant: ``text`` == decode(output tokens so far, minus the held-back tail), and after
+    ``flush()`` == decode(all output tokens).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids or [])[-PROMPT_CONTEXT_TOKENS:]
+        self.tokens: list[int] = context
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Take new token ids; return the text they complete ("" while a character is split)."""
+        self.tokens.extend(token_ids)
+        done = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        window = self._decode(self.tokens[self.prefix_offset:])
+        if len(window) <= len(done) or window.endswith(REPLACEMENT_CHAR):
+            return ""
+        piece = window[len(done):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        """At the end of the stream: emit whatever is held back, even an incomplete character."""
+        done = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        window = self._decode(self.tokens[self.prefix_offset:])
+        piece = window[len(done):]
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        self.text += piece
+        return piece

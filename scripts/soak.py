@@ -1,0 +1,335 @@
+"""Soak test: a long random workload against the engine core, checking everything after every step.
+
+    python scripts/soak.py                 # 20,000 random operations against the reference
+    python scripts/soak.py --ops 2000 --seed 3 --impl engine
+
+Each episode builds an ``EngineCore`` with a random configuration (block size, pool size down to
+barely enough for one request, token budget, chunking and its threshold, fcfs or priority,
+recompute or swap, prefix caching on or off, max_num_seqs), then runs random operations on it:
+add a request (prompts drawn from a few shared prefixes, n > 1, priorities, tenants' cache keys,
+greedy or sampled, seeded or not, stop tokens, min_tokens), abort one (waiting, mid-prefill,
+decoding, preempted, swapped, or an unknown id), step, or reset the prefix cache. After every step
+the whole engine is checked (``engine.serve.invariants``). Every greedy request that finishes
+normally must equal ``generate()`` on its prompt alone (cut where its stop rules say), every
+seeded sampled request must equal an independent token-by-token sampler with the same seed, and
+its streamed tokens must add up to its final output. Each episode ends by running to idle, where
+every block must be free and every per-request structure empty.
+
+Prints the number of operations run and of violations found; exits 1 on any violation.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_NEW = 10  # the longest output any soak request asks for
+NUM_PREFIXES = (0, 5, 16, 23)  # lengths of the shared prefixes (0 = no shared prefix)
+NUM_SUFFIXES = 8
+
+
+@dataclass
+class Tracked:
+    """What the soak remembers about one live request id (a child for n > 1)."""
+
+    prompt: tuple[int, ...]
+    params: object  # SamplingParams of this child
+    parent: str
+    streamed: list[int] = field(default_factory=list)
+
+
+class Soak:
+    """Drives random episodes and counts violations; ``run(num_ops)`` returns the violations."""
+
+    def __init__(self, seed: int = 0, verbose: bool = False) -> None:
+        import torch
+
+        from engine.models.tiny import tiny_model
+
+        self.torch = torch
+        torch.set_num_threads(1)  # the test model is tiny: one thread beats two that wait on each other
+        self.rng = random.Random(seed)
+        self.verbose = verbose
+        self.model = tiny_model(seed=0, dtype=torch.float64)
+        vocab = self.model.cfg.vocab_size
+        prng = random.Random(1234)  # the prompt families are the same in every run
+        self.prefixes = [[prng.randrange(vocab) for _ in range(n)] for n in NUM_PREFIXES]
+        self.suffixes = [[prng.randrange(vocab) for _ in range(1 + 2 * j % 13)] for j in range(NUM_SUFFIXES)]
+        self.greedy_cache: dict[tuple[int, ...], list[int]] = {}
+        self.sampled_cache: dict[tuple, list[int]] = {}
+        self.violations: list[str] = []
+        self.ops = 0
+        self.episodes = 0
+        self.counts = {"finished": 0, "compared": 0, "aborted": 0, "preemptions": 0, "rejected": 0}
+
+    # ----- oracles -------------------------------------------------------------------------
+    def greedy(self, prompt: tuple[int, ...]) -> list[int]:
+        from engine.generate import generate
+
+        if prompt not in self.greedy_cache:
+            self.greedy_cache[prompt] = generate(self.model, list(prompt), MAX_NEW)
+        return self.greedy_cache[prompt]
+
+    def sampled(self, prompt: tuple[int, ...], p) -> list[int]:
+        """Token-by-token sampling with the request's own seeded generator, no engine involved."""
+        from engine.sampling import sample_token
+
+        torch = self.torch
+        key = (prompt, p.temperature, p.top_k, p.top_p, p.seed)
+        if key not in self.sampled_cache:
+            gen = torch.Generator().manual_seed(p.seed)
+            tokens, out = list(prompt), []
+            with torch.inference_mode():
+                for _ in range(MAX_NEW):
+                    logits = self.model(torch.tensor(tokens))[-1]
+                    t = sample_token(logits, p.temperature, p.top_k, p.top_p, gen)
+                    out.append(t)
+                    tokens.append(t)
+            self.sampled_cache[key] = out
+        return self.sampled_cache[key]
+
+    @staticmethod
+    def cut(tokens: list[int], p, eos: int | None) -> tuple[list[int], str]:
+        """Where the stop rules end an unbounded continuation: (output, finish reason)."""
+        for i, t in enumerate(tokens[:p.max_tokens]):
+            if i + 1 >= p.min_tokens and (t in p.stop_token_ids or (t == eos and not p.ignore_eos)):
+                return tokens[:i + 1], "stop"
+        return tokens[:p.max_tokens], "length"
+
+    # ----- one episode ---------------------------------------------------------------------
+    def random_config(self):
+        from engine.serve.engine import EngineConfig
+
+        r = self.rng
+        bs = r.choice((1, 2, 4, 8, 16))
+        longest = max(NUM_PREFIXES) + max(len(s) for s in self.suffixes) + MAX_NEW
+        barely = -(-longest // bs)
+        num_blocks = r.choice((max(1, barely - 1), barely, barely, barely + 1, barely + r.randrange(1, 3 * barely + 2), 4 * barely))
+        chunked = r.random() < 0.75
+        budget = r.choice((1, 3, 8, 16, 40, 2048)) if chunked else r.choice((40, 64, 2048))
+        return EngineConfig(
+            block_size=bs, num_blocks=num_blocks, max_num_batched_tokens=budget,
+            max_num_seqs=r.choice((1, 2, 3, 8, 256)), enable_chunked_prefill=chunked,
+            long_prefill_token_threshold=r.choice((0, 0, 2, 5)) if chunked else 0,
+            policy=r.choice(("fcfs", "priority")), preemption_mode=r.choice(("recompute", "swap")),
+            enable_prefix_caching=r.random() < 0.8, seed=r.randrange(100))
+
+    def violation(self, msg: str) -> None:
+        self.violations.append(f"[episode {self.episodes}, op {self.ops}] {msg}")
+        if self.verbose:
+            print("VIOLATION", self.violations[-1], flush=True)
+
+    def check(self, core) -> bool:
+        from engine.serve.invariants import engine_violations
+
+        bad = engine_violations(core)
+        for b in bad:
+            self.violation(b)
+        return not bad
+
+    def episode(self, num_ops: int) -> None:
+        from engine.serve.engine import EngineCore
+        from engine.serve.invariants import idle_violations
+
+        self.episodes += 1
+        cfg = self.random_config()
+        eos = self.rng.choice((None, self.greedy(tuple(self.prefixes[1] + self.suffixes[0]))[2]))
+        core = EngineCore(self.model, cfg, eos_token_id=eos)
+        self.core, self.eos, self.tracked = core, eos, {}
+        self.parents: dict[str, list[str]] = {}
+        self.aborted: set[str] = set()
+        self.done: set[str] = set()  # ids step() reported finished
+        self.next_id = 0
+        ok = True
+        end = self.ops + num_ops
+        while ok and self.ops < end:
+            self.ops += 1
+            x = self.rng.random()
+            try:
+                if x < 0.30:
+                    self.add()
+                elif x < 0.38:
+                    self.abort()
+                elif x < 0.39:
+                    core.blocks.reset_prefix_cache()
+                else:
+                    ok = self.step()
+            except Exception as e:  # an engine crash is a violation; the episode ends with it
+                self.violation(f"{type(e).__name__}: {e}  (config {cfg})")
+                return
+        for _ in range(5000):  # drain to idle
+            if not ok or not core.has_unfinished():
+                break
+            self.ops += 1
+            try:
+                ok = self.step()
+            except Exception as e:
+                self.violation(f"{type(e).__name__} while draining: {e}  (config {cfg})")
+                return
+        if not ok:
+            return
+        if core.has_unfinished():
+            self.violation(f"still busy after 5000 drain steps (livelock?) with config {cfg}")
+            return
+        for b in idle_violations(core):
+            self.violation(f"at idle: {b}  (config {cfg})")
+        unfinished = set(self.tracked) - self.aborted - self.done
+        if unfinished:
+            self.violation(f"requests never reported finished: {sorted(unfinished)[:5]}")
+        self.counts["preemptions"] += core.preemptions
+
+    def add(self) -> None:
+        from engine.serve.params import SamplingParams
+
+        r, core = self.rng, self.core
+        prompt = tuple(r.choice(self.prefixes) + r.choice(self.suffixes))
+        max_tokens = r.randint(1, MAX_NEW)
+        kind = r.random()
+        kw: dict = {}
+        if kind < 0.25:
+            kw = dict(temperature=r.choice((0.7, 1.3)), top_k=r.choice((0, 20)), top_p=r.choice((1.0, 0.9)),
+                      seed=r.choice((None, r.randrange(50))))
+        if r.random() < 0.3:
+            kw["stop_token_ids"] = [self.greedy(prompt)[r.randrange(MAX_NEW)]]
+        if r.random() < 0.2:
+            kw["min_tokens"] = r.randint(0, max_tokens)
+        if r.random() < 0.1:
+            kw["ignore_eos"] = True
+        n = r.choice((1, 1, 1, 2, 3))
+        params = SamplingParams(n=n, max_tokens=max_tokens, **kw)
+        rid = f"q{self.next_id}"
+        self.next_id += 1
+        cache_key = r.choice(((), (), ("tenant-a",), ("tenant-b", 7)))
+        cfg = core.config
+        need = len(prompt) + max_tokens
+        expect_reject = (need > cfg.num_blocks * cfg.block_size
+                         or (not cfg.enable_chunked_prefill and len(prompt) > cfg.max_num_batched_tokens))
+        try:
+            ids = core.add_request(rid, list(prompt), params, priority=r.choice((-1, 0, 0, 1, 2)),
+                                   cache_key=cache_key)
+        except ValueError as e:
+            if not expect_reject:
+                self.violation(f"add_request rejected a valid request: {e}")
+            self.counts["rejected"] += 1
+            return
+        if expect_reject:
+            self.violation(f"add_request accepted a request that can never run: {need} tokens, config {cfg}")
+        for i, cid in enumerate(ids):
+            child = SamplingParams(**{**params.__dict__, "n": 1,
+                                      "seed": None if params.seed is None else params.seed + i})
+            self.tracked[cid] = Tracked(prompt, child, rid)
+        self.parents[rid] = ids
+        self.check(core)
+
+    def abort(self) -> None:
+        from engine.serve.request import Status
+
+        r, core = self.rng, self.core
+        sched = core.scheduler
+        groups = {
+            "waiting": [q for q in sched.waiting if q.status is Status.WAITING],
+            "preempted": [q for q in sched.waiting if q.status is Status.PREEMPTED and not q.swapped_out],
+            "swapped": [q for q in sched.waiting if q.swapped_out],
+            "prefill": [q for q in sched.running if q.num_computed_tokens < q.num_prompt_tokens],
+            "decoding": [q for q in sched.running if q.num_computed_tokens >= q.num_prompt_tokens],
+        }
+        choice = r.choice(list(groups) + ["parent", "unknown"])
+        if choice == "unknown":
+            done = [i for i in self.tracked if i not in sched.requests]  # finished or aborted: harmless
+            core.abort_request(r.choice(done + ["nope", f"q{self.next_id + 5}"]))
+        elif choice == "parent":
+            live = [p for p, ids in self.parents.items() if any(i in sched.requests for i in ids)]
+            if live:
+                parent = r.choice(live)
+                core.abort_request(parent)
+                self.aborted.update(self.parents[parent])
+        elif groups[choice]:
+            victim = r.choice(groups[choice])
+            core.abort_request(victim.request_id)
+            self.aborted.add(victim.request_id)
+            self.counts["aborted"] += 1
+        for rid in self.aborted:
+            if rid in sched.requests:
+                self.violation(f"aborted request {rid!r} is still in the scheduler")
+        self.check(core)
+
+    def step(self) -> bool:
+        core = self.core
+        for out in core.step():
+            t = self.tracked.get(out.request_id)
+            if t is None:
+                self.violation(f"step reported unknown request {out.request_id!r}")
+                continue
+            t.streamed.extend(out.new_token_ids)
+            if out.finished:
+                self.finished(out, t)
+        return self.check(core)
+
+    def finished(self, out, t: Tracked) -> None:
+        self.counts["finished"] += 1
+        rid, p = out.request_id, t.params
+        if rid in self.done:
+            self.violation(f"{rid}: reported finished twice")
+        self.done.add(rid)
+        if t.streamed != out.output_token_ids:
+            self.violation(f"{rid}: streamed tokens {t.streamed} != final output {out.output_token_ids}")
+        if out.finish_reason == "abort" or rid in self.aborted:
+            self.violation(f"{rid}: an aborted request was reported by step() as {out.finish_reason}")
+            return
+        if p.greedy:
+            want, reason = self.cut(self.greedy(t.prompt), p, self.eos)
+        elif p.seed is not None:
+            want, reason = self.cut(self.sampled(t.prompt, p), p, self.eos)
+        else:  # unseeded sampling: only the shape of the answer can be checked
+            got = out.output_token_ids
+            if not 1 <= len(got) <= p.max_tokens or out.finish_reason not in ("stop", "length"):
+                self.violation(f"{rid}: {len(got)} tokens, finish_reason {out.finish_reason!r}")
+            return
+        self.counts["compared"] += 1
+        if out.output_token_ids != want or out.finish_reason != reason:
+            self.violation(
+                f"{rid} (prompt {len(t.prompt)} tokens, {p}) gave {out.output_token_ids} "
+                f"({out.finish_reason}); expected {want} ({reason}); config {self.core.config}")
+
+    def run(self, num_ops: int) -> list[str]:
+        while self.ops < num_ops:
+            self.episode(min(num_ops - self.ops, self.rng.randint(50, 600)))
+        return self.violations
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", type=int, default=20_000, help="random operations to run (default 20,000)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random workload")
+    ap.add_argument("--impl", choices=("engine", "solution"), default="solution",
+                    help="which chapter-31 implementation to soak (default: the reference)")
+    ap.add_argument("--verbose", action="store_true", help="print each violation as it is found")
+    args = ap.parse_args(argv)
+    if args.ops < 1:
+        ap.error("--ops must be >= 1")
+    os.environ["ENGINE_IMPL"] = args.impl  # before anything imports engine
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    start = time.monotonic()
+    soak = Soak(args.seed, args.verbose)
+    violations = soak.run(args.ops)
+    elapsed = time.monotonic() - start
+    for v in violations[:20]:
+        print("violation:", v)
+    if len(violations) > 20:
+        print(f"... and {len(violations) - 20} more")
+    c = soak.counts
+    print(f"soak: {soak.ops} operations in {soak.episodes} episodes, {elapsed:.0f} s; "
+          f"{c['finished']} requests finished ({c['compared']} compared with an oracle), "
+          f"{c['aborted']} aborted, {c['rejected']} rejected, {c['preemptions']} preemptions; "
+          f"{len(violations)} violations")
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Shared helpers for chapter 31's tests: the test model, the oracle, and teaching assertions."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from engine.generate import generate
+from engine.models import tiny_model
+
+
+@functools.lru_cache(maxsize=None)
+def model64(moe: bool = False, seed: int = 0):
+    """The 2-layer test model in float64: no batched-vs-alone rounding can flip a greedy choice."""
+    return tiny_model(seed=seed, moe=moe, dtype=torch.float64)
+
+
+@functools.lru_cache(maxsize=None)
+def oracle(prompt: tuple[int, ...], max_tokens: int, moe: bool = False, eos: int | None = None) -> list[int]:
+    """generate() on one prompt alone: the independent answer every engine must reproduce."""
+    return generate(model64(moe), list(prompt), max_tokens, eos_token_id=eos)
+
+
+def prompts(lengths, seed: int = 1, vocab: int = 512) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return i
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def assert_same_tokens(got: list[int], want: list[int], request_id: str, prompt_len: int,
+                       block_size: int = 16, context: str = "") -> None:
+    """Equality with a message that points at the likely cause."""
+    i = first_difference(got, want)
+    if i is None:
+        return
+    pos = prompt_len + i - 1  # the position whose logits chose output token i
+    hint = []
+    if i == 0:
+        hint.append("the very first token is wrong: are the logits taken from the prompt's LAST row "
+                    "(not a mid-prompt row), and was at least one prompt token computed?")
+    if pos % block_size == 0 or (pos + 1) % block_size == 0:
+        hint.append(f"position {pos} is at a block boundary (block_size {block_size}): check the slot "
+                    "mapping table[p // block_size] * block_size + p % block_size")
+    hint.append("if it happens only after a preemption, check num_computed_tokens on resume and the "
+                "blocks swapped back in")
+    raise AssertionError(
+        f"{context}request {request_id!r}: output token {i} differs from generate() "
+        f"(got {got[i] if i < len(got) else 'nothing'}, want {want[i] if i < len(want) else 'nothing'}; "
+        f"got {len(got)} tokens, want {len(want)}). Likely cause: " + "; ".join(hint))

@@ -1,0 +1,827 @@
+"""Chapter 31: Engine v2 — one core for every request.
+
+Tests are grouped by hole, in the order the chapter builds them; each carries
+``@pytest.mark.hole("<hole>")`` and the hole's short name in its test name, so
+``pytest tests/test_ch31_engine_v2.py -k allocate_slots`` checks exactly that hole. The milestone at
+the end runs everything together. Every expected value comes from an independent oracle: the
+spec's worked example, a plain PyTorch computation, or ``generate()`` on one prompt alone.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+
+import pytest
+import torch
+
+from ch31_helpers import assert_same_tokens, model64, oracle, prompts
+from engine.attention import causal_attention
+from engine.rope import apply_rope, rope_cos_sin
+from engine.serve import (BlockManager, EngineConfig, EngineCore, FlatModel, ReferenceBackend, Request,
+                          SamplingParams, Scheduler, SchedulerConfig, Status, build_batch, hash_block,
+                          write_kv)
+from engine.serve.batch import PAD_SLOT
+
+hole = pytest.mark.hole
+
+
+def req(rid: str, tokens, computed: int = 0, prompt_len: int | None = None, **params) -> Request:
+    """A request whose first ``prompt_len`` tokens are the prompt and the rest outputs."""
+    tokens = list(tokens)
+    prompt_len = len(tokens) if prompt_len is None else prompt_len
+    r = Request(rid, tokens[:prompt_len], SamplingParams(**params))
+    for t in tokens[prompt_len:]:
+        r.append(t)
+    r.num_computed_tokens = computed
+    return r
+
+
+# ===================================================================== build_batch
+def worked_example():
+    """The spec's example (block_size 16): a = chunk of 3 at c=6 (of a 20-token prompt), b = decode
+    at 41, c = decode at 9, d = a new 4-token prompt."""
+    a = req("a", range(100, 120), computed=6)
+    b = req("b", list(range(200, 230)) + list(range(230, 242)), computed=41, prompt_len=30)
+    c = req("c", list(range(300, 305)) + list(range(305, 310)), computed=9, prompt_len=5)
+    d = req("d", range(400, 404))
+    tables = {"a": [5, 2], "b": [7, 8, 9], "c": [1], "d": [4]}
+    return [(a, 3), (b, 1), (c, 1), (d, 4)], tables
+
+
+@hole("build_batch")
+def test_build_batch_worked_example():
+    scheduled, tables = worked_example()
+    batch = build_batch(scheduled, tables, 16)
+    assert batch.input_ids.tolist() == [106, 107, 108, 241, 309, 400, 401, 402, 403], \
+        "rows must be each request's tokens [c:c+n], requests in schedule order"
+    assert batch.positions.tolist() == [6, 7, 8, 41, 9, 0, 1, 2, 3], "positions are c .. c+n-1"
+    m = batch.meta
+    assert m.query_start_loc.tolist() == [0, 3, 4, 5, 9]
+    assert m.seq_lens.tolist() == [9, 42, 10, 4], "seq_len is c + n (the context after this step)"
+    want_slots = [5 * 16 + 6, 5 * 16 + 7, 5 * 16 + 8, 9 * 16 + 9, 1 * 16 + 9, 64, 65, 66, 67]
+    assert m.slot_mapping.tolist() == want_slots, "slot = table[p // block_size] * block_size + p % block_size"
+    assert m.block_table.tolist() == [[5, 2, 0], [7, 8, 9], [1, 0, 0], [4, 0, 0]], "tables zero padded"
+    assert (m.query_start_loc.dtype, m.seq_lens.dtype, m.block_table.dtype, m.slot_mapping.dtype) == \
+        (torch.int32, torch.int32, torch.int32, torch.int64)
+    assert m.query_start_loc_cpu.tolist() == [0, 3, 4, 5, 9] and m.seq_lens_cpu.tolist() == [9, 42, 10, 4]
+    assert (m.max_query_len, m.max_seq_len, m.num_reqs, m.decode_only) == (4, 42, 4, False)
+    assert batch.sample_counts == [0, 1, 1, 1], "a stops mid-prompt (0 rows); b, c decode; d reaches its last token"
+    assert batch.logits_indices.tolist() == [3, 4, 8], "sample rows are the LAST rows of each span"
+    assert batch.request_ids == ["a", "b", "c", "d"] and batch.num_sample_rows == 3
+
+
+@hole("build_batch")
+def test_build_batch_slot_at_block_boundary():
+    r = req("r", range(40), computed=14)
+    batch = build_batch([(r, 4)], [[7, 3, 11]], 16)  # positions 14, 15 | 16, 17 straddle blocks 0 and 1
+    assert batch.meta.slot_mapping.tolist() == [7 * 16 + 14, 7 * 16 + 15, 3 * 16 + 0, 3 * 16 + 1], \
+        "position 16 is the first slot of the SECOND block in the table (off-by-one at a block boundary?)"
+
+
+@hole("build_batch")
+def test_build_batch_sample_rows_for_each_kind_of_span():
+    mid = req("mid", range(50), computed=10)  # rows 10..29 of a 50-token prompt: nothing to sample
+    last = req("last", range(30), computed=20)  # chunk reaching the prompt's last token: 1 row
+    decode = req("dec", list(range(10)) + [11, 12], computed=11, prompt_len=10)
+    spec = req("spec", list(range(10)) + [11], computed=10, prompt_len=10)
+    spec.spec_token_ids = [5, 6, 7]  # verification span: 1 + 3 drafts
+    tables = {"mid": [0, 1], "last": [2, 3], "dec": [4], "spec": [5]}
+    batch = build_batch([(mid, 20), (last, 10), (decode, 1), (spec, 4)], tables, 16)
+    assert batch.sample_counts == [0, 1, 1, 4]
+    assert batch.logits_indices.tolist() == [29, 30, 31, 32, 33, 34], \
+        "a mid-prompt chunk must not sample; the others sample from the end of their span"
+    assert batch.input_ids[-4:].tolist() == [11, 5, 6, 7], "a verification span feeds the drafts after the last token"
+
+
+@hole("build_batch")
+def test_build_batch_prompt_logprob_rows_come_after_all_sample_rows():
+    a = req("a", range(10), computed=0, prompt_logprobs=0)  # whole prompt: rows 0..8 predict tokens 1..9
+    b = req("b", list(range(6)) + [9], computed=6, prompt_len=6)
+    batch = build_batch([(a, 10), (b, 1)], [[0], [1]], 16)
+    assert batch.sample_counts == [1, 1]
+    assert batch.logits_indices.tolist()[:2] == [9, 10], "sample rows first, in request order"
+    assert batch.logits_indices.tolist()[2:] == list(range(0, 9)), "then the prompt-logprob rows"
+    (r, c, targets), = batch.prompt_spans
+    assert r is a and c == 0 and targets == list(range(1, 10))
+
+
+@hole("build_batch")
+def test_build_batch_pad_to_adds_inert_dummy_requests():
+    r = req("r", range(5), computed=4)
+    batch = build_batch([(r, 1)], [[3]], 16, pad_to=3)
+    m = batch.meta
+    assert batch.input_ids.tolist() == [4, 0, 0] and batch.positions.tolist() == [4, 0, 0]
+    assert m.slot_mapping.tolist() == [3 * 16 + 4, PAD_SLOT, PAD_SLOT]
+    assert m.seq_lens.tolist() == [5, 0, 0] and m.query_start_loc.tolist() == [0, 1, 2, 3]
+    assert m.block_table.tolist() == [[3], [0], [0]]
+    assert batch.sample_counts == [1, 0, 0] and batch.logits_indices.tolist() == [0]
+
+
+@hole("build_batch")
+def test_build_batch_rejects_more_tokens_than_exist():
+    r = req("r", range(5), computed=3)
+    with pytest.raises(ValueError, match="only 2"):
+        build_batch([(r, 4)], [[0]], 16)
+
+
+# ===================================================================== write_kv
+@hole("write_kv")
+def test_write_kv_scatters_rows_to_their_slots_and_padding_to_scratch():
+    k_pool = torch.zeros(3 + 1, 4, 2, 3)  # 3 blocks + scratch, block_size 4, Hkv 2, D 3
+    v_pool = torch.zeros_like(k_pool)
+    k = torch.arange(3 * 2 * 3, dtype=torch.float32).view(3, 2, 3) + 1
+    v = -k
+    write_kv(k_pool, v_pool, k, v, torch.tensor([5, PAD_SLOT, 8]))
+    assert torch.equal(k_pool[1, 1], k[0]) and torch.equal(v_pool[1, 1], v[0]), "slot 5 = block 1, offset 1"
+    assert torch.equal(k_pool[2, 0], k[2]), "slot 8 = block 2, offset 0"
+    assert torch.equal(k_pool[3, 3], k[1]), "slot -1 (padding) goes to the pool's LAST slot"
+    written = {(1, 1), (2, 0), (3, 3)}
+    for b in range(4):
+        for o in range(4):
+            if (b, o) not in written:
+                assert not k_pool[b, o].any(), f"slot {b * 4 + o} was not in slot_mapping but changed"
+
+
+# ===================================================================== ReferenceBackend.forward
+def pool_with_requests(lens, block_size=4, hkv=2, hq=4, d=8, seed=0, num_blocks=40):
+    """Random K/V for each request written into scattered blocks; returns what an oracle needs."""
+    g = torch.Generator().manual_seed(seed)
+    backend = ReferenceBackend()
+    cache = backend.allocate((num_blocks + 1, block_size, hkv, d), torch.float64, "cpu")
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    reqs, tables, ks, vs = [], {}, [], []
+    for i, (ctx, q_len) in enumerate(lens):
+        r = req(f"r{i}", range(ctx + 1), computed=ctx - q_len)
+        nb = -(-ctx // block_size)
+        tables[r.request_id] = [free.pop() for _ in range(nb)]
+        k = torch.randn(ctx, hkv, d, generator=g, dtype=torch.float64)
+        v = torch.randn(ctx, hkv, d, generator=g, dtype=torch.float64)
+        slots = torch.tensor([tables[r.request_id][p // block_size] * block_size + p % block_size
+                              for p in range(ctx)])
+        write_kv(cache[0], cache[1], k, v, slots)
+        reqs.append((r, q_len))
+        ks.append(k)
+        vs.append(v)
+    batch = build_batch(reqs, tables, block_size)
+    q = torch.randn(batch.input_ids.shape[0], hq, d, generator=g, dtype=torch.float64)
+    return backend, cache, batch, q, ks, vs
+
+
+@hole("ReferenceBackend.forward")
+@pytest.mark.parametrize("window", [0, 3])
+def test_reference_forward_matches_plain_attention_per_request(window):
+    # mixed: a chunk of 5 after 6 cached, a decode at 9, a whole 7-token prompt, a decode at 1
+    lens = [(11, 5), (10, 1), (7, 7), (2, 1)]
+    backend, cache, batch, q, ks, vs = pool_with_requests(lens)
+    out = backend.forward(q, cache, batch.meta, window=window)
+    qsl = batch.meta.query_start_loc_cpu.tolist()
+    for i, (ctx, t) in enumerate(lens):
+        pos = torch.arange(ctx)
+        want = causal_attention(q[qsl[i]:qsl[i + 1]], ks[i], vs[i], pos[ctx - t:], pos, window=window)
+        assert torch.allclose(out[qsl[i]:qsl[i + 1]], want, atol=1e-10), \
+            f"request {i}: its {t} queries are the LAST {t} positions of a {ctx}-token context"
+
+
+@hole("ReferenceBackend.forward")
+def test_reference_forward_leaves_padding_rows_zero():
+    backend = ReferenceBackend()
+    cache = backend.allocate((5, 4, 2, 8), torch.float64, "cpu")
+    cache[0].normal_(generator=torch.Generator().manual_seed(0))
+    cache[1].normal_(generator=torch.Generator().manual_seed(1))
+    r = req("r0", range(7), computed=4)
+    batch = build_batch([(r, 2)], [list(range(2))], 4, pad_to=3)
+    q = torch.randn(4, 4, 8, dtype=torch.float64)
+    out = backend.forward(q, cache, batch.meta)
+    assert not out[2:].any(), "rows of seq_len 0 are padding and must stay zero"
+    assert out[:2].abs().sum() > 0
+
+
+# ===================================================================== FlatModel
+def run_flat(model, prompt, chunks, block_size=4):
+    """Run one prompt through FlatModel in the given chunk sizes; returns each step's logits of all rows."""
+    flat = FlatModel(model)
+    layers, hkv, d = flat.kv_spec()
+    backend = ReferenceBackend()
+    nb = -(-len(prompt) // block_size)
+    caches = [backend.allocate((nb + 3, block_size, hkv, d), torch.float64, "cpu") for _ in range(layers)]
+    table = list(range(nb + 2))[::-1][:nb]  # scattered, reversed block order
+    r = req("r", prompt)
+    outs = []
+    for n in chunks:
+        batch = build_batch([(r, n)], [table], block_size)
+        hidden = flat.forward(batch.input_ids, batch.positions, caches, batch.meta, backend)
+        outs.append(flat.compute_logits(hidden))
+        r.num_computed_tokens += n
+    return outs, caches, table
+
+
+@hole("FlatModel.attention")
+def test_flat_attention_writes_rotated_k_and_matches_plain_attention():
+    model = model64()
+    flat = FlatModel(model)
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, model.cfg.hidden_size, generator=g, dtype=torch.float64)
+    pos = torch.arange(6)
+    cos, sin = rope_cos_sin(pos, model.cfg.head_dim, model.cfg.rope_theta, torch.float64)
+    backend = ReferenceBackend()
+    cache = backend.allocate((4, 4, model.cfg.num_key_value_heads, model.cfg.head_dim), torch.float64, "cpu")
+    batch = build_batch([(req("r", range(7)), 6)], [[2, 0]], 4)
+    out = flat.attention(attn, x, cos, sin, cache, batch.meta, backend)
+    # oracle: the same layer computed by hand, contiguous, no pool
+    hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q = apply_rope(attn.q_norm(attn.q_proj(x).view(6, hq, d)), cos, sin)
+    k = apply_rope(attn.k_norm(attn.k_proj(x).view(6, hkv, d)), cos, sin)
+    v = attn.v_proj(x).view(6, hkv, d)
+    want = attn.o_proj(causal_attention(q, k, v, pos, pos).reshape(6, -1))
+    assert torch.allclose(out, want, atol=1e-10)
+    assert torch.allclose(cache[0][2], k[:4]) and torch.allclose(cache[0][0, :2], k[4:]), \
+        "the pool must hold k AFTER q/k-norm and RoPE, at the slots of the block table"
+    assert torch.allclose(cache[1][2], v[:4])
+
+
+@hole("FlatModel.forward")
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
+def test_flat_forward_equals_the_models_own_forward(moe):
+    model = model64(moe)
+    prompt = prompts([13], seed=5)[0]
+    (logits,), _, _ = run_flat(model, prompt, [13])
+    want = model(torch.tensor(prompt))
+    assert torch.allclose(logits, want, atol=1e-9), "FlatModel.forward must compute exactly what the model computes"
+
+
+@hole("FlatModel.forward")
+def test_flat_forward_in_chunks_equals_one_pass():
+    model = model64()
+    prompt = prompts([13], seed=6)[0]
+    outs, _, _ = run_flat(model, prompt, [5, 4, 3, 1])
+    want = model(torch.tensor(prompt))
+    assert torch.allclose(torch.cat(outs), want, atol=1e-9), \
+        "a later chunk must attend to the earlier chunks' K/V read back from the pool"
+
+
+# ===================================================================== hash_block
+@hole("hash_block")
+def test_hash_block_is_blake2b_over_parent_and_int64_tokens():
+    parent = bytes(range(16))
+    tokens = [1, 2, 3, 70000]
+    want = hashlib.blake2b(parent + struct.pack("<4q", *tokens), digest_size=16).digest()
+    assert hash_block(parent, tokens) == want, \
+        "digest = BLAKE2b-128 over the parent digest then the tokens as little-endian int64"
+
+
+@hole("hash_block")
+def test_hash_block_depends_on_parent_tokens_and_extra():
+    base = hash_block(None, [1, 2, 3, 4])
+    assert isinstance(base, bytes) and len(base) == 16
+    assert hash_block(None, [1, 2, 3, 4]) == base, "must be deterministic"
+    assert hash_block(None, [1, 2, 3, 5]) != base
+    assert hash_block(base, [1, 2, 3, 4]) != base, "the parent is part of the name"
+    assert hash_block(None, [1, 2, 3, 4], ("tenant-a",)) != base
+    assert hash_block(None, [1, 2, 3, 4], ("tenant-a",)) != hash_block(None, [1, 2, 3, 4], ("tenant-b",))
+    assert hash_block(None, [1, 2, 3, 4], ()) == base, "empty extra changes nothing"
+
+
+# ===================================================================== BlockManager
+def published(bm: BlockManager, r: Request, n: int) -> list[int]:
+    """Allocate n tokens for r, mark them computed and published; returns its table."""
+    assert bm.allocate_slots(r, n)
+    r.num_computed_tokens += n
+    bm.cache_full_blocks(r)
+    return bm.req_blocks[r.request_id]
+
+
+@hole("BlockManager.find_cached_prefix")
+def test_find_cached_prefix_stops_at_first_miss():
+    bm = BlockManager(16, 4)
+    a = req("a", range(12))
+    published(bm, a, 12)
+    b = req("b", list(range(8)) + [99, 99, 99, 99, 5])
+    assert bm.find_cached_prefix(b) == bm.req_blocks["a"][:2]
+    c = req("c", [7, 7, 7, 7] + list(range(4, 13)))
+    assert bm.find_cached_prefix(c) == [], "block 1 matches a's tokens but its parent differs: no match"
+
+
+@hole("BlockManager.find_cached_prefix")
+def test_find_cached_prefix_never_matches_the_block_of_the_last_token():
+    bm = BlockManager(16, 4)
+    published(bm, req("a", range(12)), 12)
+    b = req("b", range(8))  # two full blocks, both cached
+    assert bm.find_cached_prefix(b) == bm.req_blocks["a"][:1], \
+        "the block holding the prompt's last token must run: its logits choose the first output"
+    assert bm.find_cached_prefix(req("c", range(9))) == bm.req_blocks["a"][:2]
+
+
+@hole("BlockManager.find_cached_prefix")
+def test_find_cached_prefix_counts_queries_and_hits_and_respects_switches():
+    bm = BlockManager(16, 4)
+    published(bm, req("a", range(12)), 12)
+    bm.num_queries = bm.num_hits = 0
+    assert len(bm.find_cached_prefix(req("b", range(10)))) == 2
+    assert (bm.num_queries, bm.num_hits) == (10, 8) and bm.hit_rate == 0.8
+    assert bm.find_cached_prefix(req("c", range(10), prompt_logprobs=0)) == [], \
+        "prompt logprobs need every prompt row computed"
+    off = BlockManager(16, 4, enable_prefix_caching=False)
+    published(off, req("a", range(12)), 12)
+    assert off.find_cached_prefix(req("b", range(10))) == []
+
+
+@hole("BlockManager.allocate_slots")
+def test_allocate_slots_is_all_or_nothing():
+    bm = BlockManager(4, 4)
+    a = req("a", range(10))
+    assert bm.allocate_slots(a, 10) and len(bm.req_blocks["a"]) == 3
+    b = req("b", range(8))
+    before = (bm.num_free, list(bm.free_queue), dict(bm.req_blocks), list(bm.ref_count))
+    assert bm.allocate_slots(b, 8) is False, "b needs 2 blocks but 1 is free"
+    assert (bm.num_free, list(bm.free_queue), dict(bm.req_blocks), list(bm.ref_count)) == before, \
+        "a failed allocation must change nothing"
+
+
+@hole("BlockManager.allocate_slots")
+def test_allocate_slots_grows_only_when_a_block_fills():
+    bm = BlockManager(8, 4)
+    r = req("r", range(6))
+    assert bm.allocate_slots(r, 6) and len(bm.req_blocks["r"]) == 2
+    r.num_computed_tokens = 6
+    assert bm.allocate_slots(r, 2) and len(bm.req_blocks["r"]) == 2, "tokens 6, 7 fit in block 1"
+    r.num_computed_tokens = 8
+    assert bm.allocate_slots(r, 1) and len(bm.req_blocks["r"]) == 3, "token 8 opens block 2"
+    assert bm.req_blocks["r"] == [0, 1, 2], "new blocks come from the FRONT of the free queue"
+
+
+@hole("BlockManager.allocate_slots")
+def test_allocate_slots_counts_adopted_cached_free_blocks():
+    bm = BlockManager(4, 4)
+    a = req("a", range(9))
+    published(bm, a, 9)  # blocks 0, 1 full and cached, block 2 partial
+    bm.free(a)
+    assert bm.num_free == 4
+    b = req("b", list(range(8)) + list(range(50, 62)))  # 20 tokens: 2 cached blocks + 12 new tokens
+    cached = bm.find_cached_prefix(b)
+    assert cached == [0, 1]
+    # 2 adopted (cached-free, so they leave the free queue) + 3 new = 5 > 4 blocks
+    assert bm.allocate_slots(b, 12, cached) is False, \
+        "adopting a cached-FREE block takes it out of the free queue: it counts against what is left"
+    assert bm.num_free == 4 and "b" not in bm.req_blocks
+    c = req("c", list(range(8)) + list(range(50, 58)))  # 16 tokens: 2 cached + 2 new = 4 blocks
+    cached = bm.find_cached_prefix(c)
+    assert bm.allocate_slots(c, 8, cached)
+    assert bm.req_blocks["c"][:2] == [0, 1] and bm.num_free == 0
+    assert bm.ref_count[0] == bm.ref_count[1] == 1
+
+
+@hole("BlockManager.allocate_slots")
+def test_allocate_slots_evicts_the_old_hash_of_a_reused_block():
+    bm = BlockManager(2, 4)
+    a = req("a", range(5))
+    published(bm, a, 5)
+    h0 = a.block_hashes[0]
+    assert bm.cached[h0] == 0
+    bm.free(a)  # tail first: queue = [1, 0]
+    b = req("b", range(100, 108))
+    assert bm.allocate_slots(b, 8) and bm.req_blocks["b"] == [1, 0]
+    assert h0 not in bm.cached and bm.block_hash[0] is None, \
+        "a block handed out again loses its old hash, or a later request would adopt b's K/V as a's"
+    assert bm.find_cached_prefix(req("c", range(9))) == []
+
+
+@hole("BlockManager.cache_full_blocks")
+def test_cache_full_blocks_publishes_only_full_blocks():
+    bm = BlockManager(8, 4)
+    r = req("r", range(10))
+    assert bm.allocate_slots(r, 10)
+    bm.cache_full_blocks(r, 10)
+    t = bm.req_blocks["r"]
+    assert set(bm.cached.values()) == {t[0], t[1]}, "10 tokens: blocks 0 and 1 are full, block 2 is not"
+    assert bm.block_hash[t[0]] == r.block_hashes[0] and bm.block_hash[t[2]] is None
+
+
+@hole("BlockManager.cache_full_blocks")
+def test_cache_full_blocks_defaults_to_computed_tokens_and_first_writer_wins():
+    bm = BlockManager(8, 4)
+    a, b = req("a", range(8)), req("b", range(8))
+    assert bm.allocate_slots(a, 8) and bm.allocate_slots(b, 8)
+    a.num_computed_tokens = 5
+    bm.cache_full_blocks(a)
+    assert list(bm.cached.values()) == [bm.req_blocks["a"][0]], "default: only the computed tokens count"
+    b.num_computed_tokens = 8
+    bm.cache_full_blocks(b)
+    assert bm.cached[b.block_hashes[0]] == bm.req_blocks["a"][0], "first writer wins"
+    assert bm.block_hash[bm.req_blocks["b"][0]] is None, "the duplicate stays private"
+    assert bm.cached[b.block_hashes[1]] == bm.req_blocks["b"][1]
+
+
+@hole("BlockManager.free")
+def test_free_returns_blocks_tail_first_so_shared_heads_are_evicted_last():
+    bm = BlockManager(6, 4)
+    a = req("a", range(12))
+    published(bm, a, 12)
+    ta = list(bm.req_blocks["a"])
+    bm.free(a)
+    assert list(bm.free_queue)[-3:] == ta[::-1], \
+        "freed blocks join the BACK of the queue tail first: the last block is evicted before the first"
+    b = req("b", range(100, 120))  # 5 blocks: the 3 never-used ones, then a's LAST two
+    assert bm.allocate_slots(b, 20)
+    assert bm.req_blocks["b"][3:] == [ta[2], ta[1]]
+    assert bm.find_cached_prefix(req("c", range(12))) == [ta[0]], "a's first block (shared prefix) survives"
+
+
+@hole("BlockManager.free")
+def test_free_keeps_shared_blocks_and_rejects_double_free():
+    bm = BlockManager(8, 4)
+    a = req("a", range(9))
+    published(bm, a, 9)
+    b = req("b", range(9))
+    cached = bm.find_cached_prefix(b)
+    assert bm.allocate_slots(b, 1, cached)
+    shared = bm.req_blocks["a"][:2]
+    bm.free(a)
+    assert all(bm.ref_count[x] == 1 for x in shared) and not any(x in bm.free_queue for x in shared), \
+        "a block another request still holds must stay in use"
+    bm.free(b)
+    assert bm.num_free == 8 and all(c == 0 for c in bm.ref_count)
+    bm.req_blocks["b"] = shared  # simulate a stale table
+    with pytest.raises(RuntimeError):
+        bm.free(b)
+
+
+def test_trim_and_reset_prefix_cache():
+    bm = BlockManager(8, 4)
+    r = req("r", range(14))
+    published(bm, r, 14)
+    bm.trim(r, 5)
+    assert len(bm.req_blocks["r"]) == 2 and bm.num_free == 6
+    bm.free(r)
+    assert bm.cached and bm.reset_prefix_cache() == 3 and not bm.cached
+    with pytest.raises(ValueError):
+        BlockManager(0, 4)
+    with pytest.raises(ValueError):
+        BlockManager(4, 0)
+
+
+# ===================================================================== Scheduler
+def sched(num_blocks=64, block_size=16, caching=True, **cfg) -> Scheduler:
+    return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, block_size, caching))
+
+
+def advance(plan, sample_token: int = 1) -> None:
+    """What the engine does after a forward pass: count the tokens computed and append samples."""
+    for r, n in plan.scheduled:
+        r.num_computed_tokens += n
+        if r.num_computed_tokens >= r.num_tokens:
+            r.append(sample_token)
+
+
+@hole("Scheduler.schedule")
+def test_schedule_chunks_a_long_prompt_under_the_budget():
+    s = sched(num_blocks=400, max_num_batched_tokens=2048)
+    long = req("long", [3] * 5000, max_tokens=4)
+    s.add(long)
+    sizes = []
+    for _ in range(3):
+        plan = s.schedule()
+        sizes.append(plan.scheduled[0][1])
+        advance(plan)
+    assert sizes == [2048, 2048, 904], "chunked prefill falls out of the budget: 2,048 + 2,048 + 904"
+    assert long.num_output_tokens == 1
+
+
+@hole("Scheduler.schedule")
+def test_schedule_runs_running_requests_first_and_shares_the_step():
+    s = sched(max_num_batched_tokens=64)
+    a = req("a", range(10), max_tokens=8)
+    s.add(a)
+    advance(s.schedule())  # a: whole prompt, now decoding
+    b = req("b", range(100, 200), max_tokens=8)
+    s.add(b)
+    plan = s.schedule()
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 1), ("b", 63)], \
+        "the running decode goes first (1 token); the newcomer gets the rest of the budget"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_caps_chunks_at_the_threshold():
+    s = sched(max_num_batched_tokens=100, long_prefill_token_threshold=16)
+    s.add(req("a", range(40), max_tokens=2))
+    s.add(req("b", range(50, 90), max_tokens=2))
+    plan = s.schedule()
+    assert [n for _, n in plan.scheduled] == [16, 16]
+
+
+@hole("Scheduler.schedule")
+def test_schedule_without_chunking_waits_for_room_for_the_whole_prompt():
+    s = sched(max_num_batched_tokens=40, enable_chunked_prefill=False)
+    s.add(req("a", range(30), max_tokens=2))
+    s.add(req("b", range(100, 120), max_tokens=2))
+    plan = s.schedule()
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 30)], "b's 20 tokens don't fit the 10 left"
+    with pytest.raises(ValueError, match="chunked prefill"):
+        s.add(req("c", range(41)))
+
+
+@hole("Scheduler.schedule")
+def test_schedule_respects_max_num_seqs():
+    s = sched(max_num_seqs=2)
+    for i in range(3):
+        s.add(req(f"r{i}", range(i * 10, i * 10 + 5), max_tokens=3))
+    plan = s.schedule()
+    assert [r.request_id for r, _ in plan.scheduled] == ["r0", "r1"]
+
+
+@hole("Scheduler.schedule")
+def test_schedule_priority_policy_admits_lowest_value_first():
+    s = sched(policy="priority", max_num_seqs=2)
+    for rid, prio, t in (("low", 5, 1.0), ("high", 0, 2.0), ("mid", 1, 0.5)):
+        r = req(rid, range(5), max_tokens=3)
+        r.priority, r.arrival_time = prio, t
+        s.add(r)
+    plan = s.schedule()
+    assert [r.request_id for r, _ in plan.scheduled] == ["high", "mid"]
+
+
+@hole("Scheduler.schedule")
+def test_schedule_starts_a_request_after_its_cached_prefix():
+    s = sched(block_size=4)
+    a = req("a", range(20), max_tokens=2)
+    s.add(a)
+    advance(s.schedule())
+    b = req("b", list(range(12)) + [99, 98, 97], max_tokens=2)
+    s.add(b)
+    plan = s.schedule()
+    (rb, n), = [(r, n) for r, n in plan.scheduled if r is b]
+    assert (b.num_computed_tokens, n, b.num_cached_tokens) == (12, 3, 12), \
+        "3 cached blocks: b starts at token 12 and computes the 3 after them"
+    assert s.blocks.req_blocks["b"][:3] == s.blocks.req_blocks["a"][:3]
+
+
+@hole("Scheduler.schedule")
+def test_schedule_shares_blocks_published_at_allocation_in_the_same_step():
+    s = sched(block_size=4)
+    a = req("a", range(20), max_tokens=2)
+    b = req("b", list(range(16)) + [7], max_tokens=2)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 20), ("b", 1)], \
+        "a's blocks are published when allocated, so b (admitted later in the same step) adopts 4 of them"
+    assert s.blocks.req_blocks["b"][:4] == s.blocks.req_blocks["a"][:4]
+
+
+@hole("Scheduler.schedule")
+def test_schedule_never_preempts_to_admit_and_admits_nothing_after_a_preemption():
+    s = sched(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    a = req("a", range(8), max_tokens=8)
+    s.add(a)
+    advance(s.schedule())  # a holds 2 blocks (8 tokens computed + 1 sampled)
+    b = req("b", range(100, 112), max_tokens=1)  # needs 3 blocks, 2 free
+    s.add(b)
+    plan = s.schedule()
+    assert [r.request_id for r, _ in plan.scheduled] == ["a"] and not plan.preempted, \
+        "a waiting request that doesn't fit waits; running requests are never preempted to admit it"
+    advance(plan)
+    c = req("c", range(200, 203), max_tokens=4)
+    s.add(c)
+    # fill the pool: a grows to 3 blocks, then 4; then it preempts itself-or-others
+    for _ in range(10):
+        plan = s.schedule()
+        if plan.preempted:
+            assert not [r for r, _ in plan.scheduled if r.status is Status.RUNNING and r in (b, c)
+                        and r.num_computed_tokens == 0 and r not in s.running[:1]] or True
+            admitted = [r for r, _ in plan.scheduled if r not in (a,)]
+            assert admitted == [], "a step that preempted must not admit anyone"
+            break
+        advance(plan)
+
+
+@hole("Scheduler.schedule")
+def test_schedule_asks_nothing_of_a_request_at_max_tokens():
+    s = sched()
+    a = req("a", range(5), max_tokens=1)
+    s.add(a)
+    advance(s.schedule())
+    assert a.num_output_tokens == 1
+    assert s.schedule().scheduled == [], "a request whose output reached max_tokens asks for 0 tokens"
+
+
+@hole("Scheduler._preempt")
+def test_preempt_recompute_forgets_kv_and_requeues_at_the_front():
+    s = sched(num_blocks=3, block_size=4)
+    a = req("a", range(6), max_tokens=6)
+    b = req("b", range(10, 14), max_tokens=8)
+    s.add(a)
+    s.add(b)
+    advance(s.schedule())  # a: 2 blocks, b: 1 block, pool full
+    for _ in range(3):
+        plan = s.schedule()
+        if plan.preempted:
+            break
+        advance(plan)
+    assert plan.preempted == [b], "the LAST running request is the victim"
+    assert b.status is Status.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert "b" not in s.blocks.req_blocks and s.waiting[0] is b and b not in s.running
+    assert plan.swap_out == []
+
+
+@hole("Scheduler._preempt")
+def test_preempt_swap_keeps_computed_tokens_and_lists_the_blocks():
+    s = sched(num_blocks=3, block_size=4, preemption_mode="swap")
+    a = req("a", range(6), max_tokens=6)
+    b = req("b", range(10, 14), max_tokens=8)
+    s.add(a)
+    s.add(b)
+    advance(s.schedule())
+    b_blocks = list(s.blocks.req_blocks["b"])
+    for _ in range(3):
+        plan = s.schedule()
+        if plan.preempted:
+            break
+        advance(plan)
+    assert plan.swap_out == [(b, b_blocks)], "swap lists the victim's blocks covering its computed tokens"
+    assert b.swapped_out and b.num_computed_tokens == 4 and "b" not in s.blocks.req_blocks
+    s.finish(a, Status.FINISHED_LENGTH)
+    plan = s.schedule()
+    assert plan.swap_in and plan.swap_in[0][0] is b and plan.swap_in[0][1] == s.blocks.req_blocks["b"][:1], \
+        "on readmission the saved K/V go into the first blocks of its NEW table"
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("b", 1)] and not b.swapped_out
+
+
+@hole("Scheduler._preempt")
+def test_preempt_priority_policy_requeues_by_priority():
+    s = sched(num_blocks=3, block_size=4, policy="priority")
+    a = req("a", range(6), max_tokens=6)
+    b = req("b", range(10, 14), max_tokens=8)
+    b.priority = 1
+    s.add(a)
+    s.add(b)
+    advance(s.schedule())
+    late = req("late", range(30, 34), max_tokens=2)
+    late.priority = 1
+    s.add(late)
+    for _ in range(3):
+        plan = s.schedule()
+        if plan.preempted:
+            break
+        advance(plan)
+    assert plan.preempted == [b] and s.waiting[0] is b, "same priority, earlier arrival: b goes first"
+
+
+def test_scheduler_add_rejects_requests_that_can_never_run():
+    s = sched(num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="exceeds the whole KV pool"):
+        s.add(req("big", range(6), max_tokens=3))
+    s.add(req("ok", range(4), max_tokens=4))
+    with pytest.raises(ValueError, match="already"):
+        s.add(req("ok", range(4), max_tokens=1))
+    with pytest.raises(ValueError, match="policy"):
+        SchedulerConfig(policy="lifo")
+    with pytest.raises(ValueError, match="preemption_mode"):
+        SchedulerConfig(preemption_mode="drop")
+
+
+# ===================================================================== EngineCore
+def core(config: EngineConfig | None = None, moe: bool = False, eos: int | None = None) -> EngineCore:
+    return EngineCore(model64(moe), config or EngineConfig(), eos_token_id=eos)
+
+
+@hole("EngineCore.check_stop")
+def test_check_stop_rules():
+    e = core(EngineConfig(max_model_len=12))
+    def stop(tokens, prompt_len=4, eos=None, **p):
+        r = req("r", tokens, prompt_len=prompt_len, **p)
+        r.eos_token_id = eos
+        status = e.check_stop(r)
+        return status, r.stop_reason
+    assert stop([1, 2, 3, 4, 9], eos=9) == (Status.FINISHED_STOPPED, None)
+    assert stop([1, 2, 3, 4, 9], eos=9, min_tokens=2) == (None, None), "EOS doesn't count before min_tokens"
+    assert stop([1, 2, 3, 4, 9], eos=9, ignore_eos=True) == (None, None)
+    assert stop([1, 2, 3, 4, 5, 7], stop_token_ids=[7]) == (Status.FINISHED_STOPPED, 7), "stop_reason = the stop token"
+    assert stop([1, 2, 3, 4, 7], stop_token_ids=[7], min_tokens=2) == (None, None)
+    assert stop([1, 2, 3, 4, 5, 6], max_tokens=2) == (Status.FINISHED_LENGTH, None)
+    assert stop([1, 2, 3, 4, 5], max_tokens=2) == (None, None)
+    assert stop(list(range(12)), prompt_len=10, max_tokens=50) == (Status.FINISHED_LENGTH, None), \
+        "the context limit (max_model_len) ends a request too"
+
+
+@hole("EngineCore.step")
+def test_step_runs_one_forward_per_step_and_reports_only_produced_tokens():
+    e = core(EngineConfig(max_num_batched_tokens=16, block_size=4))
+    calls = []
+    original = e.runner.flat.forward
+    e.runner.flat.forward = lambda *a, **k: calls.append(a[0].shape[0]) or original(*a, **k)
+    p = prompts([30], seed=8)[0]
+    e.add_request("a", p, SamplingParams(max_tokens=3, ignore_eos=True))
+    first = e.step()
+    assert first == [], "a mid-prompt chunk reports nothing"
+    assert calls == [16]
+    e.step()
+    out = e.step()
+    assert len(calls) == 3, "one forward pass per step, whatever it holds"
+    assert [o.request_id for o in out] == ["a"] and len(out[0].new_token_ids) == 1
+    done = e.run_until_done()
+    assert_same_tokens(done["a"], oracle(tuple(p), 3), "a", 30, 4)
+
+
+@hole("EngineCore.step")
+def test_step_outputs_and_frees_finished_requests_at_once():
+    p = prompts([9], seed=9)[0]
+    want = oracle(tuple(p), 4)
+    e = core(EngineConfig(block_size=4), eos=want[1])
+    e.add_request("a", p, SamplingParams(max_tokens=4))
+    outs = []
+    while e.has_unfinished():
+        outs += e.step()
+    last = outs[-1]
+    assert (last.finished, last.finish_reason, last.output_token_ids) == (True, "stop", want[:2]), \
+        "EOS ends the request (EOS included in the output)"
+    assert last.num_cached_tokens == 0 and e.blocks.num_free == e.blocks.num_blocks
+
+
+@hole("EngineCore.step")
+def test_step_n_children_share_the_prompt_blocks():
+    p = prompts([40], seed=10)[0]
+    e = core(EngineConfig(block_size=16))
+    ids = e.add_request("p", p, SamplingParams(n=3, max_tokens=4, ignore_eos=True))
+    assert ids == ["p:0", "p:1", "p:2"]
+    e.step()
+    tables = [e.blocks.req_blocks[i] for i in ids]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2], "children share the prompt's full blocks"
+    assert e.blocks.ref_count[tables[0][0]] == 3
+    done = e.run_until_done()
+    for i in ids:
+        assert_same_tokens(done[i], oracle(tuple(p), 4), i, 40)
+
+
+@hole("EngineCore.step")
+def test_step_qwen3_moe_through_the_core():
+    ps = prompts([7, 23, 35], seed=11)
+    e = core(EngineConfig(block_size=8, max_num_batched_tokens=20), moe=True)
+    for i, p in enumerate(ps):
+        e.add_request(f"m{i}", p, SamplingParams(max_tokens=6, ignore_eos=True))
+    done = e.run_until_done()
+    for i, p in enumerate(ps):
+        assert_same_tokens(done[f"m{i}"], oracle(tuple(p), 6, moe=True), f"m{i}", len(p), 8, "Qwen3-MoE: ")
+
+
+@hole("EngineCore.step")
+def test_step_abort_frees_everything():
+    e = core(EngineConfig(block_size=4, max_num_batched_tokens=8))
+    e.add_request("a", prompts([20])[0], SamplingParams(max_tokens=5, seed=3, temperature=1.0))
+    e.add_request("b", prompts([6], seed=2)[0], SamplingParams(max_tokens=5))
+    e.step()
+    e.abort_request("a")
+    e.abort_request("nobody")  # harmless
+    assert "a" not in e.blocks.req_blocks and "a" not in e.generators
+    e.run_until_done()
+    assert e.blocks.num_free == e.blocks.num_blocks and not e.scheduler.requests
+
+
+@hole("EngineCore.step")
+def test_step_prompt_logprobs_match_the_model():
+    p = prompts([12], seed=12)[0]
+    e = core(EngineConfig(block_size=4, max_num_batched_tokens=5))
+    e.add_request("a", p, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    outs = [o for _ in range(5) for o in e.step()]
+    lp = outs[-1].prompt_logprobs
+    with torch.no_grad():
+        want = torch.log_softmax(model64()(torch.tensor(p)), -1)
+    assert len(lp) == 11
+    for i, entry in enumerate(lp):
+        assert math.isclose(entry[p[i + 1]], float(want[i, p[i + 1]]), abs_tol=1e-9)
+
+
+# ===================================================================== the milestone
+MILESTONE_CONFIGS = {
+    "small chunks, tight budget": EngineConfig(block_size=16, max_num_batched_tokens=24,
+                                               long_prefill_token_threshold=10),
+    "12-block pool, recompute": EngineConfig(block_size=16, num_blocks=12, preemption_mode="recompute"),
+    "12-block pool, swap": EngineConfig(block_size=16, num_blocks=12, preemption_mode="swap"),
+    "no prefix cache, 2 seqs": EngineConfig(block_size=16, enable_prefix_caching=False, max_num_seqs=2),
+}
+
+
+def milestone_requests():
+    ps = prompts([9, 40, 57, 70, 23], seed=21)
+    ps[3][:32] = ps[1][:32]  # request 3 shares its first two blocks with request 1
+    return ps, [14, 30, 20, 26, 18]
+
+
+@pytest.mark.milestone
+@pytest.mark.parametrize("name", list(MILESTONE_CONFIGS))
+def test_milestone_every_config_equals_generate(name):
+    config = MILESTONE_CONFIGS[name]
+    ps, max_tokens = milestone_requests()
+    e = core(config)
+    for i, (p, m) in enumerate(zip(ps, max_tokens)):
+        e.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True))
+    done = e.run_until_done()
+    for i, (p, m) in enumerate(zip(ps, max_tokens)):
+        assert_same_tokens(done.get(f"r{i}", []), oracle(tuple(p), m), f"r{i}", len(p), 16, f"[{name}] ")
+    if "12-block" in name:
+        assert e.preemptions >= 1, "the 12-block pool must force preemption (else this config tests nothing)"
+    if name == "small chunks, tight budget":
+        assert e.blocks.hit_rate > 0, "request 3 should hit request 1's two shared blocks"
+    assert e.blocks.num_free == e.blocks.num_blocks, "at idle every block is free again (leak?)"
+    assert all(c == 0 for c in e.blocks.ref_count) and not e.blocks.req_blocks
+    assert not e.runner.swapped and not e.scheduler.requests
