@@ -4,7 +4,8 @@ Tests and ``run.py`` always ``import engine``. When the environment variable ``E
 ``solution`` at import time, a meta-path finder serves every module ``engine.X.Y`` for which
 ``solutions/X/Y.py`` exists from that file instead of ``engine/X/Y.py``. Modules without a
 reference copy (earlier chapters, files without holes) are always the ones in ``engine/``.
-The default, ``engine``, is the learner's code.
+The default, ``engine``, is the learner's code. ``ENGINE_SOLUTIONS_DIR`` (tools only) replaces
+``solutions/`` with another directory of the same layout.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from pathlib import Path
 ENV_VAR = "ENGINE_IMPL"
 IMPLS = ("engine", "solution")
 ROOT = Path(__file__).resolve().parent.parent
-SOLUTIONS_DIR = ROOT / "solutions"
+# ENGINE_SOLUTIONS_DIR points the switch at another copy of solutions/ (tools/mutants.py patches a
+# temporary copy one bug at a time, never the working tree).
+SOLUTIONS_DIR = Path(os.environ.get("ENGINE_SOLUTIONS_DIR") or ROOT / "solutions").resolve()
 
 
 def current_impl() -> str:
@@ -47,6 +50,17 @@ class _SolutionFinder(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(fullname, src)
 
 
-def install_impl_switch() -> None:
-    if current_impl() == "solution" and not any(isinstance(f, _SolutionFinder) for f in sys.meta_path):
+def install_reference_finder() -> None:
+    """Serve the chapter's files from ``solutions/`` in this process, whatever ``ENGINE_IMPL`` says.
+
+    The test suite's per-hole isolation (tests/learner_holes.py) uses this: it loads the reference
+    as ``engine`` and patches the learner's hole functions into it, while subprocesses still see
+    ``ENGINE_IMPL=engine``.
+    """
+    if not any(isinstance(f, _SolutionFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _SolutionFinder())
+
+
+def install_impl_switch() -> None:
+    if current_impl() == "solution":
+        install_reference_finder()

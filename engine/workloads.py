@@ -28,3 +28,44 @@ def shared_prefix_workload(num_requests: int = 16, seed: int = 0, vocab_size: in
         question = [rng.randrange(vocab_size) for _ in range(rng.randint(*question_len))]
         items.append(WorkItem(f"req{i}", system + question, rng.randint(*output_len)))
     return items
+
+
+def random_workload(num_requests: int = 64, seed: int = 0, vocab_size: int = 512,
+                    prompt_len: tuple[int, int] = (16, 256),
+                    output_len: tuple[int, int] = (16, 128)) -> list[WorkItem]:
+    """nano-vllm's throughput benchmark, scaled for a CPU: independent random prompts and output
+    lengths drawn uniformly (bounds inclusive), no shared prefix. Run it with ``ignore_eos``."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    rng = random.Random(seed)
+    return [WorkItem(f"rand{i}", [rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_len))],
+                     rng.randint(*output_len)) for i in range(num_requests)]
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One user turn of a conversation: the new message's tokens and the answer's length."""
+
+    conversation: int
+    message: list[int]
+    max_tokens: int
+
+
+def chat_workload(num_conversations: int = 8, num_turns: int = 4, seed: int = 0, vocab_size: int = 512,
+                  system_len: int = 64, message_len: tuple[int, int] = (16, 48),
+                  output_len: tuple[int, int] = (16, 32)) -> tuple[list[int], list[list[ChatTurn]]]:
+    """A multi-turn chat: (system prompt, turns by round). Round k holds turn k of every conversation.
+
+    A turn's prompt is only known once the previous turn has been answered: it is the previous
+    turn's prompt + that answer + the new message (the first turn: system prompt + message). So
+    the rounds run one after another, and a prefix cache that keeps generated tokens' blocks
+    serves each turn's whole history.
+    """
+    if num_conversations < 1 or num_turns < 1:
+        raise ValueError(f"need at least one conversation and one turn, got {num_conversations} x {num_turns}")
+    rng = random.Random(seed)
+    system = [rng.randrange(vocab_size) for _ in range(system_len)]
+    rounds = [[ChatTurn(c, [rng.randrange(vocab_size) for _ in range(rng.randint(*message_len))],
+                        rng.randint(*output_len)) for c in range(num_conversations)]
+              for _ in range(num_turns)]
+    return system, rounds

@@ -1,7 +1,7 @@
 """Soak test: a long random workload against the engine core, checking everything after every step.
 
     python scripts/soak.py                 # 20,000 random operations against the reference
-    python scripts/soak.py --ops 2000 --seed 3 --impl engine
+    python scripts/soak.py --operations 2000 --seed 3 --impl engine
 
 Each episode builds an ``EngineCore`` with a random configuration (block size, pool size down to
 barely enough for one request, token budget, chunking and its threshold, fcfs or priority,
@@ -304,14 +304,15 @@ class Soak:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ops", type=int, default=20_000, help="random operations to run (default 20,000)")
+    ap.add_argument("--operations", "--ops", dest="ops", type=int, default=20_000,
+                    help="random operations to run (default 20,000)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     ap.add_argument("--impl", choices=("engine", "solution"), default="solution",
                     help="which chapter-31 implementation to soak (default: the reference)")
     ap.add_argument("--verbose", action="store_true", help="print each violation as it is found")
     args = ap.parse_args(argv)
     if args.ops < 1:
-        ap.error("--ops must be >= 1")
+        ap.error("--operations must be >= 1")
     os.environ["ENGINE_IMPL"] = args.impl  # before anything imports engine
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))

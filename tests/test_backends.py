@@ -18,9 +18,12 @@ from engine.serve.batch import build_batch
 from engine.serve.request import Request
 from engine.serve.torch_attention import TorchBackend
 
+pytestmark = pytest.mark.given  # the backends are complete code; the reference holes serve as oracle
+
 
 def random_paged_batch(seed: int, block_size: int, hq: int, hkv: int, head_dim: int = 8,
-                       num_reqs: int = 7, pad: int = 2, dtype: torch.dtype = torch.float32):
+                       num_reqs: int = 7, pad: int = 2, dtype: torch.dtype = torch.float32,
+                       decode_only: bool = False):
     """A ragged batch over a random pool: returns (q [N, Hq, D], (k_pool, v_pool), meta).
 
     Request kinds, drawn at random: a decode (n = 1 after c computed tokens), a chunk over a
@@ -34,7 +37,7 @@ def random_paged_batch(seed: int, block_size: int, hq: int, hkv: int, head_dim: 
 
     scheduled, lens = [], []
     for r in range(num_reqs):
-        kind = randint(0, 3)
+        kind = 0 if decode_only else randint(0, 3)
         if kind == 0:
             c, n = randint(1, 70), 1
         elif kind == 1:
@@ -64,7 +67,7 @@ def random_paged_batch(seed: int, block_size: int, hq: int, hkv: int, head_dim: 
 
 CASES = [  # (seed, block_size, Hq, Hkv, window)
     (0, 16, 4, 2, 0), (1, 4, 4, 4, 0), (2, 1, 8, 2, 0), (3, 3, 6, 3, 5), (4, 16, 4, 1, 17),
-    (5, 8, 4, 2, 1), (6, 5, 2, 2, 0), (7, 16, 8, 4, 40),
+    (5, 8, 4, 2, 1), (6, 5, 2, 2, 0), (7, 16, 8, 4, 40), (8, 4, 6, 2, 0),
 ]
 
 
@@ -79,9 +82,27 @@ def test_torch_backend_matches_reference(seed, block_size, hq, hkv, window):
         assert err < 1e-5, (f"TorchBackend(tile_rows={backend.tile_rows}) differs from the reference "
                             f"by {err:.2e} (block_size={block_size}, Hq={hq}, Hkv={hkv}, window={window})")
     num_real = int((meta.seq_lens_cpu > 0).sum())
-    pad_rows = slice(int(meta.query_start_loc_cpu[num_real]), None)
-    assert got[pad_rows].abs().max().item() == 0.0 if got[pad_rows].numel() else True, \
+    pad_rows = got[int(meta.query_start_loc_cpu[num_real]):]  # build_batch(pad_to=...) rows
+    assert pad_rows.numel() > 0 and pad_rows.abs().max().item() == 0.0, \
         "padding rows (seq_len 0) must come back as zeros"
+
+
+@pytest.mark.parametrize("window", [0, 9])
+def test_torch_backend_pure_decode(window):
+    """A batch of decodes only (the common step) takes the no-gather path; padded, the general one."""
+    for pad in (0, 3):
+        q, cache, meta = random_paged_batch(30 + pad, 16, 4, 2, num_reqs=9, pad=pad, decode_only=True)
+        want = ReferenceBackend().forward(q, cache, meta, window=window)
+        got = TorchBackend().forward(q, cache, meta, window=window)
+        assert (got - want).abs().max().item() < 1e-5, f"pure decode batch (pad={pad}, window={window})"
+
+
+def test_torch_backend_bfloat16():
+    q, cache, meta = random_paged_batch(12, 16, 4, 2, dtype=torch.bfloat16)
+    want = ReferenceBackend().forward(q, cache, meta)
+    got = TorchBackend().forward(q, cache, meta)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want.float()).abs().max().item() < 2e-2
 
 
 def test_torch_backend_float64_and_scale():

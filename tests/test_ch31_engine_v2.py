@@ -447,6 +447,7 @@ def test_free_keeps_shared_blocks_and_rejects_double_free():
         bm.free(b)
 
 
+@pytest.mark.given  # trim, reset and add are given complete: no hole of yours runs here
 def test_trim_and_reset_prefix_cache():
     bm = BlockManager(8, 4)
     r = req("r", range(14))
@@ -596,6 +597,38 @@ def test_schedule_never_preempts_to_admit_and_admits_nothing_after_a_preemption(
 
 
 @hole("Scheduler.schedule")
+def test_schedule_admits_nothing_in_a_step_that_preempted():
+    # priority policy, so the waiting newcomer c (priority 1) sits AHEAD of the victim b (priority 5)
+    s = sched(num_blocks=4, block_size=4, max_num_seqs=2, policy="priority")
+    a = req("a", range(8), max_tokens=8)
+    b = req("b", range(100, 108), max_tokens=8)
+    a.priority, a.arrival_time, b.priority, b.arrival_time = 0, 0.0, 5, 1.0
+    s.add(a)
+    s.add(b)
+    advance(s.schedule())  # a and b hold 2 blocks each: the pool is full
+    c = req("c", range(200, 202), max_tokens=2)
+    c.priority, c.arrival_time = 1, 2.0
+    s.add(c)
+    plan = s.schedule()  # a's 9th token needs a block: b is preempted, which frees 2
+    assert plan.preempted == [b]
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 1)], \
+        "a step that preempted admits no one, even a request that would fit in the freed blocks"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_caps_a_running_prefill_at_the_threshold_every_step():
+    s = sched(max_num_batched_tokens=100, long_prefill_token_threshold=16)
+    a = req("a", range(40), max_tokens=2)
+    s.add(a)
+    sizes = []
+    for _ in range(3):
+        plan = s.schedule()
+        sizes.append(plan.scheduled[0][1])
+        advance(plan)
+    assert sizes == [16, 16, 8], "the chunk cap applies to a running request's later chunks too"
+
+
+@hole("Scheduler.schedule")
 def test_schedule_asks_nothing_of_a_request_at_max_tokens():
     s = sched()
     a = req("a", range(5), max_tokens=1)
@@ -648,6 +681,24 @@ def test_preempt_swap_keeps_computed_tokens_and_lists_the_blocks():
 
 
 @hole("Scheduler._preempt")
+def test_preempt_puts_the_victim_ahead_of_requests_already_waiting():
+    s = sched(num_blocks=3, block_size=4, max_num_seqs=2)
+    a = req("a", range(6), max_tokens=6)
+    b = req("b", range(10, 14), max_tokens=8)
+    c = req("c", range(20, 23), max_tokens=2)  # waits: max_num_seqs is 2
+    for r in (a, b, c):
+        s.add(r)
+    advance(s.schedule())
+    for _ in range(3):
+        plan = s.schedule()
+        if plan.preempted:
+            break
+        advance(plan)
+    assert plan.preempted == [b]
+    assert s.waiting == [b, c], "a preempted request goes back to the FRONT of the waiting queue"
+
+
+@hole("Scheduler._preempt")
 def test_preempt_priority_policy_requeues_by_priority():
     s = sched(num_blocks=3, block_size=4, policy="priority")
     a = req("a", range(6), max_tokens=6)
@@ -667,6 +718,7 @@ def test_preempt_priority_policy_requeues_by_priority():
     assert plan.preempted == [b] and s.waiting[0] is b, "same priority, earlier arrival: b goes first"
 
 
+@pytest.mark.given  # trim, reset and add are given complete: no hole of yours runs here
 def test_scheduler_add_rejects_requests_that_can_never_run():
     s = sched(num_blocks=2, block_size=4)
     with pytest.raises(ValueError, match="exceeds the whole KV pool"):

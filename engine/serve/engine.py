@@ -27,7 +27,8 @@ class EngineConfig:
 
     ``num_blocks=None`` sizes the pool from memory: ``kv_cache_bytes`` on a CPU, profiling plus
     ``gpu_memory_utilization`` on CUDA. ``max_model_len=None`` means the model's
-    ``max_position_embeddings``.
+    ``max_position_embeddings``. ``attention_backend``: "torch" (vectorized, the default),
+    "reference" (the chapter's Python loop, the oracle) or "triton" (chapter 32, GPU).
     """
 
     block_size: int = 16
@@ -41,7 +42,7 @@ class EngineConfig:
     policy: str = "fcfs"
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
-    attention_backend: str = "reference"
+    attention_backend: str = "torch"
     max_model_len: int | None = None
     seed: int = 0
     sampler: str = "simple"

@@ -19,13 +19,17 @@ class Status(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, Status.FINISHED_ABORTED)
+        return self._value_ in _FINISH_REASONS
 
     @property
     def finish_reason(self) -> str | None:
         """vLLM's short names: "stop", "length", "abort"; None while unfinished."""
-        return {Status.FINISHED_STOPPED: "stop", Status.FINISHED_LENGTH: "length",
-                Status.FINISHED_ABORTED: "abort"}.get(self)
+        return _FINISH_REASONS.get(self._value_)
+
+
+# Finished statuses by value -> vLLM's finish reason. Keyed by the value string because these run
+# for every request on every step, and hashing an Enum member calls Python code.
+_FINISH_REASONS = {"finished_stopped": "stop", "finished_length": "length", "finished_aborted": "abort"}
 
 
 @dataclass(eq=False)

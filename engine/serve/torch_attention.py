@@ -6,34 +6,37 @@ model, is the step. This backend does the same arithmetic with no per-request Py
 1. Cut the batch into *query tiles*. A decode row (a request with one query) is a tile of one
    row; a request with t > 1 rows (a prefill chunk, a resumed history, a verification span) is
    cut into tiles of ``tile_rows`` consecutive rows. Every tile belongs to one request, so one
-   gather of that request's blocks serves all of the tile's rows.
-2. Gather each tile's K and V straight from the pool, whole blocks at a time, through its
-   request's block table: ``k_pool[table[:W]]`` -> ``[tiles, W * block_size, Hkv, D]``. Copying
-   whole blocks is a few large copies instead of one small copy per token.
-3. One masked attention per group of tiles: key position p is visible to a query at position q
-   when p <= q (causal) and, with a sliding window w, p > q - w. p <= q also hides everything past
-   the request's seq_len, including the zero-padded tail of its block table.
+   gather of that request's keys serves all of the tile's rows.
+2. Gather each tile's K and V from the pool through its request's block table, in one
+   ``index_select`` per pool, straight into heads-first order ``[tiles * Hkv, keys, D]``.
+3. One batched attention per group of tiles: ``baddbmm`` computes scale * q @ k^T plus a mask
+   bias (0 where a key is visible, -inf where not) in one call, then softmax and a second bmm.
+   Key position p is visible to a query at position q when p <= q (causal) and, with a sliding
+   window w, p > q - w. p <= q also hides everything past the request's seq_len, including the
+   zero-padded tail of its block table.
 
-Decode tiles and prefill tiles are handled as two groups because they need different key
-lengths: a batch of 255 decodes and one 2,000-token prefill would otherwise pad every decode to
-2,000 keys. Each group is processed in chunks of tiles sized so that the gathered K/V stay under
-``max_chunk_elems`` elements, which bounds memory for long prefills.
+Decode tiles and prefill tiles form two groups because they need different key lengths: a batch
+of 255 decodes and one 2,000-token prefill would otherwise pad every decode to 2,000 keys. Each
+group runs in chunks of tiles small enough that the gathered K/V stay under ``max_chunk_elems``
+elements, which bounds memory for long prefills.
 
-The tiling plan depends only on the batch metadata, so it is built once per step (from the host
-copies ``query_start_loc_cpu`` / ``seq_lens_cpu``: no device sync) and reused by every layer.
+The tiling plan (indices and mask biases) depends only on the batch metadata, so it is built once
+per step from the host copies ``query_start_loc_cpu`` / ``seq_lens_cpu`` (no device sync) and
+reused by every layer. A pure-decode batch skips the row gather/scatter entirely.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.serve.attention import KVCache, write_kv
 from engine.serve.batch import BatchMeta
 
 DEFAULT_TILE_ROWS = 32  # query rows per prefill tile: one K/V gather serves this many queries
-DEFAULT_MAX_CHUNK_ELEMS = 1 << 24  # gathered K (and V) elements per chunk: 64 MiB each in float32
+DEFAULT_MAX_CHUNK_ELEMS = 1 << 22  # gathered K (and V) elements per chunk: 16 MiB each in float32
 
 
 @dataclass
@@ -43,26 +46,50 @@ class _TileGroup:
     q_rows: int64 [G, T] flat row each tile row reads its query from (a padding row, past the
     request's last row, repeats that last row); out_rows: int64 [G, T] the row each result goes to
     (N, a scratch row past the batch, for padding rows); q_pos: int64 [G, T] each query's
-    position; tables: int64 [G, W] the tile's request's first W blocks, where W * block_size
-    covers the group's longest seq_len.
+    position; kv_rows: int64 [G, Hkv, keys] the row of the pool, viewed as ``[slots * Hkv, D]``,
+    holding kv head h of key position p of the tile's request — keys = W * block_size covers the
+    group's longest seq_len (positions past a request's own seq_len read its table's zero padding
+    and are masked). ``identity``: the group is every row of the batch, one per tile, in order.
     """
 
     q_rows: torch.Tensor
     out_rows: torch.Tensor
     q_pos: torch.Tensor
-    tables: torch.Tensor
-    num_key_blocks: int  # W
+    kv_rows: torch.Tensor
+    identity: bool
+    _biases: dict = field(default_factory=dict)  # (first tile, window, dtype) -> bias; layers reuse it
 
     @property
     def num_tiles(self) -> int:
         return self.q_rows.shape[0]
 
+    @property
+    def num_keys(self) -> int:
+        return self.kv_rows.shape[2]
+
+    def bias(self, tiles: slice, group_size: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+        """[G' * Hkv, T * group_size, keys]: 0 where a query may see a key, -inf where not."""
+        key = (tiles.start, window, dtype)
+        if key not in self._biases:
+            q_pos = self.q_pos[tiles][:, :, None]  # [G', T, 1]
+            k_pos = torch.arange(self.num_keys, device=q_pos.device)
+            hidden = k_pos > q_pos  # [G', T, keys]
+            if window > 0:
+                hidden |= k_pos <= q_pos - window
+            g, t, keys = hidden.shape
+            hkv = self.kv_rows.shape[1]
+            bias = torch.zeros(hidden.shape, dtype=dtype, device=q_pos.device).masked_fill_(hidden, float("-inf"))
+            # Every kv head and every query head of its group sees the same positions.
+            self._biases[key] = bias[:, None, :, None, :].expand(g, hkv, t, group_size, keys).reshape(
+                g * hkv, t * group_size, keys)
+        return self._biases[key]
+
 
 class TorchBackend:
     """Vectorized paged attention in plain PyTorch (name "torch"); same results as the reference.
 
-    Invariant: ``_plan`` caches the tiling of exactly one BatchMeta object (``_plan_meta``) — a
-    new step brings a new BatchMeta, which is re-planned on the first layer's call.
+    Invariant: ``_plan`` caches the tiling of exactly one (BatchMeta object, kv head count) pair
+    (``_plan_key``) — a new step brings a new BatchMeta, re-planned on the first layer's call.
     """
 
     name = "torch"
@@ -74,8 +101,9 @@ class TorchBackend:
             raise ValueError(f"max_chunk_elems must be >= 1, got {max_chunk_elems}")
         self.tile_rows = tile_rows
         self.max_chunk_elems = max_chunk_elems
-        self._plan_meta: BatchMeta | None = None
+        self._plan_key: tuple[BatchMeta, int] | None = None
         self._plan: list[_TileGroup] = []
+        self._offsets: dict[tuple, torch.Tensor] = {}  # _within_block's tables, built once
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
@@ -84,50 +112,65 @@ class TorchBackend:
         write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
 
     # ----- planning (once per step) ------------------------------------------------------
-    def plan(self, meta: BatchMeta) -> list[_TileGroup]:
+    def plan(self, meta: BatchMeta, num_kv_heads: int) -> list[_TileGroup]:
         """The tile groups of ``meta`` (cached: every layer of a step shares one plan)."""
-        if meta is not self._plan_meta:
-            self._plan = self._make_plan(meta)
-            self._plan_meta = meta
+        if self._plan_key is None or self._plan_key[0] is not meta or self._plan_key[1] != num_kv_heads:
+            self._plan = self._make_plan(meta, num_kv_heads)
+            self._plan_key = (meta, num_kv_heads)
         return self._plan
 
-    def _make_plan(self, meta: BatchMeta) -> list[_TileGroup]:
-        qsl = meta.query_start_loc_cpu.long()  # [R + 1]
-        seq_lens = meta.seq_lens_cpu.long()  # [R]
-        num_rows = qsl[1:] - qsl[:-1]  # [R]
+    def _make_plan(self, meta: BatchMeta, num_kv_heads: int) -> list[_TileGroup]:
+        # Host-side index arithmetic on R-sized arrays: numpy, because a torch op on a tiny CPU
+        # tensor costs several microseconds and this runs every step.
+        qsl = meta.query_start_loc_cpu.numpy().astype(np.int64)  # [R + 1]
+        seq_lens = meta.seq_lens_cpu.numpy().astype(np.int64)  # [R]
+        num_rows = np.diff(qsl)  # [R]
         real = (seq_lens > 0) & (num_rows > 0)  # seq_len 0: a padding request, left at zero
         groups = []
         for tile_rows, members in ((1, real & (num_rows == 1)), (self.tile_rows, real & (num_rows > 1))):
-            reqs = members.nonzero().flatten()  # [Rg]
-            if reqs.numel() == 0:
-                continue
-            groups.append(self._make_group(meta, reqs, qsl, seq_lens, num_rows, tile_rows))
+            reqs = np.flatnonzero(members)  # [Rg]
+            if reqs.size:
+                groups.append(self._make_group(meta, reqs, qsl, seq_lens, tile_rows, num_kv_heads))
         return groups
 
-    def _make_group(self, meta: BatchMeta, reqs: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor,
-                    num_rows: torch.Tensor, tile_rows: int) -> _TileGroup:
-        t = num_rows[reqs]  # [Rg] rows per request
-        tiles_per_req = (t + tile_rows - 1) // tile_rows  # [Rg]
-        tile_req = torch.repeat_interleave(reqs, tiles_per_req)  # [G] request of each tile
+    def _make_group(self, meta: BatchMeta, reqs: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray,
+                    tile_rows: int, num_kv_heads: int) -> _TileGroup:
+        t = qsl[reqs + 1] - qsl[reqs]  # [Rg] rows per request
+        tiles_per_req = -(-t // tile_rows)  # [Rg]
+        tile_req = np.repeat(reqs, tiles_per_req)  # [G] request of each tile
         # Index of each tile within its request: 0, 1, ... restarting at every request.
-        first_tile = torch.cumsum(tiles_per_req, 0) - tiles_per_req  # [Rg]
-        tile_idx = torch.arange(tile_req.numel()) - torch.repeat_interleave(first_tile, tiles_per_req)
-        offset = tile_idx[:, None] * tile_rows + torch.arange(tile_rows)[None, :]  # [G, T] row within request
-        t_tile = num_rows[tile_req][:, None]  # [G, 1]
+        first_tile = np.cumsum(tiles_per_req) - tiles_per_req  # [Rg]
+        tile_idx = np.arange(tile_req.size) - np.repeat(first_tile, tiles_per_req)  # [G]
+        offset = tile_idx[:, None] * tile_rows + np.arange(tile_rows)  # [G, T] row within its request
+        t_tile = np.repeat(t, tiles_per_req)[:, None]  # [G, 1]
         row_valid = offset < t_tile
-        offset = torch.minimum(offset, t_tile - 1)  # padding rows repeat the last real row
+        offset = np.minimum(offset, t_tile - 1)  # padding rows repeat the last real row
         rows = qsl[tile_req][:, None] + offset  # [G, T]
-        out_rows = torch.where(row_valid, rows, int(qsl[-1]))  # padding rows land in scratch row N
+        out_rows = np.where(row_valid, rows, qsl[-1])  # padding rows land in scratch row N
         # The request's t rows are its LAST t positions: row j sits at seq_len - t + j.
         q_pos = seq_lens[tile_req][:, None] - t_tile + offset  # [G, T]
+        identity = tile_rows == 1 and rows.size == qsl[-1] and bool((rows[:, 0] == np.arange(rows.size)).all())
+        device = meta.block_table.device
+        # One host -> device copy for the three [G, T] index arrays, one for the tiles' requests.
+        q_rows, out_rows, q_pos = torch.from_numpy(np.stack([rows, out_rows, q_pos])).to(
+            device, non_blocking=True).unbind(0)
+        tile_req_dev = torch.from_numpy(tile_req).to(device, non_blocking=True)
         bs = meta.block_size
         width = -(-int(seq_lens[reqs].max()) // bs)  # W blocks cover the group's longest context
-        device = meta.block_table.device
-        tile_req_dev = tile_req.to(device, non_blocking=True)
         tables = meta.block_table[:, :width].index_select(0, tile_req_dev).long()  # [G, W]
-        return _TileGroup(q_rows=rows.to(device, non_blocking=True),
-                          out_rows=out_rows.to(device, non_blocking=True),
-                          q_pos=q_pos.to(device, non_blocking=True), tables=tables, num_key_blocks=width)
+        # Pool row of (block b, offset i, kv head h) in the [slots * Hkv, D] view:
+        # (b * bs + i) * Hkv + h. Laid out [G, Hkv, W, bs] so each (tile, head) reads its keys in order.
+        kv_rows = (tables * (bs * num_kv_heads))[:, None, :, None] + self._within_block(bs, num_kv_heads, device)
+        return _TileGroup(q_rows=q_rows, out_rows=out_rows, q_pos=q_pos,
+                          kv_rows=kv_rows.reshape(tile_req.size, num_kv_heads, width * bs), identity=identity)
+
+    def _within_block(self, block_size: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+        """int64 [Hkv, 1, block_size]: i * Hkv + h, the row offset of (offset i, head h) in a block."""
+        key = (block_size, num_kv_heads, device)
+        if key not in self._offsets:
+            self._offsets[key] = (torch.arange(num_kv_heads, device=device)[:, None, None]
+                                  + torch.arange(block_size, device=device)[None, None, :] * num_kv_heads)
+        return self._offsets[key]
 
     # ----- attention ---------------------------------------------------------------------
     def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
@@ -140,40 +183,41 @@ class TorchBackend:
             raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
         if scale is None:
             scale = 1.0 / math.sqrt(d)
+        groups = self.plan(meta, hkv)
+        if len(groups) == 1 and groups[0].identity and groups[0].num_keys * hkv * d * n <= self.max_chunk_elems:
+            # Pure decode: row i is tile i, so no gather of q rows and no scatter of results.
+            return self._attend(q, k_pool, v_pool, groups[0], slice(0, n), scale, window).view(n, hq, d)
         out = q.new_zeros((n + 1, hq, d))  # row N is scratch for the tiles' padding rows
-        for group in self.plan(meta):
-            keys_per_tile = group.num_key_blocks * meta.block_size * hkv * d
-            chunk = max(1, self.max_chunk_elems // keys_per_tile)
+        for group in groups:
+            chunk = max(1, self.max_chunk_elems // (group.num_keys * hkv * d))
             for start in range(0, group.num_tiles, chunk):
-                self._attend(q, k_pool, v_pool, group, slice(start, start + chunk), scale, window, out)
+                tiles = slice(start, start + chunk)
+                o = self._attend(q.index_select(0, group.q_rows[tiles].flatten()), k_pool, v_pool, group, tiles,
+                                 scale, window)
+                # Real rows are distinct; only padding rows share the scratch row (dropped below).
+                out.index_copy_(0, group.out_rows[tiles].flatten(), o)
         return out[:n]
 
     def _attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: _TileGroup,
-                tiles: slice, scale: float, window: int, out: torch.Tensor) -> None:
-        """Attention for one chunk of a group's tiles, written into ``out`` [N, Hq, D]."""
-        hq, d = q.shape[1:]
-        bs, hkv = k_pool.shape[1], k_pool.shape[2]
+                tiles: slice, scale: float, window: int) -> torch.Tensor:
+        """Attention for one chunk of a group's tiles: q [G' * T, Hq, D] (the tiles' rows in order)
+        -> [G' * T, Hq, D]."""
+        rows, hq, d = q.shape
+        hkv = k_pool.shape[2]
         group_size = hq // hkv
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
-        q_rows, out_rows = group.q_rows[tiles], group.out_rows[tiles]  # [G, T]
-        q_pos, tables = group.q_pos[tiles], group.tables[tiles]  # [G, T], [G, W]
-        g, t = q_rows.shape
-        num_keys = tables.shape[1] * bs
-        # Whole blocks through the block table: [G, W] -> [G, W * bs, Hkv, D].
-        k = k_pool.index_select(0, tables.flatten()).view(g, num_keys, hkv, d).to(work)
-        v = v_pool.index_select(0, tables.flatten()).view(g, num_keys, hkv, d).to(work)
-        qt = q.index_select(0, q_rows.flatten()).to(work)  # [G * T, Hq, D]
-        # Query head h reads kv head h // group_size: fold the group into the query axis.
-        qt = qt.view(g, t, hkv, group_size, d).permute(0, 2, 1, 3, 4).reshape(g, hkv, t * group_size, d)
-        scores = torch.matmul(qt, k.permute(0, 2, 3, 1)) * scale  # [G, Hkv, T * group, W * bs]
-        k_pos = torch.arange(num_keys, device=q.device)
-        visible = k_pos[None, None, :] <= q_pos[:, :, None]  # [G, T, keys]; also hides p >= seq_len
-        if window > 0:
-            visible &= k_pos[None, None, :] > q_pos[:, :, None] - window
-        visible = visible[:, None, :, None, :].expand(g, 1, t, group_size, num_keys).reshape(g, 1, t * group_size, num_keys)
-        scores = scores.masked_fill(~visible, float("-inf"))
+        kv_rows = group.kv_rows[tiles]  # [G', Hkv, keys]
+        g, _, keys = kv_rows.shape
+        t = rows // g
+        # One gather per pool, straight into heads-first order: each (tile, kv head) becomes one
+        # contiguous [keys, D] matrix, ready for a batched matmul.
+        k = k_pool.view(-1, d).index_select(0, kv_rows.flatten()).view(g * hkv, keys, d).to(work)
+        v = v_pool.view(-1, d).index_select(0, kv_rows.flatten()).view(g * hkv, keys, d).to(work)
+        # Query head h reads kv head h // group_size: fold the group into the query axis
+        # (a view when T == 1). [G' * T, Hq, D] -> [G' * Hkv, T * group, D]
+        qt = q.to(work).view(g, t, hkv, group_size, d).transpose(1, 2).reshape(g * hkv, t * group_size, d)
+        bias = group.bias(tiles, group_size, window, work)  # [G' * Hkv, T * group, keys]
+        scores = torch.baddbmm(bias, qt, k.transpose(1, 2), alpha=scale)
         probs = torch.softmax(scores, dim=-1)  # every query sees at least its own key: no NaN
-        o = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [G, Hkv, T * group, D]
-        o = o.view(g, hkv, t, group_size, d).permute(0, 2, 1, 3, 4).reshape(g * t, hq, d)
-        # Real rows are distinct; only padding rows share the scratch row, whose value is dropped.
-        out.index_copy_(0, out_rows.flatten(), o.to(out.dtype))
+        o = torch.bmm(probs, v)  # [G' * Hkv, T * group, D]
+        return o.view(g, hkv, t, group_size, d).transpose(1, 2).reshape(rows, hq, d).to(q.dtype)

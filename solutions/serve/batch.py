@@ -108,8 +108,9 @@ def build_batch(
     prompt_rows: list[int] = []
     prompt_spans: list[tuple[Request, int, list[int]]] = []
     request_ids: list[str] = []
+    by_id = isinstance(block_tables, Mapping)
     for i, (req, n) in enumerate(scheduled):
-        table = block_tables[req.request_id] if isinstance(block_tables, Mapping) else block_tables[i]
+        table = block_tables[req.request_id] if by_id else block_tables[i]
         c = req.num_computed_tokens
         if n < 1:
             raise ValueError(f"request {req.request_id!r}: scheduled n must be >= 1, got {n}")

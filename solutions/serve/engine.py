@@ -26,7 +26,8 @@ class EngineConfig:
 
     ``num_blocks=None`` sizes the pool from memory: ``kv_cache_bytes`` on a CPU, profiling plus
     ``gpu_memory_utilization`` on CUDA. ``max_model_len=None`` means the model's
-    ``max_position_embeddings``.
+    ``max_position_embeddings``. ``attention_backend``: "torch" (vectorized, the default),
+    "reference" (the chapter's Python loop, the oracle) or "triton" (chapter 32, GPU).
     """
 
     block_size: int = 16
@@ -40,7 +41,7 @@ class EngineConfig:
     policy: str = "fcfs"
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
-    attention_backend: str = "reference"
+    attention_backend: str = "torch"
     max_model_len: int | None = None
     seed: int = 0
     sampler: str = "simple"
@@ -286,6 +287,7 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         row = 0
         for (req, n), k in zip(plan.scheduled, batch.sample_counts):
+            start = req.num_computed_tokens
             req.num_computed_tokens += n
             new = tokens[row:row + k]
             row += k
@@ -303,7 +305,11 @@ class EngineCore:
                 req.num_computed_tokens = req.num_tokens - 1
                 self.blocks.trim(req, req.num_computed_tokens + 1)
             if req.params.prompt_logprobs is not None:
-                req.extra.setdefault("prompt_logprobs", []).extend(prompt_lp.get(req.request_id, []))
+                # Entry i scores prompt token i + 1, so this span's entries start at its first
+                # position; after a recompute preemption they replace the earlier ones.
+                lps = req.extra.setdefault("prompt_logprobs", [])
+                del lps[start:]
+                lps.extend(prompt_lp.get(req.request_id, []))
             self.blocks.cache_full_blocks(req)
             status = self.check_stop(req) if new else None
             if status is not None:

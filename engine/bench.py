@@ -1,0 +1,478 @@
+"""``python run.py bench``: the engines side by side, and how the core scales with concurrency.
+
+Engines, all on the same weights and the same greedy requests (every request decodes its full
+``max_tokens``, as with ``ignore_eos``):
+- ``ch24 slots``: chapter 24's SlotEngine (one static cache row per request);
+- ``core/reference``: chapter 31's EngineCore with the reference attention backend (a Python loop);
+- ``core/torch`` (``core/triton`` on CUDA): the core with the fast backend;
+- ``HF generate``: transformers' ``generate`` on static, left-padded batches (skipped, with a
+  message, when transformers is not installed).
+Workloads: ``shared`` (the chapter's 16 requests behind one 192-token system prompt), ``random``
+(nano-vllm's benchmark scaled for a CPU: 64 independent random prompts and output lengths) and
+``chat`` (8 conversations x 4 turns; each turn's prompt is the previous prompt + its answer + a
+new message, so turns run round by round).
+
+The scaling table runs R requests at once, decode-heavy, for R = 16, 64, 256, and splits the core's
+step into schedule / build batch / forward / sample / bookkeeping (medians over the timed steps).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from engine.serve import EngineConfig, EngineCore, SamplingParams
+from engine.serve.slots import SlotEngine
+from engine.workloads import ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload
+
+WORKLOADS = ("shared", "random", "chat")
+SCALING_POINTS = (16, 64, 256)
+SPLIT = ("schedule", "build", "forward", "sample", "bookkeeping")
+
+
+# ----- workloads ------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    """Rounds of requests; a round starts when the previous one has finished. A ``ChatTurn``'s
+    prompt is its conversation's history (previous prompt + answer) plus its message."""
+
+    name: str
+    rounds: list[list[WorkItem | ChatTurn]]
+    system: list[int] = field(default_factory=list)
+
+    def round_items(self, k: int, history: dict[int, list[int]]) -> list[WorkItem]:
+        items = []
+        for entry in self.rounds[k]:
+            if isinstance(entry, ChatTurn):
+                prompt = history.get(entry.conversation, self.system) + entry.message
+                items.append(WorkItem(f"c{entry.conversation}t{k}", prompt, entry.max_tokens))
+            else:
+                items.append(entry)
+        return items
+
+
+def make_workload(name: str, vocab_size: int, seed: int = 0, scale: float = 1.0) -> Workload:
+    """The named workload; ``scale`` < 1 shrinks request counts (quick runs and tests)."""
+    count = lambda n: max(2, round(n * scale))  # noqa: E731
+    if name == "shared":
+        return Workload(name, [shared_prefix_workload(count(16), seed=seed, vocab_size=vocab_size)])
+    if name == "random":
+        return Workload(name, [random_workload(count(64), seed=seed, vocab_size=vocab_size)])
+    if name == "chat":
+        system, rounds = chat_workload(count(8), seed=seed, vocab_size=vocab_size)
+        return Workload(name, rounds, system)
+    raise ValueError(f"unknown workload {name!r}: choose from {WORKLOADS}")
+
+
+# ----- engines --------------------------------------------------------------------------------
+def release_memory() -> None:
+    """Collect finished engines (an EngineCore sits in a reference cycle) and their device memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class CoreRunner:
+    """EngineCore with one attention backend; kept across rounds, so chat turns hit the cache."""
+
+    def __init__(self, model, backend: str, **config) -> None:
+        self.label = f"core/{backend}"
+        release_memory()  # the previous engine's pool must be gone before this one sizes its own
+        if model.model.embed_tokens.weight.device.type == "cuda":
+            config.setdefault("gpu_memory_utilization", 0.5)  # leave room for the other engines' runs
+        self.core = EngineCore(model, EngineConfig(attention_backend=backend, **config))
+
+    def serve(self, items: list[WorkItem]) -> dict[str, list[int]]:
+        for item in items:
+            self.core.add_request(item.request_id, item.prompt_token_ids,
+                                  SamplingParams(max_tokens=item.max_tokens, ignore_eos=True))
+        return self.core.run_until_done()
+
+    def stats(self) -> dict:
+        blocks = self.core.blocks
+        return {"steps": self.core.steps, "hit_rate": round(blocks.hit_rate, 3),
+                "preemptions": self.core.preemptions, "kv_slots": blocks.num_blocks * blocks.block_size}
+
+
+class SlotRunner:
+    """Chapter 24's SlotEngine: ``num_slots`` static rows of ``max_len`` tokens."""
+
+    label = "ch24 slots"
+
+    def __init__(self, model, num_slots: int, max_len: int) -> None:
+        self.engine = SlotEngine(model, num_slots=num_slots, max_len=max_len)
+
+    def serve(self, items: list[WorkItem]) -> dict[str, list[int]]:
+        for item in items:
+            self.engine.add_request(item.request_id, item.prompt_token_ids, item.max_tokens, ignore_eos=True)
+        return self.engine.run_to_completion()
+
+    def stats(self) -> dict:
+        return {"steps": self.engine.steps, "hit_rate": None, "preemptions": None,
+                "kv_slots": self.engine.kv_slots}
+
+
+class HFRunner:
+    """transformers' generate, static batches of ``batch_size`` requests in arrival order."""
+
+    label = "HF generate"
+
+    def __init__(self, hf, batch_size: int) -> None:
+        self.hf = hf
+        self.batch_size = batch_size
+        self.steps = 0
+
+    def serve(self, items: list[WorkItem]) -> dict[str, list[int]]:
+        from engine.hf_baseline import generate_static_batch
+
+        out = {}
+        for at in range(0, len(items), self.batch_size):
+            batch = items[at:at + self.batch_size]
+            answers = generate_static_batch(self.hf, [i.prompt_token_ids for i in batch], [i.max_tokens for i in batch])
+            out.update({i.request_id: a for i, a in zip(batch, answers)})
+            self.steps += max(i.max_tokens for i in batch)
+        return out
+
+    def stats(self) -> dict:
+        return {"steps": self.steps, "hit_rate": None, "preemptions": None, "kv_slots": None}
+
+
+@dataclass
+class RunResult:
+    engine: str
+    workload: str
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    seconds: float  # wall clock of the serve() calls (best of --repeat runs)
+    cpu_seconds: float  # process CPU time of the same calls: on a shared machine, what it would take alone
+    steps: int
+    hit_rate: float | None
+    preemptions: int | None
+    kv_slots: int | None
+    output_tok_s: float = 0.0
+    total_tok_s: float = 0.0
+    vs_fastest_peer: float = 0.0  # output tok/s / the fastest OTHER engine's (> 1: this one leads)
+    agrees: float | None = None  # share of requests whose tokens equal core/reference's
+    outputs: dict[str, list[int]] = field(default_factory=dict, repr=False)
+
+
+def run_workload(runner, workload: Workload) -> RunResult:
+    """Serve every round of ``workload``; only ``serve`` calls are timed."""
+    history: dict[int, list[int]] = {}
+    outputs: dict[str, list[int]] = {}
+    prompt_tokens = seconds = cpu_seconds = 0.0
+    for k in range(len(workload.rounds)):
+        items = workload.round_items(k, history)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        got = runner.serve(items)
+        seconds += time.perf_counter() - start
+        cpu_seconds += time.process_time() - cpu_start
+        prompt_tokens += sum(len(i.prompt_token_ids) for i in items)
+        outputs.update(got)
+        for entry, item in zip(workload.rounds[k], items):
+            if isinstance(entry, ChatTurn):
+                history[entry.conversation] = item.prompt_token_ids + got[item.request_id]
+    n_out = sum(len(v) for v in outputs.values())
+    res = RunResult(engine=runner.label, workload=workload.name, requests=len(outputs),
+                    prompt_tokens=int(prompt_tokens), output_tokens=n_out, seconds=round(seconds, 4),
+                    cpu_seconds=round(cpu_seconds, 4),
+                    **runner.stats(), outputs=outputs)
+    res.output_tok_s = round(n_out / seconds, 1)
+    res.total_tok_s = round((n_out + prompt_tokens) / seconds, 1)
+    return res
+
+
+def longest_request(workload: Workload) -> int:
+    """Tokens (prompt + output) of the workload's longest request, chat histories included."""
+    if not workload.system and all(isinstance(e, WorkItem) for r in workload.rounds for e in r):
+        return max(len(e.prompt_token_ids) + e.max_tokens for r in workload.rounds for e in r)
+    grown: dict[int, int] = {}
+    longest = 0
+    for rnd in workload.rounds:
+        for e in rnd:
+            n = grown.get(e.conversation, len(workload.system)) + len(e.message) + e.max_tokens
+            grown[e.conversation] = n
+            longest = max(longest, n)
+    return longest
+
+
+def compare_engines(model, workload: Workload, fast_backend: str, engines: list[str], hf=None,
+                    hf_batch: int = 64, repeat: int = 1, log: Callable[[str], None] = print) -> list[RunResult]:
+    """Run ``workload`` through each engine: a fresh engine per run, after a small warm-up of its
+    own; with ``repeat`` > 1 each engine keeps its fastest run (timing noise only ever slows down)."""
+    first = workload.rounds[0][0]
+    warm = Workload("warm-up", [[WorkItem("warm", first.prompt_token_ids if isinstance(first, WorkItem)
+                                          else workload.system + first.message, 4)]])
+    max_len = max(320, longest_request(workload))
+    slots = 8 if workload.name == "shared" else 16  # the chapter's 8 rows; 16 for the bigger workloads
+    factories = {
+        "ch24": lambda: SlotRunner(model, slots, max_len),
+        "reference": lambda: CoreRunner(model, "reference", max_num_seqs=256),
+        "fast": lambda: CoreRunner(model, fast_backend, max_num_seqs=256),
+        "hf": (lambda: HFRunner(hf, hf_batch)) if hf is not None else None,
+    }
+    results = []
+    for name in engines:
+        make = factories[name]
+        if make is None:
+            continue
+        run_workload(make(), warm)
+        res = min((run_workload(make(), workload) for _ in range(repeat)), key=lambda r: r.seconds)
+        log(f"  {res.engine:16s} {res.output_tok_s:9.1f} out tok/s  ({res.seconds:.2f} s wall, "
+            f"{res.cpu_seconds:.2f} s CPU)")
+        results.append(res)
+    oracle = next((r for r in results if r.engine == "core/reference"), None)
+    for r in results:
+        peers = [p.output_tok_s for p in results if p is not r]
+        r.vs_fastest_peer = round(r.output_tok_s / max(peers), 2) if peers else 1.0
+        if oracle is not None:
+            r.agrees = round(sum(r.outputs.get(k) == v for k, v in oracle.outputs.items()) / len(oracle.outputs), 3)
+    return results
+
+
+# ----- scaling and the step split -------------------------------------------------------------
+class _StepClock:
+    """Wraps a core's schedule / prepare / execute / sampler to time each part of ``step()``."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.parts: dict[str, float] = {}
+        device = core.runner.device
+        # On a GPU the forward only launches kernels; wait for them so the split is honest.
+        self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        self._wrap(core.scheduler, "schedule", "schedule")
+        self._wrap(core.runner, "prepare", "build")
+        self._wrap(core.runner, "execute", "forward")
+        sampler, clock = core.sampler, self
+
+        class TimedSampler:
+            def __call__(self, *args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return sampler(*args, **kwargs)
+                finally:
+                    clock.parts["sample"] = clock.parts.get("sample", 0.0) + time.perf_counter() - start
+
+            def __getattr__(self, name):
+                return getattr(sampler, name)
+
+        core.sampler = TimedSampler()
+
+    def _wrap(self, obj, method: str, part: str) -> None:
+        fn = getattr(obj, method)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.sync()
+                self.parts[part] = self.parts.get(part, 0.0) + time.perf_counter() - start
+
+        setattr(obj, method, timed)
+
+
+def scaling_point(model, backend: str, num_requests: int, steps: int = 20, prompt_len: int = 64,
+                  seed: int = 0) -> dict:
+    """``num_requests`` distinct prompts decoding together: median step time, its split, tok/s."""
+    rng = random.Random(seed)
+    vocab = model.cfg.vocab_size
+    release_memory()
+    extra = {"gpu_memory_utilization": 0.5} if model.model.embed_tokens.weight.device.type == "cuda" else {}
+    core = EngineCore(model, EngineConfig(attention_backend=backend, max_num_seqs=max(256, num_requests),
+                                          max_num_batched_tokens=max(2048, num_requests), **extra))
+    for i in range(num_requests):
+        core.add_request(f"s{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
+                         SamplingParams(max_tokens=steps + 64, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens - 1 for r in core.scheduler.requests.values()):
+        core.step()  # prefill
+    for _ in range(3):
+        core.step()  # settle into pure decode
+    clock = _StepClock(core)
+    rows = []
+    for _ in range(steps):
+        clock.parts.clear()
+        start = time.perf_counter()
+        core.step()
+        total = time.perf_counter() - start
+        row = {p: clock.parts.get(p, 0.0) for p in SPLIT[:-1]}
+        row["bookkeeping"] = total - sum(row.values())
+        row["step"] = total
+        rows.append(row)
+    med = {k: statistics.median(r[k] for r in rows) * 1000 for k in rows[0]}
+    overhead = 1.0 - med["forward"] / med["step"]
+    return {"backend": backend, "requests": num_requests, "step_ms": round(med["step"], 3),
+            "tok_s": round(num_requests / med["step"] * 1000, 1),
+            **{f"{p}_ms": round(med[p], 3) for p in SPLIT}, "overhead": round(overhead, 3)}
+
+
+# ----- reporting ------------------------------------------------------------------------------
+def print_results(results: list[RunResult], workload: Workload) -> None:
+    print(f"\nworkload {workload.name!r}: {results[0].requests} requests, {results[0].prompt_tokens} prompt "
+          f"tokens, {results[0].output_tokens} output tokens, {len(workload.rounds)} round(s)")
+    head = f"{'engine':16s} {'out tok/s':>10s} {'total tok/s':>12s} {'wall s':>7s} {'CPU s':>6s} {'steps':>6s} " \
+           f"{'hit rate':>9s} {'preempt':>8s} {'kv slots':>9s} {'x fastest peer':>15s} {'agrees':>7s}"
+    print(head)
+    print("-" * len(head))
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for r in results:
+        print(f"{r.engine:16s} {r.output_tok_s:10.1f} {r.total_tok_s:12.1f} {r.seconds:7.2f} {r.cpu_seconds:6.2f} "
+              f"{r.steps:6d} {fmt(r.hit_rate, '9.3f'):>9s} "
+              f"{fmt(r.preemptions, '8d'):>8s} {fmt(r.kv_slots, '9d'):>9s} {r.vs_fastest_peer:15.2f} "
+              f"{fmt(r.agrees, '7.3f'):>7s}")
+
+
+def print_scaling(points: list[dict]) -> None:
+    print("\nscaling: R requests decoding together (median step; split of the core's step in ms)")
+    head = f"{'backend':10s} {'R':>4s} {'step ms':>8s} {'tok/s':>8s} " + " ".join(f"{p:>11s}" for p in SPLIT) \
+           + f" {'overhead':>9s}"
+    print(head)
+    print("-" * len(head))
+    for p in points:
+        print(f"{p['backend']:10s} {p['requests']:4d} {p['step_ms']:8.2f} {p['tok_s']:8.1f} "
+              + " ".join(f"{p[f'{s}_ms']:11.3f}" for s in SPLIT) + f" {p['overhead']:9.1%}")
+    print("overhead = everything but the forward pass (schedule + build + sample + bookkeeping) / step")
+
+
+def plot(path: str, by_workload: dict[str, list[RunResult]], points: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = list(by_workload)
+    engines = list(dict.fromkeys(r.engine for rs in by_workload.values() for r in rs))
+    width = 0.8 / max(1, len(engines))
+    for j, eng in enumerate(engines):
+        vals = [next((r.output_tok_s for r in by_workload[w] if r.engine == eng), 0.0) for w in names]
+        ax1.bar([i + j * width for i in range(len(names))], vals, width, label=eng)
+    ax1.set_xticks([i + width * (len(engines) - 1) / 2 for i in range(len(names))], names)
+    ax1.set_ylabel("output tokens / s")
+    ax1.set_title("throughput by workload")
+    ax1.legend()
+    for backend in dict.fromkeys(p["backend"] for p in points):
+        pts = [p for p in points if p["backend"] == backend]
+        ax2.plot([p["requests"] for p in pts], [p["tok_s"] for p in pts], marker="o", label=f"core/{backend}")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("requests decoding together")
+    ax2.set_ylabel("output tokens / s")
+    ax2.set_title("decode scaling")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ----- entry point ----------------------------------------------------------------------------
+def default_fast_backend(device: torch.device) -> str:
+    """``triton`` on a CUDA device with triton installed, else ``torch``."""
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+
+            return "triton"
+        except ImportError:
+            pass
+    return "torch"
+
+
+def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str | None = None,
+              scaling: tuple[int, ...] = SCALING_POINTS, scaling_backends: tuple[str, ...] | None = None,
+              scaling_steps: int = 20, scale: float = 1.0, seed: int = 0, hf_batch: int = 64,
+              repeat: int = 1) -> dict:
+    """Everything ``run.py bench`` prints, as a dict (also what ``--json`` writes)."""
+    device = model.model.embed_tokens.weight.device
+    fast_backend = fast_backend or default_fast_backend(device)
+    hf = None
+    if "hf" in engines:
+        try:
+            from engine.hf_baseline import to_hf
+
+            hf = to_hf(model)
+        except ImportError as exc:
+            print(f"HF generate skipped: {exc}")
+    by_workload: dict[str, list[RunResult]] = {}
+    for name in workloads:
+        wl = make_workload(name, model.cfg.vocab_size, seed=seed, scale=scale)
+        print(f"running workload {name!r} ...", flush=True)
+        by_workload[name] = compare_engines(model, wl, fast_backend, engines, hf, hf_batch, repeat)
+        print_results(by_workload[name], wl)
+    points = []
+    for backend in scaling_backends or ("reference", fast_backend):
+        for r in scaling:
+            points.append(scaling_point(model, backend, r, steps=scaling_steps, seed=seed))
+            print(f"  scaling {backend} R={r}: {points[-1]['step_ms']:.2f} ms/step", flush=True)
+    if points:
+        print_scaling(points)
+    return {"device": str(device), "dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(), "fast_backend": fast_backend,
+            "workloads": {w: [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in rs]
+                          for w, rs in by_workload.items()},
+            "scaling": points, "_results": by_workload}
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="run.py bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {WORKLOADS}")
+    ap.add_argument("--engines", default="ch24,reference,fast,hf",
+                    help="comma-separated, from ch24, reference, fast, hf (default: all)")
+    ap.add_argument("--backend", default=None, help="the fast attention backend (default: triton on CUDA, else torch)")
+    ap.add_argument("--scaling", default=",".join(map(str, SCALING_POINTS)),
+                    help="concurrency levels of the scaling table ('' to skip it)")
+    ap.add_argument("--scaling-backends", default=None, help="backends of the scaling table (default: reference and the fast one)")
+    ap.add_argument("--steps", type=int, default=20, help="timed decode steps per scaling point (default 20)")
+    ap.add_argument("--scale", type=float, default=1.0, help="shrink the workloads' request counts (e.g. 0.25 for a quick run)")
+    ap.add_argument("--hf-batch", type=int, default=64, help="HF generate's static batch size (default 64)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per engine and workload; the fastest is kept (default 1)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None, help="an HF-format checkpoint directory instead of the 2-layer test model")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--plot", default=None, metavar="PATH", help="also draw the results as a PNG (needs matplotlib)")
+    ap.add_argument("--impl", choices=("solution", "engine"), default="solution",
+                    help="'solution' runs the reference; 'engine' runs the holes you filled in")
+    args = ap.parse_args(argv)
+    workloads = [w for w in args.workloads.split(",") if w]
+    engines = [e for e in args.engines.split(",") if e]
+    for w in workloads:
+        if w not in WORKLOADS:
+            ap.error(f"unknown workload {w!r}: choose from {WORKLOADS}")
+    for e in engines:
+        if e not in ("ch24", "reference", "fast", "hf"):
+            ap.error(f"unknown engine {e!r}: choose from ch24, reference, fast, hf")
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    if args.model:
+        from engine.models import load_model
+
+        model = load_model(args.model, device=args.device)
+    else:
+        from engine.models import tiny_model
+
+        model = tiny_model(seed=0).to(args.device)
+    report = run_bench(model, workloads, engines, args.backend,
+                       scaling=tuple(int(x) for x in args.scaling.split(",") if x),
+                       scaling_backends=tuple(args.scaling_backends.split(",")) if args.scaling_backends else None,
+                       scaling_steps=args.steps, scale=args.scale, seed=args.seed, hf_batch=args.hf_batch,
+                       repeat=args.repeat)
+    results = report.pop("_results")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(args.plot, results, report["scaling"])
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,210 @@
+"""Bad input, nothing lost: every rejected input raises ValueError saying what to change, and the
+engine it was sent to is left exactly as it was — it then serves a normal request correctly and
+ends idle with no blocks, queue entries, generators or swapped K/V left over.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from ch31_helpers import model64, oracle
+from engine.serve import BlockManager, EngineConfig, EngineCore, SamplingParams
+from engine.serve.invariants import check_engine_invariants, check_idle
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7]
+SP = SamplingParams
+BASE = dict(block_size=4, num_blocks=16, max_model_len=100)  # a 64-token pool, a 100-token context
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@dataclass
+class Case:
+    """One rejected call: ``call(core)`` must raise ValueError whose message contains ``fragment``.
+    ``setup(core)`` puts state in the engine first (it must survive the rejection untouched)."""
+
+    call: Callable
+    fragment: str
+    config: dict = field(default_factory=dict)
+    setup: Callable | None = None
+
+
+def _add(*args, **kwargs) -> Callable:
+    return lambda core: core.add_request(*args, **kwargs)
+
+
+def _existing(*ids: str, n: int = 1) -> Callable:
+    def setup(core):
+        for rid in ids:
+            core.add_request(rid, PROMPT, SP(max_tokens=3, n=n, seed=11, temperature=0.7))
+    return setup
+
+
+REQUEST_CASES = {
+    # the prompt
+    "empty prompt": Case(_add("a", []), "prompt_token_ids is empty"),
+    "prompt is None": Case(_add("a", None), "must be a list of token ids"),
+    "prompt is text": Case(_add("a", "hello"), "tokenize text first"),
+    "token id negative": Case(_add("a", [1, -1, 2]), "outside the vocabulary [0, 512)"),
+    "token id past vocab": Case(_add("a", [1, 512]), "outside the vocabulary [0, 512)"),
+    "token id float": Case(_add("a", [1, 2.0]), "token ids must be ints"),
+    "token id str": Case(_add("a", [1, "2"]), "token ids must be ints"),
+    "token id bool": Case(_add("a", [True, 2]), "token ids must be ints"),
+    "token id tensor": Case(_add("a", torch.tensor([1, 2])), "token ids must be ints"),
+    # sampling parameters
+    "max_tokens 0": Case(lambda core: core.add_request("a", PROMPT, SP(max_tokens=0)), "max_tokens must be an integer >= 1"),
+    "max_tokens float": Case(lambda core: core.add_request("a", PROMPT, SP(max_tokens=2.5)), "max_tokens must be an integer"),
+    "n 0": Case(lambda core: core.add_request("a", PROMPT, SP(n=0)), "n must be an integer >= 1"),
+    "negative temperature": Case(lambda core: core.add_request("a", PROMPT, SP(temperature=-0.1)), "temperature must be >= 0"),
+    "nan temperature": Case(lambda core: core.add_request("a", PROMPT, SP(temperature=float("nan"))), "temperature must be >= 0"),
+    "top_p 0": Case(lambda core: core.add_request("a", PROMPT, SP(top_p=0.0)), "top_p must be in (0, 1]"),
+    "top_p above 1": Case(lambda core: core.add_request("a", PROMPT, SP(top_p=1.5)), "top_p must be in (0, 1]"),
+    "top_k negative": Case(lambda core: core.add_request("a", PROMPT, SP(top_k=-1)), "top_k must be an integer >= 0"),
+    "top_k float": Case(lambda core: core.add_request("a", PROMPT, SP(top_k=2.5)), "top_k must be an integer >= 0"),
+    "min_tokens > max_tokens": Case(lambda core: core.add_request("a", PROMPT, SP(min_tokens=5, max_tokens=4)),
+                                    "must not exceed max_tokens"),
+    "negative stop token": Case(lambda core: core.add_request("a", PROMPT, SP(stop_token_ids=[-3])),
+                                "stop_token_ids must be a list of non-negative integers"),
+    "stop tokens not a list": Case(lambda core: core.add_request("a", PROMPT, SP(stop_token_ids=7)),
+                                   "stop_token_ids must be a list"),
+    "seed not an int": Case(lambda core: core.add_request("a", PROMPT, SP(seed="7")), "seed must be an integer or None"),
+    "logprobs (full sampler)": Case(lambda core: core.add_request("a", PROMPT, SP(logprobs=2)), "leave logprobs=None"),
+    "repetition penalty (full sampler)": Case(lambda core: core.add_request("a", PROMPT, SP(repetition_penalty=1.2)),
+                                              "leave it at 1.0"),
+    "params not SamplingParams": Case(_add("a", PROMPT, {"max_tokens": 3}), "params must be a SamplingParams"),
+    # identity, ordering and tenancy
+    "request id empty": Case(_add("", PROMPT), "request_id must be a non-empty string"),
+    "request id not a string": Case(_add(7, PROMPT), "request_id must be a non-empty string"),
+    "duplicate id": Case(_add("dup", PROMPT), "already in use", setup=_existing("dup")),
+    "duplicate id of a child": Case(_add("p:1", PROMPT), "already in use", setup=_existing("p", n=2)),
+    "n > 1 colliding with a live id": Case(_add("x", PROMPT, SP(n=3, seed=1, temperature=0.5)), "already in use",
+                                          setup=_existing("x:2")),
+    "n > 1 reusing a live parent id": Case(_add("p", PROMPT, SP(n=2)), "already in use", setup=_existing("p", n=2)),
+    "priority not an int": Case(_add("a", PROMPT, priority="high"), "priority must be an int",
+                                config=dict(policy="priority"), setup=_existing("b")),
+    "arrival_time not a number": Case(_add("a", PROMPT, arrival_time="now"), "arrival_time must be a finite number",
+                                      setup=_existing("b")),
+    "arrival_time nan": Case(_add("a", PROMPT, arrival_time=float("nan")), "arrival_time must be a finite number"),
+    "cache_key not a tuple": Case(_add("a", PROMPT, cache_key=["tenant"]), "cache_key must be a tuple"),
+    # sizes
+    "prompt beyond the context": Case(_add("a", [1] * 90, SP(max_tokens=11)), "exceeds max_model_len=100"),
+    "request larger than the pool": Case(_add("a", [1] * 40, SP(max_tokens=30)), "exceeds the whole KV pool",
+                                         setup=_existing("b")),
+    "n > 1 each larger than the pool": Case(_add("a", [1] * 60, SP(max_tokens=10, n=3, seed=4, temperature=0.5)),
+                                            "exceeds the whole KV pool"),
+    "prompt over the budget, chunking off": Case(_add("a", [1] * 20), "enable chunked prefill or raise the budget",
+                                                 config=dict(enable_chunked_prefill=False, max_num_batched_tokens=16)),
+}
+
+
+def _snapshot(core) -> dict:
+    s, b = core.scheduler, core.blocks
+    return dict(requests=sorted(s.requests), waiting=[r.request_id for r in s.waiting],
+                running=[r.request_id for r in s.running], generators=sorted(core.generators),
+                children={k: list(v) for k, v in core.children.items()}, swapped=sorted(core.runner.swapped),
+                free=list(b.free_queue), tables={k: list(v) for k, v in b.req_blocks.items()})
+
+
+def _serve_normally(core) -> None:
+    """Whatever was queued before plus one new greedy request all finish, the new one equal to generate()."""
+    core.add_request("normal", PROMPT, SP(max_tokens=6))
+    out = {}
+    while core.has_unfinished():
+        for o in core.step():
+            if o.finished:
+                out[o.request_id] = o.output_token_ids
+        check_engine_invariants(core)
+    assert out["normal"] == oracle(tuple(PROMPT), 6), "after a rejected input the engine answers wrongly"
+    check_idle(core)
+
+
+@pytest.mark.parametrize("name", list(REQUEST_CASES))
+def test_rejected_request_changes_nothing(name):
+    case = REQUEST_CASES[name]
+    core = EngineCore(model64(), EngineConfig(**{**BASE, **case.config}))
+    if case.setup:
+        case.setup(core)
+    before = _snapshot(core)
+    with pytest.raises(ValueError) as err:
+        case.call(core)
+    assert case.fragment in str(err.value), f"{name}: the message should say what to change, got {str(err.value)!r}"
+    assert _snapshot(core) == before, f"{name}: the rejected request left state behind"
+    check_engine_invariants(core)
+    _serve_normally(core)
+
+
+CONFIG_CASES = {
+    "block_size 0": (dict(block_size=0), "block_size must be an integer >= 1"),
+    "block_size float": (dict(block_size=2.0), "block_size must be an integer >= 1"),
+    "num_blocks 0": (dict(num_blocks=0), "num_blocks must be an integer >= 1"),
+    "kv_cache_bytes 0": (dict(kv_cache_bytes=0), "kv_cache_bytes must be an integer >= 1"),
+    "kv_cache_bytes below one block": (dict(kv_cache_bytes=100, num_blocks=None), "give the KV cache more memory"),
+    "budget 0": (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an integer >= 1"),
+    "budget bool": (dict(max_num_batched_tokens=True), "max_num_batched_tokens must be an integer >= 1"),
+    "max_num_seqs 0": (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
+    "negative threshold": (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold must be an integer >= 0"),
+    "chunking flag not a bool": (dict(enable_chunked_prefill="no"), "enable_chunked_prefill must be True or False"),
+    "caching flag not a bool": (dict(enable_prefix_caching=None), "enable_prefix_caching must be True or False"),
+    "gpu_memory_utilization 0": (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization must be in (0, 1]"),
+    "gpu_memory_utilization above 1": (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be in (0, 1]"),
+    "gpu_memory_utilization text": (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization must be in (0, 1]"),
+    "max_model_len 0": (dict(max_model_len=0), "max_model_len must be an integer >= 1"),
+    "max_model_len past the model": (dict(max_model_len=10**6), "exceeds the model's 8192 positions"),
+    "seed not an int": (dict(seed="0"), "seed must be an integer"),
+    "unknown policy": (dict(policy="lifo"), "unknown policy 'lifo': choose one of"),
+    "unknown preemption mode": (dict(preemption_mode="drop"), "unknown preemption_mode 'drop': choose one of"),
+    "unknown backend": (dict(attention_backend="flash9"), "unknown attention backend 'flash9': choose one of"),
+    "unknown sampler": (dict(sampler="fancy"), "unknown sampler 'fancy': choose one of"),
+    "full sampler (later chapter)": (dict(sampler="full"), "use 'simple'"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIG_CASES))
+def test_rejected_config(name):
+    overrides, fragment = CONFIG_CASES[name]
+    with pytest.raises(ValueError) as err:
+        EngineCore(model64(), EngineConfig(**{**BASE, **overrides}))
+    assert fragment in str(err.value), f"{name}: the message should say what to change, got {str(err.value)!r}"
+
+
+def test_valid_config_still_serves_after_rejections():
+    for overrides, _ in CONFIG_CASES.values():
+        with pytest.raises(ValueError):
+            EngineCore(model64(), EngineConfig(**{**BASE, **overrides}))
+    _serve_normally(EngineCore(model64(), EngineConfig(**BASE)))
+
+
+@pytest.mark.parametrize("args, fragment", [
+    ((0, 4), "num_blocks must be an integer >= 1"),
+    ((4, 0), "block_size must be an integer >= 1"),
+    ((4.0, 4), "num_blocks must be an integer >= 1"),
+])
+def test_block_manager_rejects_bad_sizes(args, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
+        BlockManager(*args)
+
+
+def test_abort_unknown_finished_and_twice_is_harmless_and_ids_are_reusable():
+    core = EngineCore(model64(), EngineConfig(**BASE))
+    core.abort_request("nobody")
+    core.add_request("a", PROMPT, SP(max_tokens=2, seed=3, temperature=0.5))
+    core.add_request("b", PROMPT, SP(max_tokens=2, n=2))
+    core.abort_request("a")
+    core.abort_request("a")  # twice
+    core.abort_request("b")  # the parent: both children go
+    check_idle(core)
+    core.add_request("a", PROMPT, SP(max_tokens=4))  # aborted ids can be reused ...
+    assert core.run_until_done() == {"a": oracle(tuple(PROMPT), 4)}
+    core.abort_request("a")  # ... aborting a finished one changes nothing ...
+    core.add_request("a", PROMPT, SP(max_tokens=2, n=2))  # ... and finished ids too, even as a parent
+    assert core.run_until_done() == {"a:0": oracle(tuple(PROMPT), 2), "a:1": oracle(tuple(PROMPT), 2)}
+    check_idle(core)
