@@ -299,17 +299,19 @@ def scaling_point(model, backend: str, num_requests: int, steps: int = 20, promp
     rows = []
     for _ in range(steps):
         clock.parts.clear()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         core.step()
-        total = time.perf_counter() - start
+        total, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         row = {p: clock.parts.get(p, 0.0) for p in SPLIT[:-1]}
         row["bookkeeping"] = total - sum(row.values())
-        row["step"] = total
+        row["step"], row["cpu"] = total, cpu
         rows.append(row)
     med = {k: statistics.median(r[k] for r in rows) * 1000 for k in rows[0]}
-    overhead = 1.0 - med["forward"] / med["step"]
+    # Medians of the parts need not add up to the median step: the overhead share is taken over
+    # the parts' sum, so that it matches the split printed next to it.
+    overhead = 1.0 - med["forward"] / sum(med[p] for p in SPLIT)
     return {"backend": backend, "requests": num_requests, "step_ms": round(med["step"], 3),
-            "tok_s": round(num_requests / med["step"] * 1000, 1),
+            "cpu_ms": round(med["cpu"], 3), "tok_s": round(num_requests / med["step"] * 1000, 1),
             **{f"{p}_ms": round(med[p], 3) for p in SPLIT}, "overhead": round(overhead, 3)}
 
 
@@ -331,14 +333,16 @@ def print_results(results: list[RunResult], workload: Workload) -> None:
 
 def print_scaling(points: list[dict]) -> None:
     print("\nscaling: R requests decoding together (median step; split of the core's step in ms)")
-    head = f"{'backend':10s} {'R':>4s} {'step ms':>8s} {'tok/s':>8s} " + " ".join(f"{p:>11s}" for p in SPLIT) \
+    head = f"{'backend':10s} {'R':>4s} {'step ms':>8s} {'CPU ms':>7s} {'tok/s':>8s} " \
+           + " ".join(f"{p:>11s}" for p in SPLIT) \
            + f" {'overhead':>9s}"
     print(head)
     print("-" * len(head))
     for p in points:
-        print(f"{p['backend']:10s} {p['requests']:4d} {p['step_ms']:8.2f} {p['tok_s']:8.1f} "
+        print(f"{p['backend']:10s} {p['requests']:4d} {p['step_ms']:8.2f} {p['cpu_ms']:7.2f} {p['tok_s']:8.1f} "
               + " ".join(f"{p[f'{s}_ms']:11.3f}" for s in SPLIT) + f" {p['overhead']:9.1%}")
-    print("overhead = everything but the forward pass (schedule + build + sample + bookkeeping) / step")
+    print("overhead = everything but the forward pass: (schedule + build + sample + bookkeeping) / their sum "
+          "with forward; CPU ms = process CPU time per step (all threads)")
 
 
 def plot(path: str, by_workload: dict[str, list[RunResult]], points: list[dict]) -> None:
@@ -432,7 +436,10 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="shrink the workloads' request counts (e.g. 0.25 for a quick run)")
     ap.add_argument("--hf-batch", type=int, default=64, help="HF generate's static batch size (default 64)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per engine and workload; the fastest is kept (default 1)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: the test model's ops are too small to gain from more, "
+                         "and OpenMP threads spinning on a busy machine can slow a step a hundredfold; "
+                         "0 = torch's default). Every engine runs with the same setting.")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="an HF-format checkpoint directory instead of the 2-layer test model")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -451,6 +458,8 @@ def bench_main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown engine {e!r}: choose from ch24, reference, fast, hf")
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if args.threads < 0:
+        ap.error("--threads must be >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -54,6 +54,7 @@ from engine.models import load_model, tiny_model  # noqa: E402
 from engine.serve import (BlockManager, EngineConfig, EngineCore, Request, SamplingParams,  # noqa: E402
                           Scheduler)
 from engine.viz import StepRecord, StepTracer  # noqa: E402
+from engine.workloads import ChatTurn, chat_workload  # noqa: E402
 
 VOCAB = 512  # the test model's vocabulary; workloads draw token ids below this
 
@@ -113,14 +114,18 @@ class AdmissionTracer(StepTracer):
 
     Why not the BlockManager's ``hit_rate``? It counts every lookup, and the scheduler looks the
     head of the queue up again at every step it fails to fit, so a crowded pool inflates it.
-    Here each admission counts once: ``admitted_tokens`` sums the token lists of admitted requests
-    (swap-ins excluded: they don't consult the cache), ``cached_tokens`` what the cache gave them.
+    Here a request counts once, at its FIRST admission: ``hit_rate`` = cached tokens / tokens of
+    those requests, the figure a user of the cache cares about. Re-admissions after a recompute
+    preemption, which often find the request's own blocks, are counted apart
+    (``resume_cached_tokens`` of ``resume_tokens``); swap-ins don't consult the cache at all.
+    ``step_cached`` / ``step_admitted`` cover every admission of the last step.
     """
 
     def __init__(self, core: EngineCore) -> None:
         super().__init__(core)
         self.first_step: dict[str, int] = {}
         self.admitted_tokens = self.cached_tokens = 0
+        self.resume_tokens = self.resume_cached_tokens = 0
         self.step_admitted = self.step_cached = 0
         self._waiting: dict[str, tuple[int, bool]] = {}
 
@@ -135,14 +140,19 @@ class AdmissionTracer(StepTracer):
 
     def on_plan(self, plan) -> None:
         for req, _ in plan.scheduled:
-            self.first_step.setdefault(req.request_id, len(self.records) + 1)
             before = self._waiting.get(req.request_id)
             if before is None or before[1]:  # was running, or comes back from host memory
                 continue
+            cached = req.num_computed_tokens - before[0]
             self.step_admitted += req.num_tokens
-            self.step_cached += req.num_computed_tokens - before[0]
-        self.admitted_tokens += self.step_admitted
-        self.cached_tokens += self.step_cached
+            self.step_cached += cached
+            if req.request_id in self.first_step:
+                self.resume_tokens += req.num_tokens
+                self.resume_cached_tokens += cached
+            else:
+                self.first_step[req.request_id] = len(self.records) + 1
+                self.admitted_tokens += req.num_tokens
+                self.cached_tokens += cached
 
 
 # ============================================================================= 1. cache-stats
@@ -184,64 +194,54 @@ class CacheStatsTracer(AdmissionTracer):
             waiting=record.waiting, in_use=record.in_use, cached_free=record.cached_free))
 
 
-@dataclass
-class Conversation:
-    """A chat: one user message per turn; the assistant answers each with ``answer_len`` tokens."""
-
-    conv_id: str
-    messages: list[list[int]]
-    answer_len: int
+def chat(num_convs: int = 8, turns: int = 4, seed: int = 0, vocab_size: int = VOCAB):
+    """Exercise 1's chat: short messages and answers so that many turns fit a small pool."""
+    return chat_workload(num_convs, turns, seed=seed, vocab_size=vocab_size, message_len=(8, 24),
+                         output_len=(12, 20))
 
 
-def chat_workload(num_convs: int = 8, turns: int = 4, system_len: int = 64,
-                  message_len: tuple[int, int] = (8, 24), answer_len: tuple[int, int] = (12, 20),
-                  seed: int = 0, vocab: int = VOCAB) -> tuple[list[int], list[Conversation]]:
-    """A shared system prompt and ``num_convs`` conversations of ``turns`` user messages."""
-    rng = random.Random(seed)
-    system = rand_tokens(rng, system_len, vocab)
-    convs = [Conversation(f"c{i}", [rand_tokens(rng, rng.randint(*message_len), vocab) for _ in range(turns)],
-                          rng.randint(*answer_len)) for i in range(num_convs)]
-    return system, convs
+def chat_longest(system: list[int], rounds: list[list[ChatTurn]]) -> int:
+    """Upper bound on the workload's longest request (a last turn's prompt + answer): the pool
+    must hold it."""
+    return len(system) + max(sum(len(r[c].message) + r[c].max_tokens for r in rounds)
+                             for c in range(len(rounds[0])))
 
 
-def chat_max_tokens(system: list[int], convs: list[Conversation]) -> int:
-    """The longest request of the workload (last turn's prompt + answer): the pool must hold it."""
-    return max(len(system) + sum(len(m) for m in c.messages) + len(c.messages) * c.answer_len for c in convs)
-
-
-def run_chat(core: EngineCore, system: list[int], convs: list[Conversation],
+def run_chat(core: EngineCore, system: list[int], rounds: list[list[ChatTurn]],
              tracer: StepTracer | None = None) -> dict[str, list[int]]:
     """Serve every conversation turn by turn: turn t+1's prompt is turn t's prompt, the answer the
-    engine gave, and the next message. All conversations start at once. Returns the answers."""
+    engine gave, and the next message. Each conversation moves on as soon as its own answer is
+    done (no waiting for the others). Returns every answer by request id "c{conv}/t{turn}"."""
     tracer = tracer or StepTracer(core)
-    live: dict[str, tuple[Conversation, int, list[int]]] = {}
+    live: dict[str, tuple[int, int, list[int]]] = {}
     answers: dict[str, list[int]] = {}
 
-    def submit(conv: Conversation, turn: int, history: list[int]) -> None:
-        rid = f"{conv.conv_id}/t{turn}"
-        prompt = history + conv.messages[turn]
-        core.add_request(rid, prompt, SamplingParams(max_tokens=conv.answer_len, ignore_eos=True))
+    def submit(conv: int, turn: int, history: list[int]) -> None:
+        entry = rounds[turn][conv]
+        rid = f"c{conv}/t{turn}"
+        prompt = history + entry.message
+        core.add_request(rid, prompt, SamplingParams(max_tokens=entry.max_tokens, ignore_eos=True))
         live[rid] = (conv, turn, prompt)
 
-    for conv in convs:
+    for conv in range(len(rounds[0])):
         submit(conv, 0, list(system))
     while core.has_unfinished():
         for out in tracer.step():
             if out.finished:
                 conv, turn, prompt = live.pop(out.request_id)
                 answers[out.request_id] = out.output_token_ids
-                if turn + 1 < len(conv.messages):
+                if turn + 1 < len(rounds):
                     submit(conv, turn + 1, prompt + out.output_token_ids)
     return answers
 
 
-def cache_stats(pool_sizes: Sequence[int] = (14, 16, 20, 24, 32, 48, 64, 128), num_convs: int = 8,
+def cache_stats(pool_sizes: Sequence[int] = (14, 20, 24, 32, 40, 48, 64, 96), num_convs: int = 8,
                 turns: int = 4, block_size: int = 16, seed: int = 0, show_pool: int | None = 20,
                 show_steps: int = 30, model=None, plot: str | None = None, quiet: bool = False) -> dict:
     """Exercise 1: per-step cache statistics for one pool size, and the hit rate across sizes."""
     model = model if model is not None else make_model()
-    system, convs = chat_workload(num_convs, turns, seed=seed, vocab=model.cfg.vocab_size)
-    longest = chat_max_tokens(system, convs)
+    system, rounds = chat(num_convs, turns, seed, model.cfg.vocab_size)
+    longest = chat_longest(system, rounds)
     smallest = -(-longest // block_size)
     sizes = [n for n in pool_sizes if n >= smallest]
     if not sizes:
@@ -250,13 +250,14 @@ def cache_stats(pool_sizes: Sequence[int] = (14, 16, 20, 24, 32, 48, 64, 128), n
     for num_blocks in sizes:
         core = make_core(model, block_size=block_size, num_blocks=num_blocks)
         tracer = CacheStatsTracer(core)
-        answers = run_chat(core, system, convs, tracer)
+        answers = run_chat(core, system, rounds, tracer)
         reference = reference or answers
         steps = tracer.cache_steps
         summary.append({
             "pool_blocks": num_blocks, "hit_rate": round(tracer.hit_rate, 3), "steps": core.steps,
-            "computed": sum(s.computed for s in steps), "cached": sum(s.cached for s in steps),
-            "evicted": sum(s.evicted for s in steps), "preemptions": core.preemptions,
+            "computed": sum(s.computed for s in steps), "cached": tracer.cached_tokens,
+            "resume_cached": tracer.resume_cached_tokens, "evicted": sum(s.evicted for s in steps),
+            "preemptions": core.preemptions,
             "same_answers": answers == reference})
         traces[num_blocks] = steps
     if not quiet:
@@ -295,7 +296,7 @@ def cache_stats(pool_sizes: Sequence[int] = (14, 16, 20, 24, 32, 48, 64, 128), n
 
 # ============================================================================= 2. recompute vs swap
 def long_output_workload(num_requests: int = 8, system_len: int = 32, question_len: tuple[int, int] = (8, 24),
-                         output_len: tuple[int, int] = (96, 128), seed: int = 0,
+                         output_len: tuple[int, int] = (64, 96), seed: int = 0,
                          vocab: int = VOCAB) -> list[tuple[str, list[int], int]]:
     """Requests with a short shared system prompt and long answers: (id, prompt, max_tokens)."""
     rng = random.Random(seed)
@@ -350,26 +351,28 @@ def timed_run(core: EngineCore, work: list[tuple[str, list[int], int]]) -> tuple
         "recomputed_tokens": sum(r.recompute for r in tracer.records),
         "blocks_swapped": tracer.blocks_swapped_out + tracer.blocks_swapped_in,
         "prefix_hit_rate": round(tracer.hit_rate, 3),
+        "resume_hit_rate": round(tracer.resume_cached_tokens / tracer.resume_tokens, 3) if tracer.resume_tokens else 0.0,
     }, outputs
 
 
-def recompute_vs_swap(num_requests: int = 8, num_blocks: int = 24, block_size: int = 16,
-                      output_len: tuple[int, int] = (96, 128), seed: int = 0, repeats: int = 1, model=None,
-                      backend: str = "reference", plot: str | None = None, quiet: bool = False) -> dict:
+def recompute_vs_swap(num_requests: int = 8, num_blocks: int = 20, block_size: int = 16,
+                      output_len: tuple[int, int] = (64, 96), seed: int = 0, repeats: int = 2, model=None,
+                      backend: str | None = None, plot: str | None = None, quiet: bool = False) -> dict:
     """Exercise 2: the same over-full workload under both preemption modes, caching on and off."""
     model = model if model is not None else make_model()
     work = long_output_workload(num_requests, output_len=output_len, seed=seed, vocab=model.cfg.vocab_size)
     need = sum(len(p) + m for _, p, m in work)
     # Warm-up (first calls pay one-off costs), then each configuration `repeats` times; keep the
     # fastest run, the usual way to time on a shared machine.
-    timed_run(make_core(model, block_size=block_size, num_blocks=num_blocks, attention_backend=backend), work[:2])
+    extra = {"attention_backend": backend} if backend else {}
+    timed_run(make_core(model, block_size=block_size, num_blocks=num_blocks, **extra), work[:2])
     rows, outputs = [], {}
     for mode in ("recompute", "swap"):
         for caching in (True, False):
             runs = []
             for _ in range(repeats):
                 core = make_core(model, block_size=block_size, num_blocks=num_blocks, preemption_mode=mode,
-                                 enable_prefix_caching=caching, attention_backend=backend)
+                                 enable_prefix_caching=caching, **extra)
                 runs.append(timed_run(core, work))
             stats, out = min(runs, key=lambda r: r[0]["total_s"])
             label = f"{mode}, caching {'on' if caching else 'off'}"
@@ -382,14 +385,18 @@ def recompute_vs_swap(num_requests: int = 8, num_blocks: int = 24, block_size: i
         print(f"{num_requests} requests needing {need} token slots in a pool of {num_blocks * block_size} "
               f"({num_blocks} blocks of {block_size}); device {next(model.parameters()).device}\n")
         print_table(rows, ["config", "total_s", "tok_s", "steps", "preemptions", "tpot_mean_ms", "tpot_p99_ms",
-                           "itl_p99_ms", "recomputed_tokens", "blocks_swapped", "prefix_hit_rate", "same_tokens"])
+                           "itl_p99_ms", "recomputed_tokens", "blocks_swapped", "prefix_hit_rate",
+                           "resume_hit_rate", "same_tokens"])
     if plot:
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+        for row in rows:
+            row["tokens_copied"] = row["blocks_swapped"] * block_size
+        fig, axes = plt.subplots(1, 4, figsize=(15, 3.8))
         labels = [r["config"].replace(", ", "\n") for r in rows]
-        for ax, key, name in zip(axes, ("total_s", "tpot_p99_ms", "recomputed_tokens"),
-                                 ("total time (s)", "p99 time per output token (ms)", "tokens recomputed")):
+        for ax, key, name in zip(axes, ("total_s", "tpot_p99_ms", "recomputed_tokens", "tokens_copied"),
+                                 ("total time (s)", "p99 time per output token (ms)", "tokens recomputed",
+                                  "tokens copied to and from host")):
             ax.bar(labels, [r[key] for r in rows], color=["#c44e52", "#e8a0a0", "#4c72b0", "#a0b4d8"])
             ax.set_title(name, fontsize=10)
             ax.tick_params(axis="x", labelsize=8)
@@ -488,7 +495,7 @@ def run_arrivals(core: EngineCore, work: list[tuple[str, int, list[int], int]], 
             "max_wait_cold": max(cold, default=0), "worst_request": f"{worst} (prompt {prompt_of[worst]})"}
 
 
-def cache_aware(num_requests: int = 48, num_prompts: int = 4, num_blocks: int = 40, block_size: int = 16,
+def cache_aware(num_requests: int = 48, num_prompts: int = 6, num_blocks: int = 40, block_size: int = 16,
                 max_num_seqs: int = 4, rate: float = 0.5, max_wait_steps: int = 20, seed: int = 0,
                 model=None, plot: str | None = None, quiet: bool = False) -> dict:
     """Exercise 3: FCFS vs longest-prefix-match admission (and LPM with aging) on several prompts."""
@@ -724,7 +731,7 @@ def simulate(cache, work: list[tuple[str, list[int], list[int]]], concurrency: i
     return cache.hit_rate
 
 
-def radix(pool_sizes: Sequence[int] = (48, 64, 96, 128, 192, 256, 384), block_size: int = 16,
+def radix(pool_sizes: Sequence[int] = (96, 112, 128, 160, 192, 256, 384), block_size: int = 16,
           concurrency: int = 4, seed: int = 0, work=None, plot: str | None = None, quiet: bool = False) -> dict:
     """Exercise 4: hit rates of the flat hash map and the radix tree (with and without partial
     matches) on a tree-shaped workload, across pool sizes."""
@@ -778,8 +785,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ap.add_argument("--model", default=None, help="an HF-format checkpoint directory instead of the test model")
     ap.add_argument("--device", default="cpu", help="where the model runs (default cpu)")
-    ap.add_argument("--backend", default="reference", help="attention backend (recompute-vs-swap)")
-    ap.add_argument("--repeats", type=int, default=1, help="timed runs per configuration, fastest kept")
+    ap.add_argument("--backend", default=None, help="attention backend of recompute-vs-swap (default: EngineConfig's)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per configuration, fastest kept "
+                    "(recompute-vs-swap; default 2)")
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

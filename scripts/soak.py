@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MAX_NEW = 10  # the longest output any soak request asks for
 NUM_PREFIXES = (0, 5, 16, 23)  # lengths of the shared prefixes (0 = no shared prefix)
 NUM_SUFFIXES = 8
+STALL_STEPS = 2000  # draining with no request finishing for this long counts as a livelock
 
 
 @dataclass
@@ -63,9 +64,11 @@ class Soak:
         self.greedy_cache: dict[tuple[int, ...], list[int]] = {}
         self.sampled_cache: dict[tuple, list[int]] = {}
         self.violations: list[str] = []
-        self.ops = 0
+        self.ops = 0  # random operations (add, abort, step, reset)
+        self.drain_steps = 0  # steps run to bring each episode to idle
         self.episodes = 0
         self.counts = {"finished": 0, "compared": 0, "aborted": 0, "preemptions": 0, "rejected": 0}
+        self.abort_kinds: dict[str, int] = {}  # aborted requests by the state they were in
 
     # ----- oracles -------------------------------------------------------------------------
     def greedy(self, prompt: tuple[int, ...]) -> list[int]:
@@ -109,7 +112,7 @@ class Soak:
         bs = r.choice((1, 2, 4, 8, 16))
         longest = max(NUM_PREFIXES) + max(len(s) for s in self.suffixes) + MAX_NEW
         barely = -(-longest // bs)
-        num_blocks = r.choice((max(1, barely - 1), barely, barely, barely + 1, barely + r.randrange(1, 3 * barely + 2), 4 * barely))
+        num_blocks = r.choice((max(1, barely - 1), barely, barely, barely, barely + 1, barely + r.randrange(1, 3 * barely + 2), 4 * barely))
         chunked = r.random() < 0.75
         budget = r.choice((1, 3, 8, 16, 40, 2048)) if chunked else r.choice((40, 64, 2048))
         return EngineConfig(
@@ -151,30 +154,31 @@ class Soak:
             self.ops += 1
             x = self.rng.random()
             try:
-                if x < 0.30:
+                if x < 0.32:
                     self.add()
-                elif x < 0.38:
+                elif x < 0.40:
                     self.abort()
-                elif x < 0.39:
+                elif x < 0.41:
                     core.blocks.reset_prefix_cache()
                 else:
                     ok = self.step()
             except Exception as e:  # an engine crash is a violation; the episode ends with it
                 self.violation(f"{type(e).__name__}: {e}  (config {cfg})")
                 return
-        for _ in range(5000):  # drain to idle
-            if not ok or not core.has_unfinished():
-                break
-            self.ops += 1
+        idle_for = 0  # drain steps since a request last finished
+        while ok and core.has_unfinished() and idle_for < STALL_STEPS:
+            self.drain_steps += 1
+            before = len(self.done)
             try:
                 ok = self.step()
             except Exception as e:
                 self.violation(f"{type(e).__name__} while draining: {e}  (config {cfg})")
                 return
+            idle_for = 0 if len(self.done) > before else idle_for + 1
         if not ok:
             return
         if core.has_unfinished():
-            self.violation(f"still busy after 5000 drain steps (livelock?) with config {cfg}")
+            self.violation(f"no request finished in {STALL_STEPS} steps (livelock?) with config {cfg}")
             return
         for b in idle_violations(core):
             self.violation(f"at idle: {b}  (config {cfg})")
@@ -238,7 +242,8 @@ class Soak:
             "prefill": [q for q in sched.running if q.num_computed_tokens < q.num_prompt_tokens],
             "decoding": [q for q in sched.running if q.num_computed_tokens >= q.num_prompt_tokens],
         }
-        choice = r.choice(list(groups) + ["parent", "unknown"])
+        # Only states present now: preempted and swapped-out requests rarely last more than a step.
+        choice = r.choice([k for k, reqs in groups.items() if reqs] + ["parent", "unknown"])
         if choice == "unknown":
             done = [i for i in self.tracked if i not in sched.requests]  # finished or aborted: harmless
             core.abort_request(r.choice(done + ["nope", f"q{self.next_id + 5}"]))
@@ -253,6 +258,7 @@ class Soak:
             core.abort_request(victim.request_id)
             self.aborted.add(victim.request_id)
             self.counts["aborted"] += 1
+            self.abort_kinds[choice] = self.abort_kinds.get(choice, 0) + 1
         for rid in self.aborted:
             if rid in sched.requests:
                 self.violation(f"aborted request {rid!r} is still in the scheduler")
@@ -325,9 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(violations) > 20:
         print(f"... and {len(violations) - 20} more")
     c = soak.counts
-    print(f"soak: {soak.ops} operations in {soak.episodes} episodes, {elapsed:.0f} s; "
+    print(f"soak: {soak.ops} operations (+{soak.drain_steps} steps draining to idle) in {soak.episodes} "
+          f"episodes, {elapsed:.0f} s; "
           f"{c['finished']} requests finished ({c['compared']} compared with an oracle), "
-          f"{c['aborted']} aborted, {c['rejected']} rejected, {c['preemptions']} preemptions; "
+          f"{c['aborted']} aborted {soak.abort_kinds}, {c['rejected']} rejected, {c['preemptions']} preemptions; "
           f"{len(violations)} violations")
     return 1 if violations else 0
 

@@ -62,7 +62,13 @@ def _holes_for(item) -> list[str] | None:
 def pytest_runtest_setup(item):
     isolation = item.config.stash.get(_ISOLATION_KEY, None)
     if isolation is not None:
-        isolation.patch(isolation.names_for(_holes_for(item)))
+        problem = None
+        try:
+            isolation.patch(isolation.names_for(_holes_for(item)))
+        except (RuntimeError, ValueError) as exc:  # your file doesn't load, or a hole is missing
+            problem = str(exc)
+        if problem:
+            pytest.fail(problem, pytrace=False)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -116,6 +116,11 @@ class LearnerHoles:
             except Exception as exc:  # a learner's syntax or import error: report it per test
                 sys.modules.pop(name, None)
                 last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+                if isinstance(exc, SyntaxError):
+                    last += f" (line {exc.lineno})"
+                else:
+                    lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if f.filename == str(path)]
+                    last += f" (line {lines[-1]})" if lines else ""
                 self._modules[rel] = f"could not load your engine/{rel}: {last}"
         loaded = self._modules[rel]
         if isinstance(loaded, str):

@@ -56,6 +56,7 @@ class TestRun:
     collect_errors: list[dict] = field(default_factory=list)
     output: str = ""
     timed_out: bool = False
+    engine_file: str | None = None  # the engine package the session imported
 
     def first_failure(self) -> TestRecord | None:
         return next((t for t in self.tests if t.outcome in ("failed", "error")), None)
@@ -87,4 +88,5 @@ def run_pytest(args: list[str], cwd: Path = ROOT, env: dict[str, str] | None = N
             data = json.loads(report.read_text())
             run.tests = [TestRecord(**t) for t in data["tests"]]
             run.collect_errors = data["collect_errors"]
+            run.engine_file = data.get("engine_file")
         return run

@@ -129,5 +129,6 @@ class TritonBackend:
                 v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), table.stride(0),
                 GROUP=group, GROUP_PAD=group_pad, TILE_ROWS=tile_rows,
                 HEAD_DIM=d, BLOCK_D=max(MIN_DOT, _pow2(d)), BLOCK_N=self.block_n,
+                DOT_F32=self.interpreted or k_pool.dtype == torch.float32,
             )
         return out

@@ -28,7 +28,7 @@ def paged_attention_kernel(
     stride_qn, stride_qh, stride_on, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TILE_ROWS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -47,10 +47,11 @@ def paged_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_real = d < HEAD_DIM
     q_off = (row0 + t)[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=m_real[:, None] & d_real[None, :], other=0.0)
-    # Scale in float32, then back to the pool's dtype so both dots take the same input type
-    # (bfloat16 / float16 on a GPU run on tensor cores; float32 stays exact with "ieee").
-    q = (q.to(tl.float32) * scale).to(k_ptr.dtype.element_ty)
+    q = tl.load(q_ptr + q_off, mask=m_real[:, None] & d_real[None, :], other=0.0).to(tl.float32) * scale
+    # Dots take the pool's dtype (bfloat16 / float16 run on tensor cores; float32 stays exact with
+    # "ieee"), unless DOT_F32 asks for float32 throughout (the interpreter's 16-bit dot is wrong).
+    if not DOT_F32:
+        q = q.to(k_ptr.dtype.element_ty)
 
     m_i = tl.full([TILE_ROWS * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([TILE_ROWS * GROUP_PAD], tl.float32)
@@ -64,13 +65,16 @@ def paged_attention_kernel(
     for start in range(first, last + 1, BLOCK_N):
         p = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         p_real = p <= last
-        block = tl.load(table_ptr + req * stride_table + p // block_size, mask=p_real, other=0)
+        block = tl.load(table_ptr + req * stride_table + p // block_size, mask=p_real, other=0).to(tl.int64)
         within = p % block_size
         kv_real = p_real[:, None] & d_real[None, :]
         k = tl.load(k_ptr + block[:, None] * stride_kb + within[:, None] * stride_ks + kv_head * stride_kh
                     + d[None, :], mask=kv_real, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + block[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh
                     + d[None, :], mask=kv_real, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, BLOCK_N], float32
         visible = (p[None, :] <= q_pos[:, None]) & p_real[None, :]
         visible = visible & ((window <= 0) | (p[None, :] > q_pos[:, None] - window))

@@ -7,6 +7,10 @@ read the file back. It imports nothing from the repository, so it works against 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
+import threading
 import time
 
 import pytest
@@ -16,6 +20,28 @@ def pytest_addoption(parser):
     parser.addoption("--report-json", default=None, help="write per-test outcomes and markers to this JSON file")
     parser.addoption("--select-holes", default=None,
                      help="comma-separated hole names (and/or 'milestone'): run only those tests, holes first")
+    parser.addoption("--per-test-timeout", type=float, default=0,
+                     help="fail a test that runs longer than this many seconds (POSIX only; 0 = no limit)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """``--per-test-timeout``: a hole stuck in a loop fails its own test instead of hanging the run."""
+    limit = item.config.getoption("--per-test-timeout")
+    if not limit or not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"test ran longer than {limit:g} s (an endless loop in a hole?)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.hookimpl(trylast=True)
@@ -84,9 +110,18 @@ class _Recorder:
             rec["message"] = str(report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr)
         elif report.passed and report.when == "call" and rec["outcome"] == "not run":
             rec["outcome"] = "passed"
+        if report.when == "teardown":
+            self.write(None)  # after every test, so a run killed for time still says how far it got
 
     def pytest_sessionfinish(self, session, exitstatus):
-        data = {"exitstatus": int(exitstatus), "seconds": round(time.monotonic() - self.start, 2),
-                "collect_errors": self.collect_errors, "tests": list(self.tests.values())}
-        with open(self.path, "w") as f:
+        self.write(int(exitstatus))
+
+    def write(self, exitstatus: int | None) -> None:
+        engine = sys.modules.get("engine")
+        data = {"exitstatus": exitstatus, "seconds": round(time.monotonic() - self.start, 2),
+                "engine_file": getattr(engine, "__file__", None), "collect_errors": self.collect_errors,
+                "tests": list(self.tests.values())}
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
             json.dump(data, f, indent=1)
+        os.replace(tmp, self.path)

@@ -1,0 +1,60 @@
+"""``run.py bench`` end to end on tiny workloads: every engine serves the same greedy tokens.
+
+The numbers themselves are not checked (they depend on the machine); what is checked is that the
+workloads are what they claim, that every engine answers every request with the same tokens,
+and that ``--json`` and ``--plot`` write their files.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.bench import bench_main, longest_request, make_workload
+from engine.workloads import ChatTurn, chat_workload, random_workload
+
+pytestmark = pytest.mark.given  # the bench drives the reference engine; no learner hole is graded here
+
+
+def test_workloads_are_seeded_and_shaped():
+    a, b = random_workload(8, seed=3), random_workload(8, seed=3)
+    assert a == b and len(a) == 8 and all(16 <= len(i.prompt_token_ids) <= 256 for i in a)
+    system, rounds = chat_workload(3, num_turns=2, seed=1)
+    assert len(rounds) == 2 and all(len(r) == 3 and isinstance(r[0], ChatTurn) for r in rounds)
+    chat = make_workload("chat", 512, scale=3 / 8)
+    history = {0: [1, 2, 3]}
+    first = chat.round_items(1, history)[0]
+    assert first.prompt_token_ids[:3] == [1, 2, 3], "a chat turn's prompt must start with its history"
+    assert longest_request(chat) > len(chat.system)
+    with pytest.raises(ValueError, match="unknown workload"):
+        make_workload("nope", 512)
+
+
+def test_bench_runs_and_engines_agree(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["--workloads", "chat", "--scale", "0.15", "--engines", "ch24,reference,fast,hf",
+            "--scaling", "4", "--steps", "2", "--json", str(out_json)]
+    try:
+        import matplotlib  # noqa: F401
+
+        argv += ["--plot", str(out_png)]
+    except ImportError:
+        out_png = None
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        assert bench_main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)  # bench_main sets the process's thread count
+    report = json.loads(out_json.read_text())
+    for name, rows in report["workloads"].items():
+        engines = {r["engine"] for r in rows}
+        assert engines == {"ch24 slots", "core/reference", "core/torch", "HF generate"}, engines
+        for r in rows:
+            assert r["agrees"] == 1.0, f"{r['engine']} on {name!r} gave different greedy tokens than core/reference"
+            assert r["output_tokens"] > 0 and r["output_tok_s"] > 0
+    assert [p["requests"] for p in report["scaling"]] == [4, 4]
+    assert out_png is None or out_png.stat().st_size > 0
+    assert "x fastest peer" in capsys.readouterr().out

@@ -1,0 +1,106 @@
+"""The stretch-exercise scripts (experiments/ch31.py) on reduced workloads.
+
+These check the instructors' reference solutions, so they run against the reference engine
+(``given``: none of your holes are patched in). Each asserts the property its exercise is about.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The test model's matmuls are tiny: extra threads only add overhead (and on a busy machine,
+    oversubscription makes them far slower). Restored afterwards for the rest of the session."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+pytestmark = pytest.mark.given
+
+
+def experiments():
+    """experiments/ch31.py as a module (imported inside tests: conftest must set --impl first)."""
+    name = "_ch31_experiments"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / "ch31.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def small_model():
+    from engine.models import tiny_model
+
+    return tiny_model(seed=0)
+
+
+def test_cache_stats_multi_turn_chat_reuses_history_when_the_pool_allows():
+    ex = experiments()
+    smallest = -(-ex.chat_longest(*ex.chat(3, 3)) // 16)  # blocks the longest request needs
+    result = ex.cache_stats(pool_sizes=(smallest, 48), num_convs=3, turns=3, model=small_model(), quiet=True)
+    small, large = result["summary"]
+    assert small["same_answers"] and large["same_answers"], "the pool size must not change greedy answers"
+    assert large["hit_rate"] > small["hit_rate"], "a bigger pool keeps more chat history cached"
+    assert large["evicted"] == 0 and small["evicted"] > 0
+    steps = result["per_step"][48]
+    assert all(s["cached"] <= s["admitted"] for s in steps)
+    # Later turns find the earlier turns' prompt AND answer in the cache (published after each step).
+    system_share = 64 / min(s["admitted"] for s in steps if s["admitted"])
+    assert large["hit_rate"] > system_share
+
+
+def test_recompute_vs_swap_same_tokens_different_work():
+    ex = experiments()
+    rows = {r["config"]: r for r in ex.recompute_vs_swap(
+        num_requests=4, num_blocks=8, output_len=(30, 40), repeats=1, model=small_model(), quiet=True)["rows"]}
+    assert all(r["same_tokens"] for r in rows.values()), "preemption mode must not change greedy outputs"
+    assert all(r["preemptions"] > 0 for r in rows.values()), "the small pool must force preemption"
+    for caching in ("on", "off"):
+        recompute, swap = rows[f"recompute, caching {caching}"], rows[f"swap, caching {caching}"]
+        assert recompute["recomputed_tokens"] > 0 and recompute["blocks_swapped"] == 0
+        assert swap["recomputed_tokens"] == 0 and swap["blocks_swapped"] > 0
+    assert rows["recompute, caching on"]["recomputed_tokens"] <= rows["recompute, caching off"]["recomputed_tokens"], \
+        "with prefix caching a resumed request finds some of its own blocks"
+
+
+def test_cache_aware_admission_raises_hit_rate_and_risks_starvation():
+    ex = experiments()
+    rows = ex.cache_aware(model=small_model(), quiet=True)["rows"]
+    fcfs, lpm, aged = rows
+    assert lpm["hit_rate"] >= fcfs["hit_rate"], "longest-prefix-first must not lose hits"
+    assert lpm["max_wait"] > fcfs["max_wait"], "cold requests wait longer under longest-prefix-first"
+    assert aged["max_wait"] <= lpm["max_wait"], "aging bounds the wait"
+
+
+def test_radix_tree_matches_flat_without_eviction_and_beats_it_with_partial_matches():
+    ex = experiments()
+    work = ex.tree_workload(apps=2, templates=2, users=2, turns=2, seed=1)
+    rows = ex.radix(pool_sizes=(64, 96, 512), concurrency=2, work=work, quiet=True)["rows"]
+    for row in rows:
+        assert row["radix"] >= row["flat"], f"pool {row['pool_blocks']}: radix hit rate below the flat map's"
+        assert row["radix"] >= row["radix_whole_blocks"]
+    roomy = rows[-1]
+    assert roomy["evicted_radix"] == 0
+    assert roomy["radix_whole_blocks"] == roomy["flat"], \
+        "with no eviction, whole-block radix matching finds exactly what the hash chain finds"
+    assert roomy["partial_tokens"] > 0 and roomy["radix"] > roomy["flat"]
+
+
+def test_command_line_writes_a_plot(tmp_path, capsys):
+    ex = experiments()
+    plot = tmp_path / "radix.png"
+    assert ex.main(["radix", "--plot", str(plot)]) == 0
+    assert plot.stat().st_size > 0
+    assert "radix" in capsys.readouterr().out

@@ -1,0 +1,116 @@
+"""Execute the chapter notebooks against the reference.
+
+    python -m tools.notebooks                   # run every notebook in notebooks/; save nothing
+    python -m tools.notebooks --save DIR        # also write the executed copies (with outputs) to DIR
+    python -m tools.notebooks --clean           # strip outputs from the stored notebooks, in place
+    python -m tools.notebooks --check-clean     # exit 1 if a stored notebook carries outputs
+
+The stored notebooks are kept without outputs, so a change to the code shows up in a diff as a
+change to the code only. Each notebook runs in a fresh kernel started from this interpreter, in
+the notebook's own directory, with ``ENGINE_IMPL=solution`` (the notebook's first cell sets it as
+well). Exit status 1 when a cell fails; the failing cell's error is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+
+
+def notebook_paths(paths: list[str] | None = None) -> list[Path]:
+    if paths:
+        return [Path(p).resolve() for p in paths]
+    return sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def execute(path: Path, timeout: int = 600, save_to: Path | None = None):
+    """Run every cell of ``path`` in a fresh kernel; returns the executed notebook (the file on
+    disk is not touched). Raises ``nbclient.exceptions.CellExecutionError`` when a cell fails."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    previous = os.environ.get("ENGINE_IMPL")
+    os.environ["ENGINE_IMPL"] = "solution"  # the kernel inherits this process's environment
+    try:
+        NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                       resources={"metadata": {"path": str(path.parent)}}).execute()
+    finally:
+        if previous is None:
+            os.environ.pop("ENGINE_IMPL", None)
+        else:
+            os.environ["ENGINE_IMPL"] = previous
+    if save_to is not None:
+        save_to.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, save_to / path.name)
+    return nb
+
+
+def has_outputs(nb) -> bool:
+    return any(cell.get("outputs") or cell.get("execution_count") for cell in nb.cells if cell.cell_type == "code")
+
+
+def clean(path: Path) -> bool:
+    """Strip outputs and execution counts in place; returns True if the file changed."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    if not has_outputs(nb):
+        return False
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+    nbformat.write(nb, path)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.notebooks", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="*", help="notebooks to run (default: every notebooks/*.ipynb)")
+    ap.add_argument("--save", type=Path, default=None, help="write executed copies to this directory")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds allowed per cell (default 600)")
+    ap.add_argument("--clean", action="store_true", help="strip outputs in place instead of running")
+    ap.add_argument("--check-clean", action="store_true", help="exit 1 if a notebook carries outputs")
+    args = ap.parse_args(argv)
+    paths = notebook_paths(args.paths)
+    if not paths:
+        print(f"no notebooks found under {NOTEBOOKS}", file=sys.stderr)
+        return 1
+    if args.clean or args.check_clean:
+        import nbformat
+
+        dirty = []
+        for path in paths:
+            if args.clean:
+                if clean(path):
+                    print(f"cleaned {path.relative_to(ROOT)}")
+            elif has_outputs(nbformat.read(path, as_version=4)):
+                dirty.append(path)
+        for path in dirty:
+            print(f"{path.relative_to(ROOT)} carries outputs: run `python -m tools.notebooks --clean`")
+        return 1 if dirty else 0
+
+    from nbclient.exceptions import CellExecutionError
+
+    failed = 0
+    for path in paths:
+        start = time.perf_counter()
+        try:
+            execute(path, args.timeout, args.save)
+        except CellExecutionError as exc:
+            failed += 1
+            print(f"FAILED {path.relative_to(ROOT)}:\n{exc}", file=sys.stderr)
+            continue
+        print(f"ok {path.relative_to(ROOT)} ({time.perf_counter() - start:.1f} s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
