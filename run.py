@@ -33,9 +33,17 @@ def _run_guarded(fn, argv: list[str]) -> int:
     try:
         return fn(argv) or 0
     except NotImplementedError as exc:
-        print(f"Your engine is not finished yet: {exc}.\n"
-              "Fill that hole in, check it with `pytest tests/test_ch31_engine_v2.py`, then run again "
-              "(or pass --impl solution to run the reference).", file=sys.stderr)
+        from tools.skeleton import test_selector, unfilled_holes
+
+        left = unfilled_holes()
+        lines = [f"Your engine is not finished yet: {exc}."]
+        if left:
+            first = left[0]
+            lines.append(f"{len(left)} hole(s) still raise NotImplementedError; the first to fill is "
+                         f"{first.qualname} in {first.file} "
+                         f"(check it with: pytest tests/test_ch31_engine_v2.py -k {test_selector(first.qualname)}).")
+        lines.append("Or pass --impl solution to run the reference.")
+        print("\n".join(lines), file=sys.stderr)
         return 2
 
 

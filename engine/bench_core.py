@@ -55,9 +55,15 @@ def core_main(argv: list[str] | None = None) -> int:
                     help="'solution' runs the reference; 'engine' runs the holes you filled in")
     ap.add_argument("--model", default=None, help="an HF-format checkpoint directory instead of the test model")
     ap.add_argument("--backend", default=None, help="attention backend of the core runs (default: EngineConfig's)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU threads for torch (default 1: the test model's matmuls are too small to gain "
+                         "from more, and extra threads only add contention)")
     args = ap.parse_args(argv)
     if args.requests < 1:
         ap.error("--requests must be >= 1")
+    if args.threads < 1:
+        ap.error("--threads must be >= 1")
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.model:
         from engine.models import load_model

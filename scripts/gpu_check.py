@@ -79,12 +79,14 @@ def check_engine(device: torch.device) -> dict:
     prompts[3] = prompts[2][:16] + prompts[3]
     outs = {}
     for backend in ("torch", "triton"):
-        for name, extra in (("ample", {}), ("chunked", dict(max_num_batched_tokens=12)),
+        # Explicit pool sizes: a profiled pool would claim most of the GPU for a 2-layer model.
+        for name, extra in (("ample", dict(num_blocks=256)), ("chunked", dict(num_blocks=256, max_num_batched_tokens=12)),
                             ("preempt", dict(num_blocks=12, block_size=8))):
             core = EngineCore(model, EngineConfig(attention_backend=backend, **extra))
             for i, p in enumerate(prompts):
                 core.add_request(f"r{i}", p, SamplingParams(max_tokens=16, ignore_eos=True))
             outs[backend, name] = core.run_until_done()
+            assert name != "preempt" or core.preemptions > 0, "the 12-block pool was meant to preempt"
     same = {name: outs["triton", name] == outs["torch", name] for name in ("ample", "chunked", "preempt")}
     print(f"[1] engine greedy tokens, triton == torch backend: {same}")
     return same

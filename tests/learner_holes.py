@@ -18,7 +18,8 @@ class that has a hole, extra module-level functions or imports — and are added
 holes; edits elsewhere (``__init__``, constants, non-hole methods) are not seen by the tests.
 
 ``ENGINE_LEARNER_DIR`` (tools and contract tests only) loads "your" files from another directory
-laid out like ``engine/`` — pointing it at ``solutions/`` fills every hole with the reference.
+laid out like ``engine/`` — pointing it at ``solutions/`` fills every hole with the reference. It
+acts in this process only: a subprocess a test starts imports ``engine/`` as it is.
 """
 from __future__ import annotations
 

@@ -147,11 +147,11 @@ def milestone():
     return model, prompts, expected
 
 
+# The milestone runs all four of its configurations on the default backend; these two pin the
+# torch backend explicitly on the paths that stress it most: many small chunks, and preemption.
 ENGINE_CONFIGS = {
     "chunked": dict(max_num_batched_tokens=16, long_prefill_token_threshold=8),
-    "recompute": dict(num_blocks=10, preemption_mode="recompute"),
     "swap": dict(num_blocks=10, preemption_mode="swap"),
-    "no-prefix-cache": dict(enable_prefix_caching=False, max_num_seqs=2),
 }
 
 
@@ -167,5 +167,5 @@ def test_engine_on_torch_backend_matches_generate(milestone, name):
         assert got == want, (f"config {name!r}: request r{i} on the torch backend gave {got}, "
                              f"generate() gave {want}")
     assert core.blocks.num_free == core.blocks.num_blocks, f"config {name!r}: blocks leaked at idle"
-    if name in ("recompute", "swap"):
+    if name == "swap":
         assert core.preemptions > 0, f"config {name!r} was meant to preempt"

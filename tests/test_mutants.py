@@ -7,11 +7,15 @@ bug: strengthen tests/test_ch31_engine_v2.py (keep the hole marker and naming co
 """
 from __future__ import annotations
 
+from learner_holes import all_holes
 from tools.mutants import MUTANTS, format_table, run_all
 
 
 def test_every_mutant_is_killed_by_the_chapter_tests():
-    assert len(MUTANTS) >= 14 and len({m.name for m in MUTANTS}) == len(MUTANTS)
+    assert len(MUTANTS) >= 14 and len({m.name for m in MUTANTS}) == len(MUTANTS), "names must be unique"
+    holes = {h.qualname for h in all_holes()}
+    unknown = {m.name: [h for h in m.holes if h not in holes] for m in MUTANTS if not set(m.holes) <= holes}
+    assert not unknown, f"mutants select tests of holes that don't exist: {unknown}"
     results = run_all(MUTANTS, workers=2)
     bad = [r for r in results if r.status != "killed"]
     assert not bad, (f"{len(bad)} of {len(results)} mutants were not killed "

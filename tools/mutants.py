@@ -34,7 +34,8 @@ SOLUTIONS = ROOT / "solutions"
 @dataclass(frozen=True)
 class Mutant:
     """One bug: replace ``old`` (which must occur exactly once) by ``new`` in ``solutions/<file>``.
-    ``holes`` names the holes whose tests should catch it (the milestone always runs too)."""
+    ``holes`` names the holes whose tests should catch it (the milestone always runs too);
+    ``keyword``, when set, narrows those tests further (pytest ``-k``) to skip slow ones."""
 
     name: str
     file: str
@@ -42,6 +43,7 @@ class Mutant:
     old: str
     new: str
     why: str
+    keyword: str = ""
 
 
 MUTANTS: list[Mutant] = [
@@ -75,7 +77,7 @@ MUTANTS: list[Mutant] = [
            "        (self.running if request in self.running else self.waiting).remove(request)\n"
            "        request.status = Status.FINISHED_ABORTED\n"
            "        self.requests.pop(request_id, None)\n        return request\n",
-           "an aborted request leaves the queues but keeps its blocks"),
+           "an aborted request leaves the queues but keeps its blocks", keyword="abort"),
     Mutant("preempt-leaks-blocks", "serve/scheduler.py", ("Scheduler._preempt",),
            "        self.blocks.free(request)\n        request.status = Status.PREEMPTED\n",
            "        request.status = Status.PREEMPTED\n",
@@ -223,7 +225,9 @@ def run_mutant(mutant: Mutant, timeout: float = 600) -> Result:
         target = copy / mutant.file
         target.write_text(target.read_text().replace(mutant.old, mutant.new))
         select = ",".join([*mutant.holes, "milestone"])
-        run = run_pytest(["-x", "-q", "--tb=line", "--impl", "solution", CHAPTER_TESTS, "--select-holes", select],
+        keyword = ["-k", f"({mutant.keyword}) or milestone"] if mutant.keyword else []
+        run = run_pytest(["-x", "-q", "--tb=line", "--impl", "solution", CHAPTER_TESTS, "--select-holes", select,
+                          *keyword],
                          env={"ENGINE_IMPL": "solution", "ENGINE_SOLUTIONS_DIR": str(copy)}, timeout=timeout)
     failed = run.first_failure()
     if failed is not None and failed.outcome == "failed":
@@ -251,7 +255,7 @@ def run_all(mutants: list[Mutant], workers: int = 2, progress=None) -> list[Resu
         return results
 
 
-def baseline(workers_note: str = "") -> str | None:
+def baseline() -> str | None:
     """None if the unmutated copy passes every chapter test through the same machinery, else why."""
     with tempfile.TemporaryDirectory(prefix="mutant-baseline-") as tmp:
         copy = _copy_solutions(Path(tmp) / "solutions")

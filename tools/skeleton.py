@@ -54,12 +54,56 @@ def holes_in(path: Path) -> list[Hole]:
 
 
 def all_holes() -> list[Hole]:
-    """Every hole of the chapter, file by file in path order, in source order within a file."""
+    """Every hole of the chapter, file by file in the chapter's order, in source order within a file."""
     return [h for p in solution_files() for h in holes_in(p)]
 
 
+# `pytest -k` selectors that pick exactly one hole's tests where the bare name would match others.
+_SELECTORS = {"ReferenceBackend.forward": "reference_forward", "FlatModel.attention": "flat_attention",
+              "FlatModel.forward": "flat_forward", "BlockManager.free": "test_free_",
+              "Scheduler.schedule": "test_schedule_", "Scheduler._preempt": "test_preempt_",
+              "EngineCore.step": "test_step_"}
+
+
+def test_selector(qualname: str) -> str:
+    """The ``pytest -k`` expression that selects this hole's tests in tests/test_ch31_engine_v2.py."""
+    return _SELECTORS.get(qualname, qualname.split(".")[-1])
+
+
+def unfilled_holes(engine_dir: Path = ENGINE) -> list[Hole]:
+    """The holes whose body in ``engine_dir`` is still only the skeleton's ``raise NotImplementedError``."""
+    left = []
+    for src in solution_files():
+        rel = src.relative_to(SOLUTIONS).as_posix()
+        path = engine_dir / rel
+        if not path.exists():
+            continue
+        try:
+            tree = ast.parse(path.read_text())
+        except SyntaxError:
+            continue
+        for hole, fn in _holes(tree, rel):
+            body = fn.body[1:]
+            if (len(body) == 1 and isinstance(body[0], ast.Raise) and isinstance(body[0].exc, ast.Call)
+                    and getattr(body[0].exc.func, "id", "") == "NotImplementedError"):
+                left.append(hole)
+    return left
+
+
+# The order in which the chapter builds its files (a request's path: batch, pool, model, blocks,
+# scheduler, engine); files not listed come after, by path.
+CHAPTER_FILE_ORDER = ("serve/batch.py", "serve/attention.py", "serve/flat.py", "serve/blocks.py",
+                      "serve/scheduler.py", "serve/engine.py")
+
+
 def solution_files() -> list[Path]:
-    return sorted(p for p in SOLUTIONS.rglob("*.py") if "__pycache__" not in p.parts)
+    """The reference files with holes, in the chapter's build order."""
+    def order(p: Path) -> tuple[int, str]:
+        rel = p.relative_to(SOLUTIONS).as_posix()
+        rank = CHAPTER_FILE_ORDER.index(rel) if rel in CHAPTER_FILE_ORDER else len(CHAPTER_FILE_ORDER)
+        return rank, rel
+
+    return sorted((p for p in SOLUTIONS.rglob("*.py") if "__pycache__" not in p.parts), key=order)
 
 
 def skeleton_of(source: str, rel: str) -> str:

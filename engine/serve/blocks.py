@@ -65,6 +65,7 @@ class BlockManager:
         self.num_queries = 0  # tokens looked up in the prefix cache
         self.num_hits = 0  # of those, tokens found
         self.num_evicted = 0  # cached blocks whose hash was dropped because the block was reused
+        self.pending_lookups: dict[str, tuple[int, int]] = {}  # request id -> (queries, hits) not yet admitted
 
     # ----- sizes -------------------------------------------------------------------------
     @property
@@ -96,6 +97,18 @@ class BlockManager:
             extra = request.cache_key if i == 0 else ()  # the chain carries it to every later block
             hashes.append(hash_block(parent, request.token_ids[i * bs:(i + 1) * bs], extra))
 
+    def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one prefix-cache lookup: ``request.num_tokens`` queried, ``num_hit_tokens`` found.
+
+        A request that waits at the head of the queue is looked up again every step until its
+        blocks fit; its newest lookup replaces the earlier one, so each admission counts once
+        (otherwise a full pool would inflate the hit rate with repeats).
+        """
+        queried, hit = self.pending_lookups.pop(request.request_id, (0, 0))
+        self.num_queries += request.num_tokens - queried
+        self.num_hits += num_hit_tokens - hit
+        self.pending_lookups[request.request_id] = (request.num_tokens, num_hit_tokens)
+
     def find_cached_prefix(self, request: Request) -> list[int]:
         """The longest run of cached full blocks at the start of ``request``. (Your engine: Chapter 31)
 
@@ -104,7 +117,7 @@ class BlockManager:
         block_size`` blocks — because that token's logits pick the next token, so at least one
         token must be computed. Returns [] when prefix caching is off or the request asks for
         prompt logprobs (cached rows would never produce them). Counts the request's tokens as
-        queries and the matched tokens as hits.
+        queries and the matched tokens as hits, through ``record_lookup``.
         """
         raise NotImplementedError("BlockManager.find_cached_prefix is a hole: fill it in (Chapter 31, engine/serve/blocks.py)")
 

@@ -66,6 +66,9 @@ def block_violations(blocks: BlockManager) -> list[str]:
             bad.append(f"block {b} carries hash {h.hex()[:8]} but the hash map does not point at it")
     if not blocks.enable_prefix_caching and blocks.cached:
         bad.append(f"prefix caching is off yet {len(blocks.cached)} blocks are published")
+    if set(blocks.pending_lookups) & set(blocks.req_blocks):
+        bad.append(f"requests {sorted(set(blocks.pending_lookups) & set(blocks.req_blocks))} hold blocks "
+                   "but still have an uncounted-admission lookup pending")
     if set(blocks.num_published) != set(blocks.req_blocks):
         bad.append(f"published counts kept for {sorted(blocks.num_published)} but tables for "
                    f"{sorted(blocks.req_blocks)}")
@@ -216,6 +219,7 @@ def idle_violations(core: Any) -> list[str]:
         "scheduler.running": sched.running, "generators": core.generators,
         "runner.swapped": core.runner.swapped, "children": core.children,
         "blocks.req_blocks": blocks.req_blocks, "blocks.num_published": blocks.num_published,
+        "blocks.pending_lookups": blocks.pending_lookups,
     }
     for name, container in leftovers.items():
         if container:
