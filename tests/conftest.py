@@ -25,6 +25,8 @@ _ISOLATION_KEY = pytest.StashKey()
 def pytest_addoption(parser):
     parser.addoption("--impl", choices=("engine", "solution"), default=None,
                      help="which implementation of chapter 31's holes to test (default: engine, yours)")
+    parser.addoption("--triton-full", action="store_true", default=False,
+                     help="Triton backend: every case and the engine end to end under the interpreter (slow)")
 
 
 def pytest_configure(config):

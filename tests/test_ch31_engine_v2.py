@@ -836,12 +836,17 @@ def test_step_prompt_logprobs_match_the_model():
 
 
 # ===================================================================== the milestone
+# The milestone runs on the reference backend: it is your ReferenceBackend.forward (faster backends
+# are given code, tested against it in tests/test_backends.py).
 MILESTONE_CONFIGS = {
     "small chunks, tight budget": EngineConfig(block_size=16, max_num_batched_tokens=24,
-                                               long_prefill_token_threshold=10),
-    "12-block pool, recompute": EngineConfig(block_size=16, num_blocks=12, preemption_mode="recompute"),
-    "12-block pool, swap": EngineConfig(block_size=16, num_blocks=12, preemption_mode="swap"),
-    "no prefix cache, 2 seqs": EngineConfig(block_size=16, enable_prefix_caching=False, max_num_seqs=2),
+                                               long_prefill_token_threshold=10, attention_backend="reference"),
+    "12-block pool, recompute": EngineConfig(block_size=16, num_blocks=12, preemption_mode="recompute",
+                                             attention_backend="reference"),
+    "12-block pool, swap": EngineConfig(block_size=16, num_blocks=12, preemption_mode="swap",
+                                        attention_backend="reference"),
+    "no prefix cache, 2 seqs": EngineConfig(block_size=16, enable_prefix_caching=False, max_num_seqs=2,
+                                            attention_backend="reference"),
 }
 
 

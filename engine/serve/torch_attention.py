@@ -9,8 +9,9 @@ model, is the step. This backend does the same arithmetic with no per-request Py
    gather of that request's keys serves all of the tile's rows.
 2. Gather each tile's K and V from the pool through its request's block table, in one
    ``index_select`` per pool, straight into heads-first order ``[tiles * Hkv, keys, D]``.
-3. One batched attention per group of tiles: ``baddbmm`` computes scale * q @ k^T plus a mask
-   bias (0 where a key is visible, -inf where not) in one call, then softmax and a second bmm.
+3. One batched attention per group of tiles, with a mask bias (0 where a key is visible, -inf
+   where not): for decode tiles ``baddbmm`` (scale * q @ k^T + bias in one call), softmax and a
+   second bmm; for prefill tiles PyTorch's fused ``scaled_dot_product_attention``.
    Key position p is visible to a query at position q when p <= q (causal) and, with a sliding
    window w, p > q - w. p <= q also hides everything past the request's seq_len, including the
    zero-padded tail of its block table.
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from engine.serve.attention import KVCache, write_kv
 from engine.serve.batch import BatchMeta
@@ -217,7 +219,14 @@ class TorchBackend:
         # (a view when T == 1). [G' * T, Hq, D] -> [G' * Hkv, T * group, D]
         qt = q.to(work).view(g, t, hkv, group_size, d).transpose(1, 2).reshape(g * hkv, t * group_size, d)
         bias = group.bias(tiles, group_size, window, work)  # [G' * Hkv, T * group, keys]
-        scores = torch.baddbmm(bias, qt, k.transpose(1, 2), alpha=scale)
-        probs = torch.softmax(scores, dim=-1)  # every query sees at least its own key: no NaN
-        o = torch.bmm(probs, v)  # [G' * Hkv, T * group, D]
+        if t == 1:
+            # Decode tiles: scores are small, so plain batched matmuls are fastest.
+            scores = torch.baddbmm(bias, qt, k.transpose(1, 2), alpha=scale)
+            probs = torch.softmax(scores, dim=-1)  # every query sees at least its own key: no NaN
+            o = torch.bmm(probs, v)  # [G' * Hkv, T * group, D]
+        else:
+            # Prefill tiles: the fused kernel never materialises the [T * group, keys] scores
+            # (allocating those anew every layer costs more than the arithmetic on a CPU).
+            o = F.scaled_dot_product_attention(qt[:, None], k[:, None], v[:, None], attn_mask=bias[:, None],
+                                               scale=scale)[:, 0]
         return o.view(g, hkv, t, group_size, d).transpose(1, 2).reshape(rows, hq, d).to(q.dtype)
