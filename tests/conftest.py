@@ -49,6 +49,18 @@ def pytest_configure(config):
         config.stash[_ISOLATION_KEY] = LearnerHoles()
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every test runs torch on one thread: the test models are tiny, and two threads on a 2-core
+    machine (with pytest itself) mostly wait on each other."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _holes_for(item) -> list[str] | None:
     """The holes whose learner version this test runs with; None means all of them."""
     names = [m.args[0] for m in item.iter_markers("hole")]

@@ -23,6 +23,8 @@ acts in this process only: a subprocess a test starts imports ``engine/`` as it 
 """
 from __future__ import annotations
 
+from pathload import load_by_path
+
 import importlib
 import importlib.util
 import os
@@ -47,13 +49,7 @@ _CLASS_BOOKKEEPING = {"__dict__", "__weakref__", "__module__", "__doc__", "__qua
 def _load_skeleton_tool() -> types.ModuleType:
     """tools/skeleton.py defines what a hole is; load it by path (tests/ may run without the repo root
     on sys.path)."""
-    name = "_ch31_skeleton_tool"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / "skeleton.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_by_path("_ch31_skeleton_tool", "tools/skeleton.py")
 
 
 def all_holes() -> list:

@@ -19,12 +19,6 @@ SP = SamplingParams
 BASE = dict(block_size=4, num_blocks=16, max_model_len=100)  # a 64-token pool, a 100-token context
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @dataclass

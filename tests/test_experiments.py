@@ -5,8 +5,8 @@ These check the instructors' reference solutions, so they run against the refere
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
+from pathload import load_by_path
+
 from pathlib import Path
 
 import pytest
@@ -14,16 +14,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The test model's matmuls are tiny: extra threads only add overhead (and on a busy machine,
-    oversubscription makes them far slower). Restored afterwards for the rest of the session."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 pytestmark = pytest.mark.given
@@ -31,13 +21,7 @@ pytestmark = pytest.mark.given
 
 def experiments():
     """experiments/ch31.py as a module (imported inside tests: conftest must set --impl first)."""
-    name = "_ch31_experiments"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / "ch31.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_by_path("_ch31_experiments", "experiments/ch31.py")
 
 
 def small_model():

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,12 +26,6 @@ PROMPT = [(37 * i + 11) % 512 for i in range(21)]  # five full blocks of 4, and 
 HSETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=200)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _engine(**kw) -> EngineCore:

@@ -152,7 +152,7 @@ def test_all_holes_filled_pass_through_the_per_hole_patching(skeleton_run):
                      env={"ENGINE_LEARNER_DIR": str(SOLUTIONS)})
     failed = [f"{t.name}: {t.message}" for t in run.tests if not t.passed]
     assert len(run.tests) == len(selected) and not failed, \
-        f"with every hole filled from solutions/ these failed under --impl engine:\n" + "\n".join(failed) + \
+        "with every hole filled from solutions/ these failed under --impl engine:\n" + "\n".join(failed) + \
         f"\n{run.output[-3000:]}"
 
 

@@ -1,8 +1,8 @@
 """The chapter notebook runs from top to bottom against the reference, and is stored clean."""
 from __future__ import annotations
 
-import importlib.util
-import sys
+from pathload import load_by_path
+
 from pathlib import Path
 
 import pytest
@@ -15,13 +15,7 @@ pytestmark = pytest.mark.given  # the notebook runs the reference in its own ker
 
 def notebooks_tool():
     """tools/notebooks.py, loaded by path (the repository root need not be on sys.path)."""
-    name = "_ch31_notebooks_tool"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / "notebooks.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_by_path("_ch31_notebooks_tool", "tools/notebooks.py")
 
 
 def test_notebook_is_stored_without_outputs():

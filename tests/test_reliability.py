@@ -36,13 +36,6 @@ SETTINGS = dict(derandomize=True, database=None, deadline=None, phases=(Phase.ex
                 suppress_health_check=list(HealthCheck))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The test model is tiny: one thread is faster than two that wait on each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ----- prompts and oracles ---------------------------------------------------------------------

@@ -9,7 +9,6 @@ unchanged inside chapter 31's flattened batch.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import Qwen3Config
