@@ -32,8 +32,8 @@ check: $(STAMP)              ## is engine/ exactly the skeleton generated from s
 skeleton: $(STAMP)           ## regenerate engine/'s chapter files from solutions/
 	$(PY) -m tools.skeleton
 
-grade: $(STAMP)              ## grade this checkout hole by hole
-	$(PY) run.py grade
+grade: $(STAMP)              ## grade a checkout hole by hole: make grade [CHECKOUT=path] (default: this one)
+	$(PY) run.py grade $(CHECKOUT)
 
 mutants: $(STAMP)            ## apply each named bug to the reference; the tests must kill every one
 	$(PY) -m tools.mutants

@@ -114,9 +114,9 @@ class AdmissionTracer(StepTracer):
     """A StepTracer that watches admissions: which waiting requests each step admitted, and how
     many of their tokens the prefix cache supplied.
 
-    Why not the BlockManager's ``hit_rate``? It counts every lookup, and the scheduler looks the
-    head of the queue up again at every step it fails to fit, so a crowded pool inflates it.
-    Here a request counts once, at its FIRST admission: ``hit_rate`` = cached tokens / tokens of
+    Why not the BlockManager's ``hit_rate``? It counts each admission once (re-admissions after a
+    preemption included), which mixes first visits with returns. Here a request counts once, at
+    its FIRST admission: ``hit_rate`` = cached tokens / tokens of
     those requests, the figure a user of the cache cares about. Re-admissions after a recompute
     preemption, which often find the request's own blocks, are counted apart
     (``resume_cached_tokens`` of ``resume_tokens``); swap-ins don't consult the cache at all.
