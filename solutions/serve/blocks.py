@@ -205,6 +205,8 @@ class BlockManager:
             return
         if num_tokens is None:
             num_tokens = request.num_computed_tokens
+        if num_tokens // self.block_size <= self.num_published.get(rid, 0):
+            return  # no block has filled up since the last call (most decode steps)
         self.update_hashes(request)
         full = min(num_tokens // self.block_size, len(request.block_hashes), len(table))
         for i in range(self.num_published.get(rid, 0), full):
