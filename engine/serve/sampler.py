@@ -30,9 +30,10 @@ class SimpleSampler:
         if logits.shape[0] == 0:
             return []
         tokens = torch.argmax(logits, dim=-1).tolist()
-        for i, req in enumerate(requests):
+        sampled = [i for i, req in enumerate(requests) if req.params.temperature != 0.0]  # not greedy
+        for i in sampled:
+            req = requests[i]
             p = req.params
-            if not p.greedy:
-                gen = generators.get(req.request_id, self.generator)
-                tokens[i] = sample_token(logits[i], p.temperature, p.top_k, p.top_p, gen)
+            gen = generators.get(req.request_id, self.generator)
+            tokens[i] = sample_token(logits[i], p.temperature, p.top_k, p.top_p, gen)
         return tokens

@@ -80,7 +80,7 @@ class EngineConfig:
             policy=self.policy, preemption_mode=self.preemption_mode)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step reports for one request: the tokens it just produced and where it stands."""
 
@@ -337,11 +337,10 @@ class EngineCore:
         return result
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
+        finished = req.is_finished
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=list(new), output_token_ids=req.output_token_ids,
-            finished=req.is_finished, finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-            num_cached_tokens=req.num_cached_tokens,
-            prompt_logprobs=req.extra.get("prompt_logprobs") if req.is_finished else None)
+            req.request_id, new, req.output_token_ids, finished, req.status.finish_reason, req.stop_reason,
+            req.num_cached_tokens, req.extra.get("prompt_logprobs") if finished else None)
 
     def run_until_done(self, max_steps: int = 1_000_000) -> dict[str, list[int]]:
         """Step until idle; returns every finished request's output tokens by id."""
