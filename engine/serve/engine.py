@@ -200,18 +200,10 @@ class EngineCore:
                                       "seed": None if params.seed is None else params.seed + i})
             reqs.append(Request(rid, prompt, child, self.eos_token_id, priority, cache_key=cache_key,
                                 **({} if arrival_time is None else {"arrival_time": arrival_time})))
-        added: list[Request] = []
-        try:
-            for req in reqs:
-                self.scheduler.add(req)
-                added.append(req)
-        except ValueError:
-            for req in added:  # all or nothing: no child of a rejected request stays queued
-                self.scheduler.waiting.remove(req)
-                self.scheduler.requests.pop(req.request_id, None)
-                self.scheduler._order.pop(req.request_id, None)
-            raise
+        for req in reqs:  # all or nothing: check every child before queueing any
+            self.scheduler.check(req)
         for req in reqs:
+            self.scheduler.add(req)
             if req.params.seed is not None:
                 self.generators[req.request_id] = torch.Generator(device=self.flat.device).manual_seed(req.params.seed)
         if params.n > 1:

@@ -100,8 +100,8 @@ class Scheduler:
         keys = [self.order_key(r) for r in queue]
         queue.insert(bisect.bisect_right(keys, self.order_key(request)), request)
 
-    def add(self, request: Request) -> None:
-        """Queue a new request; ValueError if it could never run under this configuration."""
+    def check(self, request: Request) -> None:
+        """ValueError if ``request`` could never run under this configuration (nothing changes)."""
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in the scheduler; use a new id")
@@ -118,6 +118,11 @@ class Scheduler:
                 f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens exceeds "
                 f"max_num_batched_tokens={budget} and chunked prefill is off; enable chunked "
                 "prefill or raise the budget")
+
+    def add(self, request: Request) -> None:
+        """Queue a new request after ``check``; ValueError (nothing queued) if it could never run."""
+        self.check(request)
+        rid = request.request_id
         self._order[rid] = next(self._seq)
         self.requests[rid] = request
         request.status = Status.WAITING
