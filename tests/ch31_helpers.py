@@ -53,3 +53,19 @@ def assert_same_tokens(got: list[int], want: list[int], request_id: str, prompt_
         f"{context}request {request_id!r}: output token {i} differs from generate() "
         f"(got {got[i] if i < len(got) else 'nothing'}, want {want[i] if i < len(want) else 'nothing'}; "
         f"got {len(got)} tokens, want {len(want)}). Likely cause: " + "; ".join(hint))
+
+
+def run_checked(core, after_step=None) -> dict[str, list[int]]:
+    """Step ``core`` until idle, checking every engine invariant after each step (and calling
+    ``after_step(core)`` if given); returns the finished requests' output tokens by id."""
+    from engine.serve.invariants import check_engine_invariants
+
+    out: dict[str, list[int]] = {}
+    while core.has_unfinished():
+        for o in core.step():
+            if o.finished:
+                out[o.request_id] = o.output_token_ids
+        check_engine_invariants(core)
+        if after_step is not None:
+            after_step(core)
+    return out

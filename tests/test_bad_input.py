@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from ch31_helpers import model64, oracle
+from ch31_helpers import model64, oracle, run_checked
 from engine.serve import BlockManager, EngineConfig, EngineCore, SamplingParams
 from engine.serve.invariants import check_engine_invariants, check_idle
 
@@ -111,12 +111,7 @@ def _snapshot(core) -> dict:
 def _serve_normally(core) -> None:
     """Whatever was queued before plus one new greedy request all finish, the new one equal to generate()."""
     core.add_request("normal", PROMPT, SP(max_tokens=6))
-    out = {}
-    while core.has_unfinished():
-        for o in core.step():
-            if o.finished:
-                out[o.request_id] = o.output_token_ids
-        check_engine_invariants(core)
+    out = run_checked(core)
     assert out["normal"] == oracle(tuple(PROMPT), 6), "after a rejected input the engine answers wrongly"
     check_idle(core)
 

@@ -468,6 +468,16 @@ def sched(num_blocks=64, block_size=16, caching=True, **cfg) -> Scheduler:
     return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, block_size, caching))
 
 
+def first_chunk_sizes(s: Scheduler, steps: int) -> list[int]:
+    """Schedule ``steps`` steps (advancing after each); the n given to the first request of each."""
+    sizes = []
+    for _ in range(steps):
+        plan = s.schedule()
+        sizes.append(plan.scheduled[0][1])
+        advance(plan)
+    return sizes
+
+
 def advance(plan, sample_token: int = 1) -> None:
     """What the engine does after a forward pass: count the tokens computed and append samples."""
     for r, n in plan.scheduled:
@@ -481,12 +491,7 @@ def test_schedule_chunks_a_long_prompt_under_the_budget():
     s = sched(num_blocks=400, max_num_batched_tokens=2048)
     long = req("long", [3] * 5000, max_tokens=4)
     s.add(long)
-    sizes = []
-    for _ in range(3):
-        plan = s.schedule()
-        sizes.append(plan.scheduled[0][1])
-        advance(plan)
-    assert sizes == [2048, 2048, 904], "chunked prefill falls out of the budget: 2,048 + 2,048 + 904"
+    assert first_chunk_sizes(s, 3) == [2048, 2048, 904], "chunked prefill falls out of the budget: 2,048 + 2,048 + 904"
     assert long.num_output_tokens == 1
 
 
@@ -611,12 +616,7 @@ def test_schedule_caps_a_running_prefill_at_the_threshold_every_step():
     s = sched(max_num_batched_tokens=100, long_prefill_token_threshold=16)
     a = req("a", range(40), max_tokens=2)
     s.add(a)
-    sizes = []
-    for _ in range(3):
-        plan = s.schedule()
-        sizes.append(plan.scheduled[0][1])
-        advance(plan)
-    assert sizes == [16, 16, 8], "the chunk cap applies to a running request's later chunks too"
+    assert first_chunk_sizes(s, 3) == [16, 16, 8], "the chunk cap applies to a running request's later chunks too"
 
 
 @hole("Scheduler.schedule")

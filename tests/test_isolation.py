@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ch31_helpers import model64, oracle
+from ch31_helpers import model64, oracle, run_checked
 from engine.serve import BlockManager, EngineConfig, EngineCore, Request, SamplingParams, hash_block
-from engine.serve.invariants import check_engine_invariants, check_idle
+from engine.serve.invariants import check_idle
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [(37 * i + 11) % 512 for i in range(21)]  # five full blocks of 4, and one token more
@@ -42,15 +42,13 @@ def _run_pair(key_a: tuple, key_b: tuple, staggered: bool):
     core.add_request("b", PROMPT, SamplingParams(max_tokens=6), cache_key=key_b)
     b = core.scheduler.requests["b"]
     shared: set[int] = set()
-    out = {}
-    while core.has_unfinished():
-        for o in core.step():
-            if o.finished:
-                out[o.request_id] = o.output_token_ids
-        check_engine_invariants(core)
+
+    def note_shared(core: EngineCore) -> None:
         tables = core.blocks.req_blocks
         if "a" in tables and "b" in tables:
-            shared |= set(tables["a"]) & set(tables["b"])
+            shared.update(set(tables["a"]) & set(tables["b"]))
+
+    out = run_checked(core, note_shared)
     want = oracle(tuple(PROMPT), 6)
     assert out == {"a": want, "b": want}, "the cache key must not change what the model computes"
     check_idle(core)

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from ch31_helpers import model64, oracle
+from ch31_helpers import model64, oracle, run_checked
 from engine.sampling import sample_token
 from engine.serve import BlockManager, EngineConfig, EngineCore, Request, SamplingParams, Status
 from engine.serve.invariants import (block_violations, check_engine_invariants, check_idle, engine_violations,
@@ -565,12 +565,7 @@ def _seeded_run(cfg: EngineConfig, batch_mates: int, delay_victim: bool = False)
         core.add_request(f"m{i}", PREFIXES[i % 4] + SUFFIXES[i % 6], params)
     if delay_victim:  # the newest request is the one preempted first
         core.add_request("s", prompt, SEEDED)
-    out = {}
-    while core.has_unfinished():
-        for o in core.step():
-            if o.finished:
-                out[o.request_id] = o.output_token_ids
-        check_engine_invariants(core)
+    out = run_checked(core)
     check_idle(core)
     return out["s"], core.preemptions
 
