@@ -10,46 +10,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+from collections.abc import Callable
 
 import torch
 
+from engine.bench import CoreRunner, RunResult, SlotRunner, Workload, run_workload
 from engine.models import tiny_model
-from engine.serve import EngineConfig, EngineCore, SamplingParams
-from engine.serve.slots import SlotEngine
+from engine.serve import EngineConfig
 from engine.workloads import WorkItem, shared_prefix_workload
 
 
-def run_slots(model, work: list[WorkItem], num_slots: int = 8, max_len: int = 320,
-              repeat: int = 1) -> tuple[dict, dict]:
-    elapsed = float("inf")
-    for _ in range(repeat):  # best of `repeat`: the least disturbed run of the same work
-        eng = SlotEngine(model, num_slots=num_slots, max_len=max_len)
-        for item in work:
-            eng.add_request(item.request_id, item.prompt_token_ids, item.max_tokens, ignore_eos=True)
-        start = time.perf_counter()
-        out = eng.run_to_completion()
-        elapsed = min(elapsed, time.perf_counter() - start)
-    n_out = sum(len(v) for v in out.values())
-    return {"engine": "ch24 slots", "kv_slots": eng.kv_slots, "output_tokens": n_out,
-            "tok_s": round(n_out / elapsed, 1), "steps": eng.steps}, out
+def best_of(make_runner: Callable[[], object], work: list[WorkItem], repeat: int) -> RunResult:
+    """Serve ``work`` on ``repeat`` fresh engines (empty prefix caches); the fastest run."""
+    runs = [run_workload(make_runner(), Workload("shared", [work])) for _ in range(repeat)]
+    return min(runs, key=lambda r: r.seconds)
 
 
-def run_core(model, work: list[WorkItem], label: str, config: EngineConfig,
-             repeat: int = 1) -> tuple[dict, dict]:
-    elapsed = float("inf")
-    for _ in range(repeat):  # best of `repeat`, each on a fresh engine (empty prefix cache)
-        core = EngineCore(model, config)
-        for item in work:
-            core.add_request(item.request_id, item.prompt_token_ids,
-                             SamplingParams(max_tokens=item.max_tokens, ignore_eos=True))
-        start = time.perf_counter()
-        out = core.run_until_done()
-        elapsed = min(elapsed, time.perf_counter() - start)
-    n_out = sum(len(v) for v in out.values())
-    return {"engine": label, "kv_slots": core.blocks.num_blocks * core.blocks.block_size,
-            "output_tokens": n_out, "tok_s": round(n_out / elapsed, 1), "steps": core.steps,
-            "prefix_hit_rate": round(core.blocks.hit_rate, 3), "preemptions": core.preemptions}, out
+def json_line(label: str, res: RunResult, core: bool) -> dict:
+    line = {"engine": label, "kv_slots": res.kv_slots, "output_tokens": res.output_tokens,
+            "tok_s": res.output_tok_s, "steps": res.steps}
+    if core:
+        line.update(prefix_hit_rate=res.hit_rate, preemptions=res.preemptions)
+    return line
 
 
 def core_main(argv: list[str] | None = None) -> int:
@@ -82,16 +64,17 @@ def core_main(argv: list[str] | None = None) -> int:
     else:
         model = tiny_model(seed=0)
     work = shared_prefix_workload(args.requests, seed=args.seed, vocab_size=model.cfg.vocab_size)
-    extra = {"attention_backend": args.backend} if args.backend else {}
+    backend = args.backend or EngineConfig().attention_backend
+    slots = lambda: SlotRunner(model, num_slots=8, max_len=320)  # noqa: E731
     # Warm up the kernels both engines use, so neither pays first-call costs in its timing.
-    run_core(model, work[:2], "warm-up", EngineConfig(**extra))
-    run_slots(model, work[:2])
+    best_of(lambda: CoreRunner(model, backend), work[:2], 1)
+    best_of(slots, work[:2], 1)
 
-    line, ref = run_slots(model, work, repeat=args.repeat)
-    print(json.dumps(line), flush=True)
-    for label, cfg in (("ch31 core, ample pool", EngineConfig(**extra)),
-                       ("ch31 core, 24-block pool", EngineConfig(num_blocks=24, **extra))):
-        line, out = run_core(model, work, label, cfg, repeat=args.repeat)
-        line["matches_ch24"] = out == ref
+    ref = best_of(slots, work, args.repeat)
+    print(json.dumps(json_line("ch24 slots", ref, core=False)), flush=True)
+    for label, config in (("ch31 core, ample pool", {}), ("ch31 core, 24-block pool", {"num_blocks": 24})):
+        res = best_of(lambda: CoreRunner(model, backend, **config), work, args.repeat)
+        line = json_line(label, res, core=True)
+        line["matches_ch24"] = res.outputs == ref.outputs
         print(json.dumps(line), flush=True)
     return 0
