@@ -34,6 +34,16 @@ from engine.workloads import ChatTurn, WorkItem, chat_workload, random_workload,
 
 WORKLOADS = ("shared", "random", "chat")
 SCALING_POINTS = (16, 64, 256)
+# Random seeded Qwen3 models the bench can build (``--preset``), as overrides of the test model's
+# config. "test" is the 2-layer, 128-wide model the tests use: its step is ~150 ops on tiny
+# tensors, so per-op dispatch, not arithmetic, is most of every engine's time. "small" is
+# Qwen3-0.6B's shape scaled down (4 layers, hidden 512, 8 query / 4 kv heads of 64, SwiGLU 3x):
+# enough arithmetic per op that the engines differ by what they compute, as on real checkpoints.
+MODEL_PRESETS: dict[str, dict] = {
+    "test": {},
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=64),
+}
 SPLIT = ("schedule", "build", "forward", "sample", "bookkeeping")
 
 
@@ -285,9 +295,12 @@ def scaling_point(model, backend: str, num_requests: int, steps: int = 20, promp
     rng = random.Random(seed)
     vocab = model.cfg.vocab_size
     release_memory()
-    extra = {"gpu_memory_utilization": 0.5} if model.model.embed_tokens.weight.device.type == "cuda" else {}
+    # A pool that holds every request to the end: the point measures R requests decoding, not a
+    # preempting scheduler (a memory-sized default pool is too small for R = 256 on bigger models).
+    bs = EngineConfig.block_size
+    num_blocks = num_requests * -(-(prompt_len + steps + 8) // bs) + 1
     core = EngineCore(model, EngineConfig(attention_backend=backend, max_num_seqs=max(256, num_requests),
-                                          max_num_batched_tokens=max(2048, num_requests), **extra))
+                                          max_num_batched_tokens=max(2048, num_requests), num_blocks=num_blocks))
     for i in range(num_requests):
         core.add_request(f"s{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
                          SamplingParams(max_tokens=steps + 64, ignore_eos=True))
@@ -295,6 +308,9 @@ def scaling_point(model, backend: str, num_requests: int, steps: int = 20, promp
         core.step()  # prefill
     for _ in range(3):
         core.step()  # settle into pure decode
+    if len(core.scheduler.running) != num_requests or core.preemptions:
+        raise RuntimeError(f"scaling point R={num_requests}: only {len(core.scheduler.running)} requests are "
+                           f"running ({core.preemptions} preemptions); the pool is too small")
     clock = _StepClock(core)
     rows = []
     for _ in range(steps):
@@ -402,6 +418,12 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
             hf = to_hf(model)
         except ImportError as exc:
             print(f"HF generate skipped: {exc}")
+    cfg = model.cfg
+    shape = {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size,
+             "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+             "vocab": cfg.vocab_size, "experts": cfg.num_experts}
+    print(f"model: {shape['layers']} layers, hidden {shape['hidden']}, {shape['heads']}/{shape['kv_heads']} heads "
+          f"of {shape['head_dim']}, vocab {shape['vocab']}; {device}, {torch.get_num_threads()} thread(s)", flush=True)
     by_workload: dict[str, list[RunResult]] = {}
     for name in workloads:
         wl = make_workload(name, model.cfg.vocab_size, seed=seed, scale=scale)
@@ -416,7 +438,7 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
     if points:
         print_scaling(points)
     return {"device": str(device), "dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads(), "fast_backend": fast_backend,
+            "threads": torch.get_num_threads(), "fast_backend": fast_backend, "model": shape,
             "workloads": {w: [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in rs]
                           for w, rs in by_workload.items()},
             "scaling": points, "_results": by_workload}
@@ -441,7 +463,11 @@ def bench_main(argv: list[str] | None = None) -> int:
                          "and OpenMP threads spinning on a busy machine can slow a step a hundredfold; "
                          "0 = torch's default). Every engine runs with the same setting.")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default=None, help="an HF-format checkpoint directory instead of the 2-layer test model")
+    ap.add_argument("--preset", choices=tuple(MODEL_PRESETS), default="test",
+                    help="the random model to build: 'test' (2 layers, hidden 128: the tests' model, "
+                         "dominated by per-op overhead) or 'small' (4 layers, hidden 512: Qwen3-0.6B's "
+                         "shape scaled down); default test")
+    ap.add_argument("--model", default=None, help="an HF-format checkpoint directory instead of a random preset model")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--plot", default=None, metavar="PATH", help="also draw the results as a PNG (needs matplotlib)")
@@ -470,7 +496,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     else:
         from engine.models import tiny_model
 
-        model = tiny_model(seed=0).to(args.device)
+        model = tiny_model(seed=0, **MODEL_PRESETS[args.preset]).to(args.device)
     report = run_bench(model, workloads, engines, args.backend,
                        scaling=tuple(int(x) for x in args.scaling.split(",") if x),
                        scaling_backends=tuple(args.scaling_backends.split(",")) if args.scaling_backends else None,

@@ -93,8 +93,10 @@ def test_torch_backend_pure_decode(window):
     for pad in (0, 3):
         q, cache, meta = random_paged_batch(30 + pad, 16, 4, 2, num_reqs=9, pad=pad, decode_only=True)
         want = ReferenceBackend().forward(q, cache, meta, window=window)
-        got = TorchBackend().forward(q, cache, meta, window=window)
-        assert (got - want).abs().max().item() < 1e-5, f"pure decode batch (pad={pad}, window={window})"
+        for backend in (TorchBackend(), TorchBackend(max_chunk_elems=1)):  # one chunk / a chunk per tile
+            got = backend.forward(q, cache, meta, window=window)
+            assert (got - want).abs().max().item() < 1e-5, \
+                f"pure decode batch (pad={pad}, window={window}, max_chunk_elems={backend.max_chunk_elems})"
 
 
 def test_torch_backend_bfloat16():

@@ -51,3 +51,18 @@ def test_bench_runs_and_engines_agree(tmp_path, capsys):
     assert [p["requests"] for p in report["scaling"]] == [4, 4]
     assert out_png.stat().st_size > 0
     assert "x fastest peer" in capsys.readouterr().out
+    assert report["model"]["layers"] == 2 and report["model"]["hidden"] == 128, "the default preset is the test model"
+
+
+def test_scaling_point_keeps_every_request_running():
+    """The scaling table must measure R requests decoding together, whatever the model's size:
+    the point sizes its own pool, so a bigger model cannot turn R = 256 into a preempting run."""
+    from engine.bench import MODEL_PRESETS, scaling_point
+    from engine.models import tiny_model
+
+    # Wide K/V per token (16 kv heads of 64), as a bigger model has: the memory-sized default pool
+    # (64 MiB) would hold far fewer than 300 requests' tokens.
+    model = tiny_model(seed=0, num_attention_heads=16, num_key_value_heads=16, head_dim=64)
+    point = scaling_point(model, "torch", 300, steps=1, prompt_len=64)
+    assert point["requests"] == 300 and point["step_ms"] > 0
+    assert set(MODEL_PRESETS) == {"test", "small"} and MODEL_PRESETS["test"] == {}

@@ -122,6 +122,9 @@ class TorchBackend:
         return self._plan
 
     def _make_plan(self, meta: BatchMeta, num_kv_heads: int) -> list[_TileGroup]:
+        n = meta.query_start_loc_cpu.shape[0] - 1
+        if meta.max_query_len == 1 and int(meta.query_start_loc_cpu[-1]) == n and bool(meta.seq_lens_cpu.min() > 0):
+            return [self._decode_group(meta, num_kv_heads)]  # the common step: nothing to tile
         # Host-side index arithmetic on R-sized arrays: numpy, because a torch op on a tiny CPU
         # tensor costs several microseconds and this runs every step.
         qsl = meta.query_start_loc_cpu.numpy().astype(np.int64)  # [R + 1]
@@ -165,6 +168,17 @@ class TorchBackend:
         kv_rows = (tables * (bs * num_kv_heads))[:, None, :, None] + self._within_block(bs, num_kv_heads, device)
         return _TileGroup(q_rows=q_rows, out_rows=out_rows, q_pos=q_pos,
                           kv_rows=kv_rows.reshape(tile_req.size, num_kv_heads, width * bs), identity=identity)
+
+    def _decode_group(self, meta: BatchMeta, num_kv_heads: int) -> _TileGroup:
+        """A pure-decode step without padding requests: row r is request r's only query, so
+        every index comes straight from the metadata (no tiling, no host arithmetic)."""
+        r, bs = meta.seq_lens.shape[0], meta.block_size
+        width = -(-meta.max_seq_len // bs)
+        rows = torch.arange(r, device=meta.seq_lens.device)[:, None]  # [R, 1]
+        kv_rows = ((meta.block_table[:, :width].long() * (bs * num_kv_heads))[:, None, :, None]
+                   + self._within_block(bs, num_kv_heads, meta.block_table.device))  # [R, Hkv, W, bs]
+        return _TileGroup(q_rows=rows, out_rows=rows, q_pos=(meta.seq_lens.long() - 1)[:, None],
+                          kv_rows=kv_rows.reshape(r, num_kv_heads, width * bs), identity=True)
 
     def _within_block(self, block_size: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
         """int64 [Hkv, 1, block_size]: i * Hkv + h, the row offset of (offset i, head h) in a block."""

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.serve.request import Request
@@ -72,6 +73,23 @@ class Batch:
         return sum(self.sample_counts)
 
 
+def host_tensor(values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor from a Python list of ints, through numpy: ``torch.tensor(list)`` inspects
+    every element and costs several times more, on every step."""
+    return torch.from_numpy(np.array(values, dtype=_NUMPY_INT[dtype]))
+
+
+def padded_table(tables: Sequence[Sequence[int]], width: int) -> torch.Tensor:
+    """int32 [R, width] host tensor: each request's block table, zero padded on the right."""
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    for r, table in enumerate(tables):
+        out[r, :len(table)] = table
+    return torch.from_numpy(out)
+
+
+_NUMPY_INT = {torch.int32: np.int32, torch.int64: np.int64}
+
+
 def build_batch(
     scheduled: Sequence[tuple[Request, int]],
     block_tables: Sequence[Sequence[int]] | Mapping[str, Sequence[int]],
@@ -128,7 +146,7 @@ def build_batch(
         start = len(input_ids)
         input_ids.extend(tokens)
         positions.extend(range(c, c + n))
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c, c + n))
+        slots.extend([table[p // block_size] * block_size + p % block_size for p in range(c, c + n)])
         qsl.append(len(input_ids))
         seq_lens.append(c + n)
         tables.append(table)
@@ -154,14 +172,13 @@ def build_batch(
             request_ids.append("")
             sample_counts.append(0)
     width = max((len(t) for t in tables), default=0)
-    table_rows = [list(t) + [0] * (width - len(t)) for t in tables]
-    qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
-    seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl_cpu = host_tensor(qsl, torch.int32)
+    seq_lens_cpu = host_tensor(seq_lens, torch.int32)
     meta = BatchMeta(
         query_start_loc=qsl_cpu.to(device),
         seq_lens=seq_lens_cpu.to(device),
-        block_table=torch.tensor(table_rows, dtype=torch.int32).reshape(len(tables), width).to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_table=padded_table(tables, width).to(device),
+        slot_mapping=host_tensor(slots, torch.int64).to(device),
         block_size=block_size,
         query_start_loc_cpu=qsl_cpu,
         seq_lens_cpu=seq_lens_cpu,
@@ -169,10 +186,10 @@ def build_batch(
         max_seq_len=max(seq_lens, default=0),
     )
     return Batch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        input_ids=host_tensor(input_ids, torch.int64).to(device),
+        positions=host_tensor(positions, torch.int64).to(device),
         meta=meta,
-        logits_indices=torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=device),
+        logits_indices=host_tensor(sample_rows + prompt_rows, torch.int64).to(device),
         sample_counts=sample_counts,
         request_ids=request_ids,
         prompt_spans=prompt_spans,

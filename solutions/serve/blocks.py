@@ -157,6 +157,8 @@ class BlockManager:
             raise ValueError(f"request {rid!r} already holds blocks; cached blocks are adopted at admission only")
         total = request.num_computed_tokens + len(cached_blocks) * self.block_size + n
         num_new = max(0, self.blocks_for(total) - len(table) - len(cached_blocks))
+        if num_new == 0 and not cached_blocks and table:
+            return True  # most decode steps: the last block still has room
         num_adopt_free = sum(1 for b in cached_blocks if self.ref_count[b] == 0)
         if num_new + num_adopt_free > self.num_free:
             return False

@@ -234,16 +234,17 @@ class EngineCore:
         ``max_model_len`` tokens in all -> FINISHED_LENGTH.
         """
         p = request.params
-        if request.num_output_tokens == 0:
+        num_output = request.num_output_tokens
+        if num_output == 0:
             return None
         last = request.token_ids[-1]
-        if request.num_output_tokens >= p.min_tokens:
+        if num_output >= p.min_tokens:
             if last in p.stop_token_ids:
                 request.stop_reason = last
                 return Status.FINISHED_STOPPED
             if not p.ignore_eos and request.eos_token_id is not None and last == request.eos_token_id:
                 return Status.FINISHED_STOPPED
-        if request.num_output_tokens >= p.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output >= p.max_tokens or request.num_tokens >= self.max_model_len:
             return Status.FINISHED_LENGTH
         return None
 
@@ -290,7 +291,8 @@ class EngineCore:
                         break
                     accepted.append(new[j + 1])
                 new = accepted
-            req.spec_token_ids = []
+            if req.spec_token_ids:
+                req.spec_token_ids = []
             for t in new:
                 req.append(t)
             if req.num_computed_tokens > req.num_tokens - 1:  # rejected drafts' K/V are not kept
