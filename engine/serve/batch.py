@@ -113,5 +113,7 @@ def build_batch(
       ``prompt_spans`` entry (request, c, the prompt tokens they predict).
     ``pad_to`` appends dummy requests (one row each: token 0, position 0, slot PAD_SLOT, seq_len 0,
     empty table) until there are pad_to requests.
+    Collect plain Python lists, then make each tensor once at the end (``host_tensor``,
+    ``padded_table``), never a tensor per token.
     """
     raise NotImplementedError("build_batch is a hole: fill it in (Chapter 31, engine/serve/batch.py)")
