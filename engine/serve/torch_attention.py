@@ -162,23 +162,30 @@ class TorchBackend:
         tile_req_dev = torch.from_numpy(tile_req).to(device, non_blocking=True)
         bs = meta.block_size
         width = -(-int(seq_lens[reqs].max()) // bs)  # W blocks cover the group's longest context
-        tables = meta.block_table[:, :width].index_select(0, tile_req_dev).long()  # [G, W]
-        # Pool row of (block b, offset i, kv head h) in the [slots * Hkv, D] view:
-        # (b * bs + i) * Hkv + h. Laid out [G, Hkv, W, bs] so each (tile, head) reads its keys in order.
-        kv_rows = (tables * (bs * num_kv_heads))[:, None, :, None] + self._within_block(bs, num_kv_heads, device)
+        tables = meta.block_table[:, :width].index_select(0, tile_req_dev)  # [G, W]
         return _TileGroup(q_rows=q_rows, out_rows=out_rows, q_pos=q_pos,
-                          kv_rows=kv_rows.reshape(tile_req.size, num_kv_heads, width * bs), identity=identity)
+                          kv_rows=self._kv_rows(tables, bs, num_kv_heads), identity=identity)
 
     def _decode_group(self, meta: BatchMeta, num_kv_heads: int) -> _TileGroup:
         """A pure-decode step without padding requests: row r is request r's only query, so
         every index comes straight from the metadata (no tiling, no host arithmetic)."""
-        r, bs = meta.seq_lens.shape[0], meta.block_size
+        bs = meta.block_size
         width = -(-meta.max_seq_len // bs)
-        rows = torch.arange(r, device=meta.seq_lens.device)[:, None]  # [R, 1]
-        kv_rows = ((meta.block_table[:, :width].long() * (bs * num_kv_heads))[:, None, :, None]
-                   + self._within_block(bs, num_kv_heads, meta.block_table.device))  # [R, Hkv, W, bs]
+        rows = torch.arange(meta.seq_lens.shape[0], device=meta.seq_lens.device)[:, None]  # [R, 1]
         return _TileGroup(q_rows=rows, out_rows=rows, q_pos=(meta.seq_lens.long() - 1)[:, None],
-                          kv_rows=kv_rows.reshape(r, num_kv_heads, width * bs), identity=True)
+                          kv_rows=self._kv_rows(meta.block_table[:, :width], bs, num_kv_heads), identity=True)
+
+    def _kv_rows(self, tables: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
+        """tables [G, W] -> int64 [G, Hkv, W * block_size]: the row of the pool, viewed as
+        ``[slots * Hkv, D]``, that holds kv head h of each key position of each tile's request.
+
+        Block b, offset i, head h sits at row (b * bs + i) * Hkv + h; laid out [G, Hkv, W, bs] so
+        each (tile, head) reads its keys in position order.
+        """
+        g, width = tables.shape
+        rows = ((tables.long() * (block_size * num_kv_heads))[:, None, :, None]
+                + self._within_block(block_size, num_kv_heads, tables.device))  # [G, Hkv, W, bs]
+        return rows.reshape(g, num_kv_heads, width * block_size)
 
     def _within_block(self, block_size: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
         """int64 [Hkv, 1, block_size]: i * Hkv + h, the row offset of (offset i, head h) in a block."""

@@ -73,6 +73,9 @@ class Batch:
         return sum(self.sample_counts)
 
 
+_NUMPY_INT = {torch.int32: np.int32, torch.int64: np.int64}
+
+
 def host_tensor(values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A host tensor from a Python list of ints, through numpy: ``torch.tensor(list)`` inspects
     every element and costs several times more, on every step."""
@@ -85,9 +88,6 @@ def padded_table(tables: Sequence[Sequence[int]], width: int) -> torch.Tensor:
     for r, table in enumerate(tables):
         out[r, :len(table)] = table
     return torch.from_numpy(out)
-
-
-_NUMPY_INT = {torch.int32: np.int32, torch.int64: np.int64}
 
 
 def build_batch(
