@@ -99,6 +99,71 @@ def test_torch_backend_pure_decode(window):
                 f"pure decode batch (pad={pad}, window={window}, max_chunk_elems={backend.max_chunk_elems})"
 
 
+def shared_prefix_decode_batch(seed: int, block_size: int, hq: int, hkv: int, num_reqs: int, shared: int,
+                               diverge_at: int | None = None, head_dim: int = 8):
+    """Decodes whose tables all start with the same ``shared`` blocks (a cached system prompt),
+    then private blocks; with ``diverge_at``, request 1 has its own block at that column instead.
+    Returns (q, cache, meta)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = shared + num_reqs * 8 + 2
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    common, free = perm[:shared], perm[shared:]
+    scheduled, tables = [], []
+    for r in range(num_reqs):
+        seq_len = shared * block_size + 1 + int(torch.randint(0, 4 * block_size, (), generator=gen))
+        req = Request(f"r{r}", torch.randint(0, 100, (seq_len,), generator=gen).tolist())
+        req.num_computed_tokens = seq_len - 1  # a decode: its last token is this step's query
+        own = -(-seq_len // block_size) - shared
+        table = common + free[:own]
+        free = free[own:]
+        if r == 1 and diverge_at is not None:
+            table[diverge_at] = free.pop()
+        scheduled.append((req, 1))
+        tables.append(table)
+    batch = build_batch(scheduled, tables, block_size)
+    shape = (num_blocks + 1, block_size, hkv, head_dim)
+    cache = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    return torch.randn(num_reqs, hq, head_dim, generator=gen), cache, batch.meta
+
+
+@pytest.mark.parametrize("seed,block_size,hq,hkv,shared,diverge_at", [
+    (40, 16, 4, 2, 3, None), (41, 4, 6, 3, 6, None), (42, 1, 8, 2, 9, None), (43, 8, 4, 4, 5, 2),
+    (44, 4, 4, 1, 7, 0),
+])
+def test_torch_backend_cascade_matches_reference(seed, block_size, hq, hkv, shared, diverge_at):
+    """Decodes sharing their first blocks meet the shared prefix in one matmul (cascade attention):
+    same output as the reference, and the prefix is exactly the blocks every table has in common."""
+    q, cache, meta = shared_prefix_decode_batch(seed, block_size, hq, hkv, num_reqs=9, shared=shared,
+                                                diverge_at=diverge_at)
+    want = ReferenceBackend().forward(q, cache, meta)
+    common = shared if diverge_at is None else diverge_at
+    for backend in (TorchBackend(cascade_min_reqs=2, cascade_min_blocks=1),
+                    TorchBackend(cascade_min_reqs=2, cascade_min_blocks=1, max_chunk_elems=1)):
+        got = backend.forward(q, cache, meta)
+        group, = backend._plan
+        assert group.key_offset == common * block_size, \
+            f"cascade prefix should be the {common} blocks every table shares, got {group.key_offset} positions"
+        assert (group.prefix_rows is not None) == (common > 0)
+        err = (got - want).abs().max().item()
+        assert err < 1e-5, f"cascade decode differs from the reference by {err:.2e} (shared={shared})"
+    # Too few requests or too short a prefix for the thresholds: the plain decode path, same answer.
+    for backend in (TorchBackend(cascade_min_reqs=10), TorchBackend(cascade_min_blocks=shared + 1),
+                    TorchBackend(cascade_min_reqs=0)):
+        assert (backend.forward(q, cache, meta) - want).abs().max().item() < 1e-5
+        assert backend._plan[0].prefix_rows is None
+
+
+def test_torch_backend_cascade_skipped_under_a_sliding_window():
+    """A window could hide part of the prefix from some queries: no cascade, still exact."""
+    q, cache, meta = shared_prefix_decode_batch(45, 4, 4, 2, num_reqs=8, shared=6)
+    backend = TorchBackend(cascade_min_reqs=2, cascade_min_blocks=1)
+    for window in (0, 7):
+        want = ReferenceBackend().forward(q, cache, meta, window=window)
+        got = backend.forward(q, cache, meta, window=window)
+        assert (got - want).abs().max().item() < 1e-5, f"window={window}"
+        assert (backend._plan[0].prefix_rows is not None) == (window == 0)
+
+
 def test_torch_backend_bfloat16():
     q, cache, meta = random_paged_batch(12, 16, 4, 2, dtype=torch.bfloat16)
     want = ReferenceBackend().forward(q, cache, meta)
@@ -129,6 +194,8 @@ def test_backend_registry():
     assert isinstance(get_backend("torch"), TorchBackend)
     with pytest.raises(ValueError, match="tile_rows"):
         TorchBackend(tile_rows=0)
+    with pytest.raises(ValueError, match="cascade_min_reqs"):
+        TorchBackend(cascade_min_blocks=0)
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_backend("no-such-backend")
 
@@ -171,3 +238,27 @@ def test_engine_on_torch_backend_matches_generate(milestone, name):
     assert core.blocks.num_free == core.blocks.num_blocks, f"config {name!r}: blocks leaked at idle"
     if name == "swap":
         assert core.preemptions > 0, f"config {name!r} was meant to preempt"
+
+
+def test_engine_with_cascade_attention_matches_generate():
+    """Ten requests behind one system prompt: once they all decode, the torch backend serves the
+    shared blocks as a cascade prefix; every output must still equal generate()'s."""
+    model = tiny_model(seed=3, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(8)
+    system = torch.randint(0, 512, (40,), generator=gen).tolist()  # 5 full blocks of 8
+    prompts = [system + torch.randint(0, 512, (3 + i,), generator=gen).tolist() for i in range(10)]
+    lens = [12 + 2 * i for i in range(10)]
+    backend = TorchBackend(cascade_min_reqs=8, cascade_min_blocks=4)
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="torch"))
+    core.runner.backend = backend
+    for i, (p, m) in enumerate(zip(prompts, lens)):
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True))
+    prefixes, out = [], {}
+    while core.has_unfinished():
+        for o in core.step():
+            if o.finished:
+                out[o.request_id] = o.output_token_ids
+        prefixes.append(backend._plan[0].key_offset if backend._plan else 0)
+    assert max(prefixes) == 40, f"cascade never served the 5 shared blocks (prefix per step: {prefixes})"
+    for i, (p, m) in enumerate(zip(prompts, lens)):
+        assert out[f"r{i}"] == generate(model, p, m), f"request r{i} differs from generate() under cascade"

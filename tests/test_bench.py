@@ -33,7 +33,7 @@ def test_workloads_are_seeded_and_shaped():
 def test_bench_runs_and_engines_agree(tmp_path, capsys):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     argv = ["--workloads", "chat", "--scale", "0.15", "--engines", "ch24,reference,fast,hf",
-            "--scaling", "4", "--steps", "2", "--json", str(out_json), "--plot", str(out_png)]
+            "--scaling", "4", "--steps", "2", "--preset", "test", "--json", str(out_json), "--plot", str(out_png)]
     import torch
 
     threads = torch.get_num_threads()
@@ -51,7 +51,7 @@ def test_bench_runs_and_engines_agree(tmp_path, capsys):
     assert [p["requests"] for p in report["scaling"]] == [4, 4]
     assert out_png.stat().st_size > 0
     assert "x fastest peer" in capsys.readouterr().out
-    assert report["model"]["layers"] == 2 and report["model"]["hidden"] == 128, "the default preset is the test model"
+    assert report["model"]["layers"] == 2 and report["model"]["hidden"] == 128, "--preset test is the tests' model"
 
 
 def test_scaling_point_keeps_every_request_running():

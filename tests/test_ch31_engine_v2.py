@@ -81,6 +81,19 @@ def test_build_batch_slot_at_block_boundary():
 
 
 @hole("build_batch")
+def test_build_batch_decodes_on_both_sides_of_a_block_boundary():
+    # One-row spans (decodes) at the last slot of block 0, the first of block 1, the first of block 2.
+    last = req("last", range(16), computed=15, prompt_len=10)
+    first = req("first", range(17), computed=16, prompt_len=10)
+    third = req("third", range(33), computed=32, prompt_len=10)
+    batch = build_batch([(last, 1), (first, 1), (third, 1)], [[7, 3], [5, 2], [9, 4, 6]], 16)
+    assert batch.meta.slot_mapping.tolist() == [7 * 16 + 15, 2 * 16 + 0, 6 * 16 + 0], \
+        "a decode at position 16 (32) writes the first slot of the table's second (third) block"
+    assert batch.positions.tolist() == [15, 16, 32] and batch.input_ids.tolist() == [15, 16, 32]
+    assert batch.logits_indices.tolist() == [0, 1, 2] and batch.meta.decode_only
+
+
+@hole("build_batch")
 def test_build_batch_sample_rows_for_each_kind_of_span():
     mid = req("mid", range(50), computed=10)  # rows 10..29 of a 50-token prompt: nothing to sample
     last = req("last", range(30), computed=20)  # chunk reaching the prompt's last token: 1 row

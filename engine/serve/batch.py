@@ -77,18 +77,22 @@ class Batch:
 _NUMPY_INT = {torch.int32: np.int32, torch.int64: np.int64}
 
 
-def host_tensor(values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """A host tensor from a Python list of ints, through numpy: ``torch.tensor(list)`` inspects
-    every element and costs several times more, on every step."""
+def host_tensor(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor from a Python list of ints (or of equally long lists), through numpy:
+    ``torch.tensor(list)`` inspects every element and costs several times more, on every step."""
     return torch.from_numpy(np.array(values, dtype=_NUMPY_INT[dtype]))
 
 
 def padded_table(tables: Sequence[Sequence[int]], width: int) -> torch.Tensor:
     """int32 [R, width] host tensor: each request's block table, zero padded on the right."""
-    out = np.zeros((len(tables), width), dtype=np.int32)
-    for r, table in enumerate(tables):
-        out[r, :len(table)] = table
-    return torch.from_numpy(out)
+    zeros = [0] * width
+    return host_tensor([[*table, *zeros[len(table):]] for table in tables], torch.int32).view(len(tables), width)
+
+
+def to_device(tensors: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """The host tensors on ``device`` (themselves on a CPU: nothing to copy, nothing to call)."""
+    device = torch.device(device)
+    return list(tensors) if device.type == "cpu" else [t.to(device, non_blocking=True) for t in tensors]
 
 
 def build_batch(

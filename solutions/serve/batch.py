@@ -76,18 +76,22 @@ class Batch:
 _NUMPY_INT = {torch.int32: np.int32, torch.int64: np.int64}
 
 
-def host_tensor(values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """A host tensor from a Python list of ints, through numpy: ``torch.tensor(list)`` inspects
-    every element and costs several times more, on every step."""
+def host_tensor(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor from a Python list of ints (or of equally long lists), through numpy:
+    ``torch.tensor(list)`` inspects every element and costs several times more, on every step."""
     return torch.from_numpy(np.array(values, dtype=_NUMPY_INT[dtype]))
 
 
 def padded_table(tables: Sequence[Sequence[int]], width: int) -> torch.Tensor:
     """int32 [R, width] host tensor: each request's block table, zero padded on the right."""
-    out = np.zeros((len(tables), width), dtype=np.int32)
-    for r, table in enumerate(tables):
-        out[r, :len(table)] = table
-    return torch.from_numpy(out)
+    zeros = [0] * width
+    return host_tensor([[*table, *zeros[len(table):]] for table in tables], torch.int32).view(len(tables), width)
+
+
+def to_device(tensors: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """The host tensors on ``device`` (themselves on a CPU: nothing to copy, nothing to call)."""
+    device = torch.device(device)
+    return list(tensors) if device.type == "cpu" else [t.to(device, non_blocking=True) for t in tensors]
 
 
 def build_batch(
@@ -137,25 +141,33 @@ def build_batch(
         tokens = req.token_ids[c:c + n]
         if len(tokens) < n:
             tokens = tokens + req.spec_token_ids[max(0, c - req.num_tokens):c + n - req.num_tokens]
-        if len(tokens) < n:
-            raise ValueError(
-                f"request {req.request_id!r}: {n} tokens scheduled from position {c}, "
-                f"but only {len(tokens)} exist (num_tokens_with_spec={req.num_tokens_with_spec})")
+            if len(tokens) < n:
+                raise ValueError(
+                    f"request {req.request_id!r}: {n} tokens scheduled from position {c}, "
+                    f"but only {len(tokens)} exist (num_tokens_with_spec={req.num_tokens_with_spec})")
         if len(table) * block_size < c + n:
             raise ValueError(
                 f"request {req.request_id!r}: its {len(table)} blocks hold {len(table) * block_size} "
                 f"tokens, but the step needs {c + n}; allocate slots before building the batch")
         start = len(input_ids)
-        input_ids.extend(tokens)
-        positions.extend(range(c, c + n))
-        slots.extend([table[p // block_size] * block_size + p % block_size for p in range(c, c + n)])
-        qsl.append(len(input_ids))
+        input_ids += tokens
+        if n == 1:  # a decode: one row, the common case
+            positions.append(c)
+            slots.append(table[c // block_size] * block_size + c % block_size)
+        else:
+            positions += range(c, c + n)
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
+        qsl.append(start + n)
         seq_lens.append(c + n)
         tables.append(table)
         request_ids.append(req.request_id)
-        k = min(n, max(0, c + n - (req.num_tokens - 1)))
+        k = c + n - req.num_tokens + 1  # rows from the last known token on; clamped to [0, n]
+        k = 0 if k < 0 else (n if k > n else k)
         sample_counts.append(k)
-        sample_rows.extend(range(start + n - k, start + n))
+        if k == 1:
+            sample_rows.append(start + n - 1)
+        elif k:
+            sample_rows += range(start + n - k, start + n)
         if req.params.prompt_logprobs is not None:
             end = min(c + n, req.num_prompt_tokens - 1)
             if end > c:
@@ -173,25 +185,28 @@ def build_batch(
             tables.append([])
             request_ids.append("")
             sample_counts.append(0)
-    width = max((len(t) for t in tables), default=0)
-    qsl_cpu = host_tensor(qsl, torch.int32)
-    seq_lens_cpu = host_tensor(seq_lens, torch.int32)
+    width = max(map(len, tables), default=0)
+    # One numpy array per dtype (each call into numpy or torch costs microseconds, every step).
+    qsl_cpu, seq_lens_cpu = host_tensor(qsl + seq_lens, torch.int32).split([len(qsl), len(seq_lens)])
+    ids, pos, slot_mapping = host_tensor([input_ids, positions, slots], torch.int64)  # [3, N] -> 3 x [N]
+    dev = to_device([qsl_cpu, seq_lens_cpu, padded_table(tables, width), slot_mapping, ids, pos,
+                     host_tensor(sample_rows + prompt_rows, torch.int64)], device)
     meta = BatchMeta(
-        query_start_loc=qsl_cpu.to(device),
-        seq_lens=seq_lens_cpu.to(device),
-        block_table=padded_table(tables, width).to(device),
-        slot_mapping=host_tensor(slots, torch.int64).to(device),
+        query_start_loc=dev[0],
+        seq_lens=dev[1],
+        block_table=dev[2],
+        slot_mapping=dev[3],
         block_size=block_size,
         query_start_loc_cpu=qsl_cpu,
         seq_lens_cpu=seq_lens_cpu,
-        max_query_len=max((b - a for a, b in zip(qsl, qsl[1:])), default=0),
+        max_query_len=max(max((n for _, n in scheduled), default=0), 1 if len(qsl) > len(scheduled) + 1 else 0),
         max_seq_len=max(seq_lens, default=0),
     )
     return Batch(
-        input_ids=host_tensor(input_ids, torch.int64).to(device),
-        positions=host_tensor(positions, torch.int64).to(device),
+        input_ids=dev[4],
+        positions=dev[5],
         meta=meta,
-        logits_indices=host_tensor(sample_rows + prompt_rows, torch.int64).to(device),
+        logits_indices=dev[6],
         sample_counts=sample_counts,
         request_ids=request_ids,
         prompt_spans=prompt_spans,

@@ -267,8 +267,7 @@ class EngineCore:
             self.runner.swap_in(req, blocks)
         if plan.empty:
             return []
-        tables = [self.blocks.req_blocks[req.request_id] for req, _ in plan.scheduled]
-        batch = self.runner.prepare(plan.scheduled, tables)
+        batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)  # tables looked up by id
         logits = self.runner.execute(batch)  # [sample rows + prompt-logprob rows, V]
         self.steps += 1
 
@@ -331,9 +330,10 @@ class EngineCore:
         return result
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
-        finished = req.is_finished
+        reason = req.status.finish_reason  # None while the request runs
+        finished = reason is not None
         return RequestOutput(
-            req.request_id, new, req.output_token_ids, finished, req.status.finish_reason, req.stop_reason,
+            req.request_id, new, req.output_token_ids, finished, reason, req.stop_reason,
             req.num_cached_tokens, req.extra.get("prompt_logprobs") if finished else None)
 
     def run_until_done(self, max_steps: int = 1_000_000) -> dict[str, list[int]]:
