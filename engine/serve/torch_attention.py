@@ -48,7 +48,8 @@ DEFAULT_MAX_CHUNK_ELEMS = 1 << 22  # gathered K (and V) elements per chunk: 16 M
 # sharing at least this many leading blocks. In the spirit of vLLM's use_cascade_attention (which
 # wants 8+ requests and a 256+ token prefix on a GPU); with fewer requests the extra operations
 # cost about what the smaller gathers save. The shared workload's 12-block system prompt at 16
-# requests: the decode forward pass ~6% faster on the test model, ~12% on the small preset.
+# requests: decode steps ~11% faster on the small preset, ~2% on the test model (where per-op
+# cost, not the gathers, dominates).
 DEFAULT_CASCADE_MIN_REQS = 8
 DEFAULT_CASCADE_MIN_BLOCKS = 4
 
