@@ -199,7 +199,7 @@ def build_batch(
         block_size=block_size,
         query_start_loc_cpu=qsl_cpu,
         seq_lens_cpu=seq_lens_cpu,
-        max_query_len=max(max((n for _, n in scheduled), default=0), 1 if len(qsl) > len(scheduled) + 1 else 0),
+        max_query_len=max((b - a for a, b in zip(qsl, qsl[1:])), default=0),
         max_seq_len=max(seq_lens, default=0),
     )
     return Batch(
