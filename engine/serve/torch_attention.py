@@ -54,6 +54,14 @@ DEFAULT_CASCADE_MIN_REQS = 8
 DEFAULT_CASCADE_MIN_BLOCKS = 4
 
 
+def _gather(pool: torch.Tensor, rows: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+    """Rows of ``pool`` [slots, bs, Hkv, D], viewed as ``[slots * Hkv, D]``, picked by ``rows``
+    [..., keys] (from ``TorchBackend._kv_rows``) -> [prod(...), keys, D] in ``work`` dtype: one
+    gather straight into heads-first order, each (tile, kv head) one contiguous [keys, D] matrix."""
+    d = pool.shape[-1]
+    return pool.view(-1, d).index_select(0, rows.flatten()).view(-1, rows.shape[-1], d).to(work)
+
+
 @dataclass
 class _TileGroup:
     """Tiles that share one padded key length. Every tensor is on the batch's device.
@@ -294,12 +302,9 @@ class TorchBackend:
         group_size = hq // hkv
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         kv_rows = group.kv_rows[tiles]  # [G', Hkv, keys]
-        g, _, keys = kv_rows.shape
+        g = kv_rows.shape[0]
         t = rows // g
-        # One gather per pool, straight into heads-first order: each (tile, kv head) becomes one
-        # contiguous [keys, D] matrix, ready for a batched matmul.
-        k = k_pool.view(-1, d).index_select(0, kv_rows.flatten()).view(g * hkv, keys, d).to(work)
-        v = v_pool.view(-1, d).index_select(0, kv_rows.flatten()).view(g * hkv, keys, d).to(work)
+        k, v = _gather(k_pool, kv_rows, work), _gather(v_pool, kv_rows, work)  # [G' * Hkv, keys, D]
         # Query head h reads kv head h // group_size: fold the group into the query axis
         # (a view when T == 1). [G' * T, Hq, D] -> [G' * Hkv, T * group, D]
         qt = q.to(work).view(g, t, hkv, group_size, d).transpose(1, 2).reshape(g * hkv, t * group_size, d)
@@ -331,8 +336,7 @@ class TorchBackend:
         """
         hkv, p = prefix_rows.shape
         d, group_size = qt.shape[-1], qt.shape[1]
-        k_pre = k_pool.view(-1, d).index_select(0, prefix_rows.flatten()).view(hkv, p, d).to(work)
-        v_pre = v_pool.view(-1, d).index_select(0, prefix_rows.flatten()).view(hkv, p, d).to(work)
+        k_pre, v_pre = _gather(k_pool, prefix_rows, work), _gather(v_pool, prefix_rows, work)  # [Hkv, P, D]
         by_head = qt.view(g, hkv, group_size, d).transpose(0, 1).reshape(hkv, g * group_size, d)
         pre = torch.bmm(by_head, k_pre.transpose(1, 2)).mul_(scale)  # [Hkv, G' * group, P]
         pre = pre.view(hkv, g, group_size, p).transpose(0, 1).reshape(g * hkv, group_size, p)
