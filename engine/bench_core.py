@@ -1,10 +1,13 @@
 """``python run.py core``: the chapter benchmark — chapter 24's slot engine against the core.
 
-Sixteen requests (by default) share a 192-token system prompt, each adding its own 8-48-token
-question and wanting 8-40 output tokens, on the 2-layer test model. Three runs print one JSON line
-each: chapter 24's engine with 8 slots of 320 tokens, the core with an ample pool, and the core
-with a 24-block (384-token) pool that must preempt; tok_s is the best of --repeat timed runs.
-Every run's greedy tokens are compared with chapter 24's (``matches_ch24``).
+The workload is ``shared_prefix_workload``: by default 16 requests on the 2-layer test model, all
+opening with one 192-token system prompt, then a private 8-48-token question, each asking for
+8-40 new tokens. It is served three times, one JSON line per run: by chapter 24's engine (room for
+8 requests of at most 320 tokens), by the core with a pool sized from memory (far larger than the
+workload needs), and by the core held to 24 blocks (384 tokens), so that it must preempt. ``tok_s``
+is the fastest of --repeat timed runs; ``matches_ch24`` says whether a run's greedy tokens equal
+chapter 24's. --backend and --no-prefix-caching switch one ingredient of the core runs off, to
+show what it contributes.
 """
 from __future__ import annotations
 
@@ -43,6 +46,8 @@ def core_main(argv: list[str] | None = None) -> int:
                     help="'solution' runs the reference; 'engine' runs the holes you filled in")
     ap.add_argument("--model", default=None, help="an HF-format checkpoint directory instead of the test model")
     ap.add_argument("--backend", default=None, help="attention backend of the core runs (default: EngineConfig's)")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="run the core runs with the prefix cache off (to see what it contributes)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="time each run this many times on a fresh engine and report the fastest (default 3)")
     ap.add_argument("--threads", type=int, default=1,
@@ -65,15 +70,16 @@ def core_main(argv: list[str] | None = None) -> int:
         model = tiny_model(seed=0)
     work = shared_prefix_workload(args.requests, seed=args.seed, vocab_size=model.cfg.vocab_size)
     backend = args.backend or EngineConfig().attention_backend
+    caching = {"enable_prefix_caching": not args.no_prefix_caching}
     slots = lambda: SlotRunner(model, num_slots=8, max_len=320)  # noqa: E731
     # Warm up the kernels both engines use, so neither pays first-call costs in its timing.
-    best_of(lambda: CoreRunner(model, backend), work[:2], 1)
+    best_of(lambda: CoreRunner(model, backend, **caching), work[:2], 1)
     best_of(slots, work[:2], 1)
 
     ref = best_of(slots, work, args.repeat)
     print(json.dumps(json_line("ch24 slots", ref, core=False)), flush=True)
     for label, config in (("ch31 core, ample pool", {}), ("ch31 core, 24-block pool", {"num_blocks": 24})):
-        res = best_of(lambda: CoreRunner(model, backend, **config), work, args.repeat)
+        res = best_of(lambda: CoreRunner(model, backend, **caching, **config), work, args.repeat)
         line = json_line(label, res, core=True)
         line["matches_ch24"] = res.outputs == ref.outputs
         print(json.dumps(line), flush=True)
