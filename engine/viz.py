@@ -181,31 +181,65 @@ def _axes(ax, figsize):
 
 
 def draw_batch(batch: Batch, names: dict[str, str] | None = None, ax=None):
-    """The flat batch as a strip of rows coloured by request: token id, position and slot in each
-    cell; a thick outline marks the rows whose logits are computed."""
-    from matplotlib.patches import Rectangle
+    """The flat batch above the pool blocks it writes: each row is labelled with its request and
+    position ("a6" = request a, position 6) and an arrow runs from it to the block and offset its
+    K/V go to (``slot_mapping``). A thick outline marks the rows sent to the LM head; padding rows
+    (slot -1) get no arrow."""
+    from matplotlib.patches import FancyArrowPatch, Rectangle
 
     names = names or {}
+    meta = batch.meta
+    bs = meta.block_size
     n = batch.input_ids.shape[0]
-    ax = _axes(ax, (max(6, 1.1 * n), 2.2))
-    qsl = batch.meta.query_start_loc_cpu.tolist()
+    qsl = meta.query_start_loc_cpu.tolist()
     sampled = set(batch.logits_indices.tolist())
-    ids, pos, slots = batch.input_ids.tolist(), batch.positions.tolist(), batch.meta.slot_mapping.tolist()
-    for r, rid in enumerate(batch.request_ids):
-        colour = REQUEST_COLOURS[r % len(REQUEST_COLOURS)]
+    pos, slots = batch.positions.tolist(), meta.slot_mapping.tolist()
+    owner = [0] * n
+    for r in range(len(batch.request_ids)):
         for i in range(qsl[r], qsl[r + 1]):
-            ax.add_patch(Rectangle((i, 0), 1, 1, facecolor=colour, alpha=0.35,
-                                   edgecolor="black", linewidth=2.5 if i in sampled else 0.5))
-            ax.text(i + 0.5, 0.72, f"tok {ids[i]}", ha="center", va="center", fontsize=8)
-            ax.text(i + 0.5, 0.45, f"pos {pos[i]}", ha="center", va="center", fontsize=8)
-            ax.text(i + 0.5, 0.18, f"slot {slots[i]}", ha="center", va="center", fontsize=8)
-        ax.text((qsl[r] + qsl[r + 1]) / 2, 1.15, names.get(rid, rid or "pad"), ha="center",
-                fontsize=10, fontweight="bold", color=colour)
-    ax.set_xlim(0, n)
-    ax.set_ylim(0, 1.35)
+            owner[i] = r
+    # The blocks this step writes, in order of first use; each drawn as bs cells side by side.
+    written = list(dict.fromkeys(s // bs for s in slots if s >= 0))
+    gap = 2
+    width = max(1, len(written) * bs + (len(written) - 1) * gap)
+    block_x = {b: k * (bs + gap) for k, b in enumerate(written)}
+    ax = _axes(ax, (min(16, max(7, 0.2 * width)), 3.4))
+    row_w = width / max(n, 1)
+    row_y, row_h, cell_y, cell_h = 2.2, 0.8, 0.0, 0.8
+    for b, x0 in block_x.items():
+        for o in range(bs):
+            ax.add_patch(Rectangle((x0 + o, cell_y), 1, cell_h, facecolor="white", edgecolor="#999999",
+                                   linewidth=0.5))
+        ax.text(x0 + bs / 2, cell_y - 0.35, f"block {b}", ha="center", va="center", fontsize=9)
+        for o in (0, bs - 1):
+            ax.text(x0 + o + 0.5, cell_y + cell_h + 0.15, str(o), ha="center", va="bottom", fontsize=6,
+                    color="#777777")
+    for i in range(n):
+        r = owner[i]
+        rid = batch.request_ids[r]
+        colour = REQUEST_COLOURS[r % len(REQUEST_COLOURS)]
+        x = i * row_w
+        ax.add_patch(Rectangle((x + 0.05 * row_w, row_y), 0.9 * row_w, row_h, facecolor=colour, alpha=0.35))
+        ax.add_patch(Rectangle((x + 0.05 * row_w, row_y), 0.9 * row_w, row_h, fill=False,
+                               edgecolor="black", linewidth=2.5 if i in sampled else 0.5))
+        label = names.get(rid, rid or "pad")
+        ax.text(x + row_w / 2, row_y + row_h / 2, f"{label}{pos[i]}", ha="center", va="center", fontsize=9)
+        if slots[i] < 0:
+            continue
+        b, o = divmod(slots[i], bs)
+        cx = block_x[b] + o + 0.5
+        ax.add_patch(Rectangle((block_x[b] + o, cell_y), 1, cell_h, facecolor=colour, alpha=0.6,
+                               edgecolor="black", linewidth=0.5))
+        ax.text(cx, cell_y + cell_h / 2, str(o), ha="center", va="center", fontsize=6)
+        ax.add_patch(FancyArrowPatch((x + row_w / 2, row_y), (cx, cell_y + cell_h), arrowstyle="-|>",
+                                     mutation_scale=8, color=colour, linewidth=1))
+    ax.text(0, row_y + row_h + 0.25, "the step's rows (thick outline: sent to the LM head)", fontsize=9,
+            va="bottom")
+    ax.text(0, cell_y - 0.9, f"the pool blocks they write (offsets 0..{bs - 1}; slot = block x {bs} + offset)",
+            fontsize=9, va="top")
+    ax.set_xlim(-0.5, width + 0.5)
+    ax.set_ylim(cell_y - 1.5, row_y + row_h + 0.8)
     ax.set_axis_off()
-    ax.set_title("one flat batch: rows coloured by request, thick outline = row sent to the LM head",
-                 fontsize=10)
     return ax
 
 
@@ -253,12 +287,37 @@ def draw_pool(blocks: BlockManager, ax=None, title: str | None = None, columns: 
     return ax
 
 
-def plot_trace(records: list[StepRecord], axes=None, title: str = "", num_blocks: int | None = None):
+def _token_cap(heights: list[int]) -> float | None:
+    """Where to clip the tokens panel: when the tallest step dwarfs the rest (typically the first,
+    which admits every prompt at once), just above the second tallest; otherwise no clipping."""
+    heights = sorted(heights)
+    if len(heights) > 1 and heights[-1] > 2 * heights[-2] > 0:
+        return 1.4 * heights[-2]
+    return None
+
+
+def shared_limits(*traces: list[StepRecord]) -> dict:
+    """``plot_trace`` keyword arguments that give several traces the same y-scales, so panels side
+    by side can be compared by eye."""
+    caps = []
+    for records in traces:  # each trace's own range (its outlier step clipped), then the widest
+        heights = [r.tokens for r in records]
+        cap = _token_cap(heights)
+        caps.append(cap if cap is not None else 1.05 * max(heights, default=1))
+    blocks = [r.in_use + r.cached_free for records in traces for r in records]
+    return {"token_ylim": max(caps, default=1), "block_ylim": 1.05 * max(blocks, default=1)}
+
+
+def plot_trace(records: list[StepRecord], axes=None, title: str = "", num_blocks: int | None = None,
+               token_ylim: float | None = None, block_ylim: float | None = None):
     """Two panels: tokens per step (stacked by kind) and blocks held per step (in use, cached-free).
 
     A step far taller than the rest (typically the first, which admits every prompt at once) is
-    clipped so the decode steps stay visible; its height is written above it. ``num_blocks``
-    draws the pool size as a line when it is within reach of the plotted values.
+    clipped so the decode steps stay visible; its height is written above it. ``token_ylim`` and
+    ``block_ylim`` fix the panels' y-ranges (``shared_limits`` computes them for several traces);
+    a token step above ``token_ylim`` is clipped the same way. ``num_blocks`` draws the pool size
+    as a line when it is within reach of the plotted values. Steps that preempted are marked with
+    dotted lines, and the x label says so only when there are any.
     """
     import matplotlib.pyplot as plt
 
@@ -270,25 +329,28 @@ def plot_trace(records: list[StepRecord], axes=None, title: str = "", num_blocks
         values = [getattr(r, kind) for r in records]
         axes[0].bar(steps, values, bottom=bottom, color=colour, width=1.0, label=kind)
         bottom = [a + b for a, b in zip(bottom, values)]
-    heights = sorted(bottom)
-    if len(heights) > 1 and heights[-1] > 2 * heights[-2] > 0:
-        cap = 1.4 * heights[-2]
+    cap = token_ylim if token_ylim is not None else _token_cap(bottom)
+    if cap is not None:
         axes[0].set_ylim(0, cap)
         for step, h in zip(steps, bottom):
             if h > cap:
                 axes[0].text(step + 0.8, cap * 0.97, f"{h} tokens", ha="left", va="top", fontsize=8)
     axes[0].set_ylabel("tokens in the step")
     axes[0].legend(fontsize=8, loc="upper right")
-    for step in (r.step for r in records if r.preempted):
+    preempting = [r.step for r in records if r.preempted]
+    for step in preempting:
         axes[0].axvline(step, color="black", linestyle=":", linewidth=0.8)
     held = [[r.in_use for r in records], [r.cached_free for r in records]]
     axes[1].stackplot(steps, *held, colors=[STATE_COLOURS["in use"], STATE_COLOURS["cached-free"]],
                       labels=["in use", "cached-free"], step="mid")
     top = max((a + b for a, b in zip(*held)), default=0)
-    if num_blocks is not None and num_blocks <= 1.5 * max(top, 1):
+    if block_ylim is not None:
+        axes[1].set_ylim(0, block_ylim)
+    reach = block_ylim if block_ylim is not None else 1.5 * max(top, 1)
+    if num_blocks is not None and num_blocks <= reach:
         axes[1].axhline(num_blocks, color="black", linewidth=1, linestyle="--", label="pool size")
     axes[1].set_ylabel("blocks")
-    axes[1].set_xlabel("step (dotted lines: a preemption)")
+    axes[1].set_xlabel("step (dotted lines: a preemption)" if preempting else "step")
     axes[1].legend(fontsize=8, loc="lower left")
     if title:
         axes[0].set_title(title, fontsize=10)
