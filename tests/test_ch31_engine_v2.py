@@ -46,7 +46,7 @@ def worked_example():
     b = req("b", list(range(200, 230)) + list(range(230, 242)), computed=41, prompt_len=30)
     c = req("c", list(range(300, 305)) + list(range(305, 310)), computed=9, prompt_len=5)
     d = req("d", range(400, 404))
-    tables = {"a": [5, 2], "b": [7, 8, 9], "c": [1], "d": [4]}
+    tables = {"a": [5], "b": [7, 8, 9], "c": [1], "d": [4]}
     return [(a, 3), (b, 1), (c, 1), (d, 4)], tables
 
 
@@ -62,7 +62,7 @@ def test_build_batch_worked_example():
     assert m.seq_lens.tolist() == [9, 42, 10, 4], "seq_len is c + n (the context after this step)"
     want_slots = [5 * 16 + 6, 5 * 16 + 7, 5 * 16 + 8, 9 * 16 + 9, 1 * 16 + 9, 64, 65, 66, 67]
     assert m.slot_mapping.tolist() == want_slots, "slot = table[p // block_size] * block_size + p % block_size"
-    assert m.block_table.tolist() == [[5, 2, 0], [7, 8, 9], [1, 0, 0], [4, 0, 0]], "tables zero padded"
+    assert m.block_table.tolist() == [[5, 0, 0], [7, 8, 9], [1, 0, 0], [4, 0, 0]], "tables zero padded"
     assert (m.query_start_loc.dtype, m.seq_lens.dtype, m.block_table.dtype, m.slot_mapping.dtype) == \
         (torch.int32, torch.int32, torch.int32, torch.int64)
     assert m.query_start_loc_cpu.tolist() == [0, 3, 4, 5, 9] and m.seq_lens_cpu.tolist() == [9, 42, 10, 4]
