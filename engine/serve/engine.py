@@ -139,7 +139,7 @@ class EngineCore:
             # One request filling the whole budget, against a pool just big enough for it.
             n = min(self.config.max_num_batched_tokens, self.max_model_len)
             dummy = ModelRunner(self.flat, backend, -(-n // bs), bs)
-            req = Request("profile", [0] * n, SamplingParams(max_tokens=1))
+            req = Request("profile", [0] * n, SamplingParams(max_tokens=1, temperature=0.0))
             batch = dummy.prepare([(req, n)], [list(range(-(-n // bs)))])
             dummy.execute(batch)
             del dummy
