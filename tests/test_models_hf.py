@@ -526,9 +526,10 @@ def test_llm_chat_and_model_object(ckpt, capsys):
     assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False)
     [again] = llm.generate({"prompt_token_ids": out.prompt_token_ids}, SamplingParams(max_tokens=5, temperature=0.0))
     assert again.token_ids == out.token_ids
-    assert len(llm.chat([convo, convo], SamplingParams(max_tokens=2, temperature=0.0))) == 2
-    assert capsys.readouterr().err == "", "no progress bar when stderr is not a terminal"
-    llm.chat([convo, convo], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=True)
+    capsys.readouterr()
+    assert len(llm.chat([convo, convo], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)) == 2
+    assert capsys.readouterr().err == "", "no progress bar with use_tqdm=False"
+    llm.chat([convo, convo], SamplingParams(max_tokens=2, temperature=0.0))  # vLLM's default: use_tqdm=True
     assert "2/2 prompts" in capsys.readouterr().err
     with pytest.raises(ValueError, match="pass tokenizer="):
         LLM(model, block_size=4, num_blocks=16).generate("text needs a tokenizer")

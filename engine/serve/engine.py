@@ -176,6 +176,8 @@ class EngineCore:
                 raise ValueError(f"request {request_id!r}: token ids must be ints, got {t!r}")
             if not 0 <= t < vocab:
                 raise ValueError(f"request {request_id!r}: token id {t} is outside the vocabulary [0, {vocab})")
+        if params.max_tokens is None:  # vLLM's "as many as the context allows"
+            params = SamplingParams(**{**params.__dict__, "max_tokens": max(1, self.max_model_len - len(prompt))})
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "

@@ -54,6 +54,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
     "repetition_detection": (None, "no repetition detector in the course engine"),
     "trace_decode_token_ids": (None, "a vLLM debugging aid the course engine does not have"),
     "routed_experts_prompt_start": (0, "the engine does not return MoE routing"),
+    "watermarking": (None, "no output watermarking in the course engine"),
 }
 
 
@@ -92,6 +93,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     temperature: float = 1.0
+    watermarking: Any = None
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
@@ -215,6 +217,24 @@ class SamplingParams:
             return 0
         return max(len(s) for s in self.stop) - 1
 
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """The stop token ids (the engine adds the EOS on its own)."""
+        return set(self.stop_token_ids)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """None: the EOS is the engine's (``EngineCore(eos_token_id=...)``), not the params'."""
+        return None
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        return None  # bad_words need chapter 34
+
+    @property
+    def num_logprobs(self) -> int:
+        return 0 if self.logprobs is None else self.logprobs
+
     def full_sampler_fields(self) -> list[str]:
         """The fields set to something only chapter 34's full sampler can honour."""
         return [name for name, neutral in FULL_SAMPLER_FIELDS.items() if getattr(self, name) != neutral]
@@ -234,19 +254,11 @@ def _string_list(value: Any, name: str, bad) -> list[str]:
         raise bad(f"{name} must be a string or a list of strings, got {value!r}")
     if any(not s for s in value):
         raise bad(f"{name} cannot contain an empty string")
+    from engine.tokenizer import check_text  # text checks live with the tokenizer
+
     for s in value:
-        _check_text(s, f"{name} string")
+        check_text(s, f"{name} string")
     return list(dict.fromkeys(value))
-
-
-def _check_text(text: str, what: str) -> None:
-    """ValueError for text that is not valid Unicode (a lone surrogate, e.g. undecodable bytes
-    that Python smuggled in with errors="surrogateescape")."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid text: {e.reason} at index {e.start} "
-                         f"({text[e.start:e.end]!r}); decode your bytes as UTF-8 first") from None
 
 
 def _is_int(x: object) -> bool:
