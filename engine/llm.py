@@ -54,6 +54,16 @@ GENERATION_DEFAULTS = {"temperature": "temperature", "top_k": "top_k", "top_p": 
                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
+def _refused(name: str, why: str):
+    """A method vLLM's LLM has and ours does not: calling it says so, by name."""
+    def method(*args: Any, **kwargs: Any):
+        raise ValueError(f"LLM.{name}: {why}")
+
+    method.__name__ = name
+    method.__doc__ = f"Not in the course engine: {why}."
+    return method
+
+
 class LLM:
     """A model, its tokenizer and one engine core, behind ``generate``, ``chat`` and ``stream``.
 
@@ -374,23 +384,6 @@ class LLM:
         finally:  # the caller stopped early (or failed): leave no request behind
             self._release([state])
 
-    def encode(self, *args: Any, **kwargs: Any):
-        raise ValueError("LLM.encode: pooling models are not part of the course engine; use generate()")
-
-    embed = classify = score = reward = encode
-
-    def beam_search(self, *args: Any, **kwargs: Any):
-        raise ValueError("LLM.beam_search is not part of the course engine: sample n completions "
-                         "(SamplingParams(n=...)) instead")
-
-    def sleep(self, *args: Any, **kwargs: Any):
-        raise ValueError("LLM.sleep: the pool is allocated once, for the LLM's lifetime (no sleep mode)")
-
-    wake_up = sleep
-
-    def collective_rpc(self, *args: Any, **kwargs: Any):
-        raise ValueError("LLM.collective_rpc: there are no workers; the model is llm.model, in this process")
-
     def apply_model(self, func):
         """Call ``func(model)`` on the model (vLLM runs it in every worker; here there is one)."""
         return [func(self.model)]
@@ -401,24 +394,31 @@ class LLM:
     def reset_mm_cache(self) -> None:
         """Nothing to reset: no images, no multimodal cache (chapter 43)."""
 
-    @classmethod
-    def from_engine_args(cls, engine_args: Any):
-        raise ValueError("LLM.from_engine_args: the course has no EngineArgs; pass the options to LLM(...)")
-
-    def _no_weight_updates(self, *args: Any, **kwargs: Any):
-        raise ValueError("weight updates in place (RL training loops) are not part of the course engine; "
-                         "build a new LLM from the new weights")
-
-    (init_weight_transfer_engine, shutdown_weight_transfer_engine, start_weight_update, finish_weight_update,
-     start_draft_weight_update, update_weights, update_weight_version, get_weight_version) = (_no_weight_updates,) * 8
-
-    def release_kv_cache_memory(self, *args: Any, **kwargs: Any):
-        raise ValueError("LLM.release_kv_cache_memory: the pool lives as long as the LLM; delete the LLM to free it")
-
-    def start_profile(self, *args: Any, **kwargs: Any):
-        raise ValueError("LLM.start_profile: wrap the calls in torch.profiler.profile() instead")
-
-    stop_profile = start_profile
+    # vLLM methods the course engine does not have: each refuses by name, saying why.
+    encode = _refused("encode", "pooling models are not part of the course engine; use generate()")
+    embed = _refused("embed", "pooling models are not part of the course engine; use generate()")
+    classify = _refused("classify", "pooling models are not part of the course engine; use generate()")
+    score = _refused("score", "pooling models are not part of the course engine; use generate()")
+    beam_search = _refused("beam_search", "no beam search in the course engine; sample n completions "
+                                          "(SamplingParams(n=...)) instead")
+    sleep = _refused("sleep", "the pool is allocated once, for the LLM's lifetime (no sleep mode)")
+    wake_up = _refused("wake_up", "the pool is allocated once, for the LLM's lifetime (no sleep mode)")
+    collective_rpc = _refused("collective_rpc", "there are no workers; the model is llm.model, in this process")
+    start_profile = _refused("start_profile", "wrap the calls in torch.profiler.profile() instead")
+    stop_profile = _refused("stop_profile", "wrap the calls in torch.profiler.profile() instead")
+    release_kv_cache_memory = _refused("release_kv_cache_memory", "the pool lives as long as the LLM; "
+                                                                  "delete the LLM to free it")
+    from_engine_args = classmethod(_refused("from_engine_args", "the course has no EngineArgs; pass the "
+                                                                "options to LLM(...)"))
+    _WEIGHTS = "in-place weight updates (RL training loops) are not part of the course engine; build a new LLM"
+    init_weight_transfer_engine = _refused("init_weight_transfer_engine", _WEIGHTS)
+    shutdown_weight_transfer_engine = _refused("shutdown_weight_transfer_engine", _WEIGHTS)
+    start_weight_update = _refused("start_weight_update", _WEIGHTS)
+    start_draft_weight_update = _refused("start_draft_weight_update", _WEIGHTS)
+    finish_weight_update = _refused("finish_weight_update", _WEIGHTS)
+    update_weights = _refused("update_weights", _WEIGHTS)
+    update_weight_version = _refused("update_weight_version", _WEIGHTS)
+    get_weight_version = _refused("get_weight_version", _WEIGHTS)
 
     # ------------------------------------------------------------------ internals
 
