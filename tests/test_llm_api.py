@@ -313,6 +313,23 @@ def test_default_params_and_n(llm, model, tok):
     assert [c.index for c in out.outputs] == [0, 1, 2] and all(len(c.token_ids) == 6 for c in out.outputs)
 
 
+def test_seeded_sampling_matches_chapter_8(llm, model, tok):
+    """temperature/top_k/top_p/seed: token by token, chapter 8's sample_token on a plain forward pass,
+    drawing from a generator seeded like the request's, gives the engine's tokens."""
+    from engine.sampling import sample_token
+
+    prompt = _prompt(13, tok)
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=77, max_tokens=10, ignore_eos=True)
+    [out] = llm.generate({"prompt_token_ids": prompt}, params)
+    gen, seq, want = torch.Generator().manual_seed(77), list(prompt), []
+    with torch.no_grad():
+        for _ in range(10):
+            t = sample_token(model(torch.tensor(seq))[-1], 0.9, 20, 0.9, gen)
+            want.append(t)
+            seq.append(t)
+    assert out.outputs[0].token_ids == want
+
+
 # --------------------------------------------------------------------------- constructor and methods
 
 

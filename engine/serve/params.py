@@ -113,7 +113,6 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stream_interval: int | None = None
     skip_clone: bool = False
@@ -127,6 +126,7 @@ class SamplingParams:
     repetition_detection: Any = None
     routed_experts_prompt_start: int = 0
     trace_decode_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # older vLLMs had it here; 0.32 takes generate(tokenization_kwargs=...)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> ValueError:
