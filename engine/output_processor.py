@@ -9,7 +9,7 @@ processor detokenizes and checks stop strings outside the core, then aborts the 
 * stop strings, matched on the detokenized text, so a stop string that spans two tokens, or a
   token that holds a stop string plus more, still stops. The search covers only the new text and
   the ``len(stop) - 1`` characters before it. Once the completion has more than ``min_tokens``
-  tokens, the first stop string in ``stop`` order that occurs ends it: the text is cut before it
+  tokens, the stop string that ends first (ties: ``stop`` order) ends it: the text is cut before it
   (or after it with ``include_stop_str_in_output``), ``finish_reason`` is "stop" and
   ``stop_reason`` the string. The token ids keep the token that completed the match.
 * a completion ended by a stop token or EOS does not show that token's text unless
@@ -27,16 +27,20 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 def find_stop_string(text: str, new_chars: int, stop: list[str],
                      include_in_output: bool) -> tuple[str, int] | None:
-    """The first stop string (in ``stop`` order) inside the last ``new_chars`` characters of
-    ``text`` or straddling their start, and the length to cut ``text`` to; None if none."""
+    """The stop string that ends first among those inside the last ``new_chars`` characters of
+    ``text`` or straddling their start (ties: ``stop`` order), and the length to cut ``text`` to;
+    None if none."""
     if new_chars <= 0:
         return None
+    best: tuple[int, int, str] | None = None  # (end, start, string)
     for s in stop:
-        start = max(0, len(text) - new_chars - len(s) + 1)
-        at = text.find(s, start)
-        if at != -1:
-            return s, at + len(s) if include_in_output else at
-    return None
+        at = text.find(s, max(0, len(text) - new_chars - len(s) + 1))
+        if at != -1 and (best is None or at + len(s) < best[0]):
+            best = (at + len(s), at, s)
+    if best is None:
+        return None
+    end, start, s = best
+    return s, end if include_in_output else start
 
 
 class CompletionState:
@@ -83,7 +87,7 @@ class CompletionState:
         hit = None
         if self.detok is not None:
             shown = new[:-1] if stop_terminated and new and not p.include_stop_str_in_output else new
-            check = bool(p.stop) and not stop_terminated
+            check = bool(p.stop)
             for j, t in enumerate(shown):  # one token at a time: stop as soon as a string completes
                 before = len(self.text)
                 self.text += self.detok.add([t])

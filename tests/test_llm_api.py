@@ -173,18 +173,19 @@ def test_stop_string_across_a_token_boundary(llm, model, tok):
     assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
 
 
-def test_stop_string_inside_one_token_and_list_order(llm, model, tok):
+def test_stop_string_inside_one_token_and_the_earliest_wins(llm, model, tok):
+    """Two stop strings inside one token's text: the one that ends first wins, whatever its place
+    in the list (vLLM's rule); the text is cut mid-token."""
     prompt = _prompt(4, tok)
     tokens = _oracle(model, prompt)
-    # a token whose own text has >= 3 characters: stop on its middle character
-    i = next(i for i, t in enumerate(tokens) if len(tok.decode([t]).strip()) >= 3)
-    stop = tok.decode([tokens[i]]).strip()[1]
-    k = _first_prefix_with(tok, tokens, stop)
+    word = next(w for w in (tok.decode([t]).strip() for t in tokens) if len(w) >= 3)
+    stops = ["\x01never", word[1:3], word[0:2]]  # the last one ends first
+    k = next(k for k in range(1, len(tokens) + 1) if any(s in tok.decode(tokens[:k]) for s in stops))
     full = tok.decode(tokens[:k])
-    never = "\x01never"
-    [out] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(stop=[never, stop], **GREEDY))
+    won = min((s for s in stops if s in full), key=lambda s: (full.find(s) + len(s), stops.index(s)))
+    [out] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(stop=stops, **GREEDY))
     assert out.outputs[0].token_ids == tokens[:k]
-    assert out.outputs[0].text == full[:full.find(stop)] and out.outputs[0].stop_reason == stop
+    assert out.outputs[0].stop_reason == won and out.outputs[0].text == full[:full.find(won)]
 
 
 def test_stop_strings_wait_for_min_tokens(llm, model, tok):
