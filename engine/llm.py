@@ -101,6 +101,7 @@ class LLM:
         options, front = split_options({**engine_options, "seed": seed, "kv_cache_memory_bytes": kv_cache_memory_bytes,
                                         "gpu_memory_utilization": gpu_memory_utilization}, known)
         config = EngineConfig(**options)  # checked before loading: a typo should not cost a multi-GB load
+        self.chat_template = _read_template(chat_template)
         if isinstance(dtype, str):
             dtype = DTYPES.get(dtype, dtype)
         self._model_dir: Path | None = None
@@ -132,7 +133,6 @@ class LLM:
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
             raise ValueError(f"tokenizer must be a Tokenizer or a directory, got {type(tokenizer).__name__}")
         self.tokenizer: Tokenizer | None = tokenizer
-        self.chat_template = _read_template(chat_template)
         self.generation_config = front.get("generation_config", "auto")
 
         if front.get("kv_cache_memory_bytes") is not None:
@@ -671,7 +671,10 @@ def _read_template(template: str | os.PathLike | None) -> str | None:
         path = Path(template).expanduser()
         if not path.is_file():
             raise ValueError(f"chat_template file {str(path)!r} does not exist")
-        return path.read_text(encoding="utf-8")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"chat_template file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not isinstance(template, str):
         raise ValueError(f"chat_template must be a Jinja string or a file path, got {type(template).__name__}")
     return template

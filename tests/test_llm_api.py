@@ -460,3 +460,33 @@ def test_a_stream_closed_early_leaves_nothing_behind(llm, tok):
         next(s)
         s.close()
     assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
+
+
+# --------------------------------------------------------------------------- a checkpoint directory
+
+
+def test_defaults_from_generation_config_and_template_files(tmp_path):
+    """generate() without params uses generation_config.json's sampling fields, as vLLM does;
+    generation_config="vllm" ignores them. chat_template= takes a file; a non-UTF-8 one is refused."""
+    import json
+
+    from pathload import load_by_path
+
+    tiny = load_by_path("tiny_hf_checkpoint", "scripts/tiny_hf_checkpoint.py")
+    d = tiny.save_tiny_checkpoint(tmp_path / "ckpt")
+    cfg = json.loads((d / "generation_config.json").read_text())
+    cfg.update(temperature=0.6, top_k=20, top_p=0.95, max_new_tokens=7, do_sample=True)
+    (d / "generation_config.json").write_text(json.dumps(cfg))
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    llm = LLM(d, block_size=4, num_blocks=32, chat_template=str(template))
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.6, top_k=20, top_p=0.95, max_tokens=7)
+    [out] = llm.generate("hello world", use_tqdm=False)
+    assert len(out.outputs[0].token_ids) <= 7
+    [out] = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0.0, max_tokens=2))
+    assert out.prompt == "<hi>"
+    plain = LLM(d, block_size=4, num_blocks=32, generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()
+    template.write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(ValueError, match="is not UTF-8 text"):
+        LLM(d, block_size=4, num_blocks=32, chat_template=str(template))
