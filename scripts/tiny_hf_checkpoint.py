@@ -71,7 +71,19 @@ def save_tiny_checkpoint(d: str | Path, seed: int = 0) -> Path:
         tie_word_embeddings=False, bos_token_id=None, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     model = transformers.Qwen3ForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(1000 + seed)
+    redraw(model, 1000 + seed)
+    model.save_pretrained(d)
+    return d
+
+
+def redraw(model, seed: int) -> None:
+    """Norms ~ 1 +- 0.1, embedding and head ~ N(0, 1), the rest ~ N(0, 1/fan_in), in name order.
+
+    HF's own init leaves norms at exactly 1 (a loader that skipped them would pass) and logits
+    nearly uniform (greedy choices would be near-ties)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             if "norm" in name:
@@ -80,8 +92,6 @@ def save_tiny_checkpoint(d: str | Path, seed: int = 0) -> Path:
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-    model.save_pretrained(d)
-    return d
 
 
 if __name__ == "__main__":

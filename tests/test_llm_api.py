@@ -22,44 +22,25 @@ from engine.models.tiny import tiny_model
 from engine.serve import SamplingParams
 from engine.serve.params import FULL_SAMPLER_FIELDS, MIN_TEMPERATURE, SEED_MAX, UNSUPPORTED_FIELDS
 from engine.tokenizer import Tokenizer
+from pathload import load_by_path
 
-ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-EOS = 2  # IM_END's id
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, the engine serves requests",
-          "a paged cache holds keys and values in fixed blocks", "stop strings end a completion early"] * 3
 MAX_NEW = 24
 GREEDY = dict(temperature=0.0, ignore_eos=True, max_tokens=MAX_NEW)
 
 
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (what the ByteLevel pre-tokenizer uses)."""
-    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 @pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    """A byte-level BPE over printable ASCII only: every id decodes to ASCII text."""
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    backend = Backend(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    chars = _byte_chars()
-    trainer = trainers.BpeTrainer(vocab_size=160, special_tokens=[ENDOFTEXT, IM_START, IM_END],
-                                  initial_alphabet=[chars[b] for b in range(32, 127)], show_progress=False)
-    backend.train_from_iterator(CORPUS, trainer)
-    return Tokenizer(backend, eos_token=IM_END, pad_token=ENDOFTEXT, chat_template=CHAT_TEMPLATE)
+def tok(tmp_path_factory) -> Tokenizer:
+    """scripts/tiny_hf_checkpoint.py's byte-level BPE over printable ASCII (every id decodes to
+    ASCII text), with a chat template that also shows ``bos_token``."""
+    tiny = load_by_path("tiny_hf_checkpoint", "scripts/tiny_hf_checkpoint.py")
+    d = tmp_path_factory.mktemp("tok")
+    tiny.write_tokenizer(d, vocab_size=160)
+    t = Tokenizer.from_pretrained(d)
+    t.chat_template = CHAT_TEMPLATE
+    return t
 
 
 @pytest.fixture(scope="module")
@@ -156,12 +137,18 @@ def test_unsupported_fields_are_refused_by_name(name):
 # --------------------------------------------------------------------------- stop strings
 
 
-def test_stop_string_across_a_token_boundary(llm, model, tok):
-    prompt = _prompt(3, tok)
+def _boundary_case(model, tok: Tokenizer, seed: int):
+    """(prompt, its greedy tokens, a stop string across a token boundary, how many tokens it takes
+    for the text to contain it, that text)."""
+    prompt = _prompt(seed, tok)
     tokens = _oracle(model, prompt)
     stop, _ = _boundary_stop(tok, tokens)
     k = _first_prefix_with(tok, tokens, stop)
-    full = tok.decode(tokens[:k])
+    return prompt, tokens, stop, k, tok.decode(tokens[:k])
+
+
+def test_stop_string_across_a_token_boundary(llm, model, tok):
+    prompt, tokens, stop, k, full = _boundary_case(model, tok, 3)
     [out] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(stop=[stop], **GREEDY))
     c = out.outputs[0]
     assert c.token_ids == tokens[:k], "the token that completes the stop string ends the completion"
@@ -189,10 +176,7 @@ def test_stop_string_inside_one_token_and_the_earliest_wins(llm, model, tok):
 
 
 def test_stop_strings_wait_for_min_tokens(llm, model, tok):
-    prompt = _prompt(3, tok)
-    tokens = _oracle(model, prompt)
-    stop, _ = _boundary_stop(tok, tokens)
-    k = _first_prefix_with(tok, tokens, stop)
+    prompt, tokens, stop, k, _ = _boundary_case(model, tok, 3)
     # text made by the first k tokens cannot stop a request with min_tokens=k: the next match counts
     later = next((j for j in range(k + 1, len(tokens) + 1)
                   if stop in tok.decode(tokens[:j])[len(tok.decode(tokens[:k])) - len(stop) + 1:]), None)
@@ -204,11 +188,7 @@ def test_stop_strings_wait_for_min_tokens(llm, model, tok):
 
 
 def test_stop_string_in_a_stream_never_shows_what_it_cuts(llm, model, tok):
-    prompt = _prompt(3, tok)
-    tokens = _oracle(model, prompt)
-    stop, _ = _boundary_stop(tok, tokens)
-    k = _first_prefix_with(tok, tokens, stop)
-    full = tok.decode(tokens[:k])
+    prompt, tokens, stop, k, full = _boundary_case(model, tok, 3)
     want = full[:full.find(stop)]
     deltas = list(llm.stream({"prompt_token_ids": prompt}, SamplingParams(stop=stop, **GREEDY)))
     shown = ""
@@ -469,8 +449,6 @@ def test_defaults_from_generation_config_and_template_files(tmp_path):
     """generate() without params uses generation_config.json's sampling fields, as vLLM does;
     generation_config="vllm" ignores them. chat_template= takes a file; a non-UTF-8 one is refused."""
     import json
-
-    from pathload import load_by_path
 
     tiny = load_by_path("tiny_hf_checkpoint", "scripts/tiny_hf_checkpoint.py")
     d = tiny.save_tiny_checkpoint(tmp_path / "ckpt")

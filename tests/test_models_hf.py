@@ -30,6 +30,7 @@ import transformers  # a dev dependency: `make setup` installs it
 
 from engine.models.loader import load_model  # noqa: E402
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
+from pathload import load_by_path  # noqa: E402
 
 VOCAB = 320  # the model's; the tokenizer has 300 ids (real checkpoints pad the embedding too)
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -80,17 +81,8 @@ def _hf_config(moe: bool, tied: bool, **extra):
     return transformers.Qwen3Config(**common)
 
 
-def _redraw(model: torch.nn.Module, seed: int) -> None:
-    """Norms ~ 1 +- 0.1, embedding and head ~ N(0, 1), the rest ~ N(0, 1/fan_in)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif "embed_tokens" in name or "lm_head" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+# Norms ~ 1 +- 0.1, embedding and head ~ N(0, 1), the rest ~ N(0, 1/fan_in).
+_redraw = load_by_path("tiny_hf_checkpoint", "scripts/tiny_hf_checkpoint.py").redraw
 
 
 CHECKPOINTS = {
