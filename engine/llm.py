@@ -14,8 +14,10 @@ The same script runs on vLLM with only the import line changed (``docs/from-the-
 ``LLM`` owns one tokenizer and one ``EngineCore``. ``generate`` queues every prompt at once and
 steps the core until they are done, so the prompts share batches and the prefix cache as
 concurrent users of a server would; results come back in prompt order whatever order they
-finished in. The front end's work (detokenizing, stop strings, holding back stream text) is
-``engine.output_processor``'s.
+finished in. Around it: ``engine.prompts`` turns prompts into token ids, ``engine.output_processor``
+does the front end's work (detokenizing, stop strings, holding back stream text),
+``engine.llm_options`` sorts the constructor's vLLM names, and ``engine.llm_compat`` holds the
+rest of vLLM's methods (stats, and those refused by name).
 
 Sharing one ``LLM``: every call routes the core's outputs to the completion they belong to and
 steps the core only while one of ITS completions is unfinished, under one lock. Two threads
@@ -32,39 +34,28 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
 
+from engine.llm_compat import LLMEngineView, Metric, VllmExtras  # noqa: F401  (re-exported)
 from engine.llm_options import split_options
 from engine.output_processor import CompletionState
 from engine.outputs import (CompletionOutput, GenerationOutput, Logprob, RequestMetrics,  # noqa: F401
                             RequestOutput, StreamDelta)
 from engine.progress import ProgressBar
+from engine.prompts import PromptType, is_prompt_list, normalize_prompts, read_template, truncate_ids
 from engine.tokenizer import Message, Tokenizer
 
-# A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]}.
-PromptType = Union[str, list[int], dict[str, Any]]
 DTYPES = {"auto": None, "half": "float16", "float": "float32"}  # vLLM's spellings -> ours
 LLM_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.32's LLM default (EngineConfig's own is 0.9)
-TOKENIZATION_KWARGS = ("truncate_prompt_tokens", "truncation_side", "add_special_tokens")
 # generation_config.json keys vLLM takes as default sampling params -> SamplingParams field.
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def _refused(name: str, why: str):
-    """A method vLLM's LLM has and ours does not: calling it says so, by name."""
-    def method(*args: Any, **kwargs: Any):
-        raise ValueError(f"LLM.{name}: {why}")
-
-    method.__name__ = name
-    method.__doc__ = f"Not in the course engine: {why}."
-    return method
-
-
-class LLM:
+class LLM(VllmExtras):
     """A model, its tokenizer and one engine core, behind ``generate``, ``chat`` and ``stream``.
 
     ``model``: a checkpoint directory (model and tokenizer are loaded from it) or an already
@@ -101,7 +92,7 @@ class LLM:
         options, front = split_options({**engine_options, "seed": seed, "kv_cache_memory_bytes": kv_cache_memory_bytes,
                                         "gpu_memory_utilization": gpu_memory_utilization}, known)
         config = EngineConfig(**options)  # checked before loading: a typo should not cost a multi-GB load
-        self.chat_template = _read_template(chat_template)
+        self.chat_template = read_template(chat_template)
         if isinstance(dtype, str):
             dtype = DTYPES.get(dtype, dtype)
         self._model_dir: Path | None = None
@@ -327,27 +318,6 @@ class LLM:
             self.engine.blocks.reset_prefix_cache()
             return True
 
-    def get_metrics(self) -> list["Metric"]:
-        """The core's counters under vLLM's metric names (a snapshot, like vLLM's ``get_metrics``)."""
-        with self._lock:
-            core, blocks = self.engine, self.engine.blocks
-            sched = core.scheduler
-            return [
-                Metric("vllm:num_requests_running", "gauge", len(sched.running)),
-                Metric("vllm:num_requests_waiting", "gauge", len(sched.waiting)),
-                Metric("vllm:kv_cache_usage_perc", "gauge", blocks.usage),
-                Metric("vllm:prefix_cache_queries", "counter", blocks.num_queries),
-                Metric("vllm:prefix_cache_hits", "counter", blocks.num_hits),
-                Metric("vllm:num_preemptions", "counter", core.preemptions),
-                Metric("course:engine_steps", "counter", core.steps),
-                Metric("course:num_gpu_blocks", "gauge", blocks.num_blocks),
-            ]
-
-    @property
-    def llm_engine(self) -> "LLMEngineView":
-        """vLLM's ``llm.llm_engine``: the request counts, the tokenizer and the core's stats."""
-        return LLMEngineView(self)
-
     # ------------------------------------------------------------------ the course's extras
 
     def stream(self, prompt: PromptType, sampling_params: Any = None) -> Iterator[StreamDelta]:
@@ -359,7 +329,7 @@ class LLM:
         is incomplete; with stop strings the last few characters wait until it is sure they are
         not the start of one. The last delta has ``finish_reason`` set.
         """
-        if _is_prompt_list(prompt):
+        if is_prompt_list(prompt):
             raise ValueError("stream takes a single prompt, not a list; use generate() for many")
         [(_, ids)] = self._normalize(prompt)
         [params] = self._params_list(sampling_params, 1)
@@ -384,94 +354,12 @@ class LLM:
         finally:  # the caller stopped early (or failed): leave no request behind
             self._release([state])
 
-    def apply_model(self, func):
-        """Call ``func(model)`` on the model (vLLM runs it in every worker; here there is one)."""
-        return [func(self.model)]
-
-    def get_world_size(self, include_dp: bool = True) -> int:
-        return 1  # one process, one device
-
-    def reset_mm_cache(self) -> None:
-        """Nothing to reset: no images, no multimodal cache (chapter 43)."""
-
-    # vLLM methods the course engine does not have: each refuses by name, saying why.
-    encode = _refused("encode", "pooling models are not part of the course engine; use generate()")
-    embed = _refused("embed", "pooling models are not part of the course engine; use generate()")
-    classify = _refused("classify", "pooling models are not part of the course engine; use generate()")
-    score = _refused("score", "pooling models are not part of the course engine; use generate()")
-    beam_search = _refused("beam_search", "no beam search in the course engine; sample n completions "
-                                          "(SamplingParams(n=...)) instead")
-    sleep = _refused("sleep", "the pool is allocated once, for the LLM's lifetime (no sleep mode)")
-    wake_up = _refused("wake_up", "the pool is allocated once, for the LLM's lifetime (no sleep mode)")
-    collective_rpc = _refused("collective_rpc", "there are no workers; the model is llm.model, in this process")
-    start_profile = _refused("start_profile", "wrap the calls in torch.profiler.profile() instead")
-    stop_profile = _refused("stop_profile", "wrap the calls in torch.profiler.profile() instead")
-    release_kv_cache_memory = _refused("release_kv_cache_memory", "the pool lives as long as the LLM; "
-                                                                  "delete the LLM to free it")
-    from_engine_args = classmethod(_refused("from_engine_args", "the course has no EngineArgs; pass the "
-                                                                "options to LLM(...)"))
-    _WEIGHTS = "in-place weight updates (RL training loops) are not part of the course engine; build a new LLM"
-    init_weight_transfer_engine = _refused("init_weight_transfer_engine", _WEIGHTS)
-    shutdown_weight_transfer_engine = _refused("shutdown_weight_transfer_engine", _WEIGHTS)
-    start_weight_update = _refused("start_weight_update", _WEIGHTS)
-    start_draft_weight_update = _refused("start_draft_weight_update", _WEIGHTS)
-    finish_weight_update = _refused("finish_weight_update", _WEIGHTS)
-    update_weights = _refused("update_weights", _WEIGHTS)
-    update_weight_version = _refused("update_weight_version", _WEIGHTS)
-    get_weight_version = _refused("get_weight_version", _WEIGHTS)
-
     # ------------------------------------------------------------------ internals
 
     def _normalize(self, prompts: PromptType | Sequence[PromptType],
                    tokenization_kwargs: dict[str, Any] | None = None) -> list[tuple[str | None, list[int]]]:
-        """Every prompt as (text or None, token ids), truncated as ``tokenization_kwargs`` say."""
-        kw = dict(tokenization_kwargs or {})
-        unknown = sorted(set(kw) - set(TOKENIZATION_KWARGS))
-        if unknown:
-            raise ValueError(f"tokenization_kwargs {unknown} are not supported; the course takes {list(TOKENIZATION_KWARGS)}")
-        items = list(prompts) if _is_prompt_list(prompts) else [prompts]
-        if not items:
-            raise ValueError("no prompts given: pass a prompt, or a non-empty list of them")
-        result = []
-        for i, p in enumerate(items):
-            if isinstance(p, dict):
-                if "prompt_token_ids" in p:
-                    p = p["prompt_token_ids"]
-                    p = list(p) if isinstance(p, (list, tuple)) else p
-                elif "prompt" in p:
-                    p = p["prompt"]
-                else:
-                    raise ValueError(f"prompt {i}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
-            if isinstance(p, str):
-                if not p:
-                    raise ValueError(f"prompt {i} is empty (\"\"); give at least one character")
-                ids = self.get_tokenizer().encode(p, add_special_tokens=kw.get("add_special_tokens", True))
-                if not ids:
-                    raise ValueError(f"prompt {i} ({p[:20]!r}) encodes to no tokens")
-                result.append((p, ids))
-            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                if not p:
-                    raise ValueError(f"prompt {i} is empty (no token ids); give at least one token")
-                result.append((None, list(p)))
-            elif isinstance(p, (bytes, bytearray)):
-                raise ValueError(f"prompt {i} is bytes; decode it to a str (UTF-8) first")
-            else:
-                raise ValueError(f"prompt {i}: expected a string or a list of token ids, got "
-                                 f"{type(p).__name__}")
-        k = kw.get("truncate_prompt_tokens")
-        if k is not None:
-            result = [(text, self._truncate(ids, k, kw.get("truncation_side") or "right")) for text, ids in result]
-        return result
+        return normalize_prompts(prompts, self.get_tokenizer, self.engine.max_model_len, tokenization_kwargs)
 
-    def _truncate(self, ids: list[int], k: Any, side: str) -> list[int]:
-        limit = self.engine.max_model_len
-        if k == -1:
-            k = limit
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1 or k > limit:
-            raise ValueError(f"truncate_prompt_tokens must be -1 or an integer in [1, max_model_len={limit}], got {k!r}")
-        if side not in ("left", "right"):
-            raise ValueError(f"truncation_side must be 'left' or 'right', got {side!r}")
-        return ids[-k:] if side == "left" else ids[:k]
 
     def _params_list(self, sampling_params: Any, n: int) -> list[Any]:
         from engine.serve import SamplingParams
@@ -498,7 +386,7 @@ class LLM:
         ``truncate_prompt_tokens`` in the params keeps the prompt's last k tokens.
         """
         if params.truncate_prompt_tokens is not None:
-            prompt_ids = self._truncate(prompt_ids, params.truncate_prompt_tokens, "left")
+            prompt_ids = truncate_ids(prompt_ids, params.truncate_prompt_tokens, "left", self.engine.max_model_len)
         tok = self.tokenizer
         if tok is not None and not params.ignore_eos:
             extra = [t for t in tok.eos_token_ids
@@ -622,40 +510,6 @@ class LLM:
         return result
 
 
-@dataclasses.dataclass
-class Metric:
-    """One of ``LLM.get_metrics()``: a name (vLLM's where it has one), "gauge" or "counter", a value."""
-
-    name: str
-    kind: str
-    value: float
-
-
-class LLMEngineView:
-    """What vLLM scripts reach through ``llm.llm_engine``; ``engine_core`` is the chapter's core."""
-
-    def __init__(self, llm: LLM) -> None:
-        self._llm = llm
-        self.engine_core = llm.engine
-
-    def get_num_unfinished_requests(self) -> int:
-        with self._llm._lock:
-            return len(self.engine_core.scheduler.requests)
-
-    def has_unfinished_requests(self) -> bool:
-        with self._llm._lock:
-            return self.engine_core.has_unfinished()
-
-    def get_tokenizer(self) -> Tokenizer:
-        return self._llm.get_tokenizer()
-
-    def reset_prefix_cache(self) -> bool:
-        return self._llm.reset_prefix_cache()
-
-    def get_metrics(self) -> list[Metric]:
-        return self._llm.get_metrics()
-
-
 def _refuse_extras(lora_request: Any = None, mm_processor_kwargs: Any = None) -> None:
     if lora_request is not None:
         raise ValueError("lora_request: LoRA adapters are chapter 43; leave lora_request=None")
@@ -663,27 +517,3 @@ def _refuse_extras(lora_request: Any = None, mm_processor_kwargs: Any = None) ->
         raise ValueError("mm_processor_kwargs: images are chapter 43; leave mm_processor_kwargs=None")
 
 
-def _read_template(template: str | os.PathLike | None) -> str | None:
-    """A chat template given as text, or as the path of a file holding it (vLLM takes both)."""
-    if template is None:
-        return None
-    if isinstance(template, os.PathLike) or ("{" not in str(template) and Path(str(template)).expanduser().is_file()):
-        path = Path(template).expanduser()
-        if not path.is_file():
-            raise ValueError(f"chat_template file {str(path)!r} does not exist")
-        try:
-            return path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"chat_template file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not isinstance(template, str):
-        raise ValueError(f"chat_template must be a Jinja string or a file path, got {type(template).__name__}")
-    return template
-
-
-def _is_prompt_list(prompts: Any) -> bool:
-    """A list of prompts, as opposed to one prompt (a string, a dict, or a flat list of ids)."""
-    if isinstance(prompts, (str, dict)):
-        return False
-    if isinstance(prompts, (list, tuple)):
-        return not prompts or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
-    return False
