@@ -174,32 +174,8 @@ class Tokenizer:
                    "pad_token": self.pad_token or "", **template_kwargs}
         text = compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
         if continue_final_message:
-            text = _cut_after_final_message(text, messages[-1])
+            text = _cut_after_final_message(text, messages[-1] if messages else None)
         return self.encode(text, add_special_tokens=False) if tokenize else text
-
-
-def _cut_after_final_message(text: str, final: Message) -> str:
-    """The rendered text up to the end of the last message's content (what follows is the
-    template's end-of-turn, which would make the model start a new turn)."""
-    content = final.get("content")
-    if not isinstance(content, str) or not content.strip():
-        raise ValueError("continue_final_message needs a last message with non-empty text content")
-    for piece in (content, content.strip()):
-        at = text.rfind(piece)
-        if at != -1:
-            return text[:at + len(piece)]
-    raise ValueError("continue_final_message: the chat template does not reproduce the last message's "
-                     "content verbatim, so there is no place to cut")
-
-
-def check_text(text: str, what: str) -> None:
-    """ValueError for a str that is not valid Unicode: a lone surrogate, which is how Python
-    carries bytes that were not UTF-8 (``errors="surrogateescape"``, e.g. from ``sys.argv``)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid text: {e.reason} at index {e.start} "
-                         f"({text[e.start:e.end]!r}); decode the bytes as UTF-8 first") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -245,6 +221,30 @@ def _compile_template(source: str):
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ValueError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
+
+
+def _cut_after_final_message(text: str, final: Message) -> str:
+    """The rendered text up to the end of the last message's content (what follows is the
+    template's end-of-turn, which would make the model start a new turn)."""
+    content = final.get("content") if isinstance(final, dict) else None
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a last message with non-empty text content")
+    for piece in (content, content.strip()):
+        at = text.rfind(piece)
+        if at != -1:
+            return text[:at + len(piece)]
+    raise ValueError("continue_final_message: the chat template does not reproduce the last message's "
+                     "content verbatim, so there is no place to cut")
+
+
+def check_text(text: str, what: str) -> None:
+    """ValueError for a str that is not valid Unicode: a lone surrogate, which is how Python
+    carries bytes that were not UTF-8 (``errors="surrogateescape"``, e.g. from ``sys.argv``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid text: {e.reason} at index {e.start} "
+                         f"({text[e.start:e.end]!r}); decode the bytes as UTF-8 first") from None
 
 
 class IncrementalDetokenizer:
