@@ -27,6 +27,8 @@ prompts and leaves the stream's request running.
 """
 from __future__ import annotations
 
+# greedy_rewrite: done (SamplingParams() here is vLLM's default on purpose)
+
 import dataclasses
 import json
 import os

@@ -9,6 +9,8 @@ Run with the reference: ``pytest --impl solution tests/test_llm_api.py``.
 """
 from __future__ import annotations
 
+# greedy_rewrite: done (written for temperature 1.0 by default: greedy calls say temperature=0.0)
+
 import random
 import threading
 import warnings

@@ -13,6 +13,8 @@ Run with the reference: ``pytest --impl solution tests/test_vllm_surface.py``.
 """
 from __future__ import annotations
 
+# greedy_rewrite: done (written for temperature 1.0 by default: greedy calls say temperature=0.0)
+
 import ast
 import dataclasses
 import inspect
