@@ -423,6 +423,11 @@ class LLM(VllmExtras):
                 del self._live[out.request_id]
         while self._deferred_aborts:
             self.engine.abort_request(self._deferred_aborts.pop())
+        if not self.engine.has_unfinished() and self._live:
+            # aborted behind our back (llm.engine.abort_request): nothing will ever report them
+            for state in self._live.values():
+                state.finish_reason = "abort"
+            self._live.clear()
 
     def _release(self, states: list[CompletionState]) -> None:
         """Abort what is unfinished of ``states`` (a caller that stopped early or failed)."""

@@ -470,3 +470,14 @@ def test_defaults_from_generation_config_and_template_files(tmp_path):
     template.write_bytes(b"\xff\xfe{{ x }}")
     with pytest.raises(ValueError, match="is not UTF-8 text"):
         LLM(d, block_size=4, num_blocks=32, chat_template=str(template))
+
+
+def test_a_request_aborted_in_the_core_ends_as_abort(llm, tok):
+    """Someone aborts our request in the core directly: generate() returns it as aborted instead of
+    waiting for an output that will never come."""
+    s = llm.stream({"prompt_token_ids": _prompt(41, tok)}, SamplingParams(**GREEDY))
+    first = next(s)
+    llm.engine.abort_request(next(iter(llm._live)))
+    rest = list(s)
+    assert first.token_ids and rest[-1].finish_reason == "abort"
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
