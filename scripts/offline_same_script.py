@@ -73,6 +73,9 @@ def main(model: str) -> dict[str, list[dict]]:
     runs["stop_across_tokens"] = record(llm.generate(PROMPTS[2:3], SamplingParams(temperature=0.0, max_tokens=24,
                                                                                   stop=["\x01", across]),
                                                      use_tqdm=False))
+    later = first[3].outputs[0].text
+    runs["stop_late"] = record(llm.generate(PROMPTS[3:], SamplingParams(temperature=0.0, max_tokens=24,
+                                                                        stop=[later[12:15] or "zz"]), use_tqdm=False))
     runs["stop_strings_included"] = record(llm.generate(
         PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=24, stop=stop, include_stop_str_in_output=True),
         use_tqdm=False))
