@@ -20,7 +20,9 @@ class SimpleSampler:
 
     def check(self, params) -> None:
         """ValueError for the settings this sampler cannot honour (``SamplingParams``' list)."""
-        for name in params.full_sampler_fields():
+        unsupported = params.full_sampler_fields()
+        if unsupported:
+            name = unsupported[0]
             raise ValueError(f"SamplingParams.{name}={getattr(params, name)!r} needs chapter 34's full "
                              f"sampler, not this chapter's SimpleSampler; leave {name}="
                              f"{FULL_SAMPLER_FIELDS[name]!r}")
