@@ -119,6 +119,7 @@ class Tokenizer:
         adds (a BOS for Llama-style tokenizers; nothing for Qwen's)."""
         if not isinstance(text, str):
             raise ValueError(f"encode takes a str, got {type(text).__name__}")
+        check_text(text, "the text to encode")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
@@ -138,28 +139,42 @@ class Tokenizer:
         messages: list[Message],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
         **template_kwargs: Any,
     ) -> str | list[int]:
-        """Render a conversation with the checkpoint's Jinja chat template.
+        """Render a conversation with the checkpoint's Jinja chat template (or ``chat_template``).
 
         ``add_generation_prompt`` appends the opening of an assistant turn, so the model answers
-        rather than continues the user's message. Extra keyword arguments reach the template
-        (Qwen3 reads ``enable_thinking``; ``tools`` lists tool schemas). Returns the text, or its
-        token ids with ``tokenize=True`` (special tokens come from the text, none are added).
+        rather than continues the user's message; ``continue_final_message`` instead cuts the
+        text right after the last message's content, so the model carries that message on (HF's
+        meaning; the two exclude each other). Extra keyword arguments reach the template (Qwen3
+        reads ``enable_thinking``; ``tools`` lists tool schemas) and, as in HF, override the
+        special tokens the template sees (``bos_token``, ``eos_token``, ``pad_token``). Returns
+        the text, or its token ids with ``tokenize=True`` (special tokens come from the text,
+        none are added).
         """
-        if self.chat_template is None:
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt=True opens a new assistant turn and continue_final_message=True "
+                             "keeps the last message open: choose one (set add_generation_prompt=False)")
+        if chat_template is None and self.chat_template is None:
             raise ValueError(
                 "this tokenizer has no chat template (no 'chat_template' in tokenizer_config.json "
                 "and no chat_template.jinja); use a chat/instruct checkpoint, set "
                 "tokenizer.chat_template to a Jinja template, or pass plain prompts to generate()")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of dicts like {'role': 'user', 'content': '...'}")
-        if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template)
-        text = self._compiled_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-            pad_token=self.pad_token or "", **template_kwargs)
+        if chat_template is not None:  # a one-off template (LLM.chat(chat_template=...))
+            compiled = _compile_template(chat_template)
+        else:
+            if self._compiled_template is None:
+                self._compiled_template = _compile_template(self.chat_template)
+            compiled = self._compiled_template
+        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                   "pad_token": self.pad_token or "", **template_kwargs}
+        text = compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages[-1] if messages else None)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
@@ -206,6 +221,30 @@ def _compile_template(source: str):
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ValueError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
+
+
+def _cut_after_final_message(text: str, final: Message) -> str:
+    """The rendered text up to the end of the last message's content (what follows is the
+    template's end-of-turn, which would make the model start a new turn)."""
+    content = final.get("content") if isinstance(final, dict) else None
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a last message with non-empty text content")
+    for piece in (content, content.strip()):
+        at = text.rfind(piece)
+        if at != -1:
+            return text[:at + len(piece)]
+    raise ValueError("continue_final_message: the chat template does not reproduce the last message's "
+                     "content verbatim, so there is no place to cut")
+
+
+def check_text(text: str, what: str) -> None:
+    """ValueError for a str that is not valid Unicode: a lone surrogate, which is how Python
+    carries bytes that were not UTF-8 (``errors="surrogateescape"``, e.g. from ``sys.argv``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid text: {e.reason} at index {e.start} "
+                         f"({text[e.start:e.end]!r}); decode the bytes as UTF-8 first") from None
 
 
 class IncrementalDetokenizer:

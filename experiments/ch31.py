@@ -222,7 +222,7 @@ def run_chat(core: EngineCore, system: list[int], rounds: list[list[ChatTurn]],
         entry = rounds[turn][conv]
         rid = f"c{conv}/t{turn}"
         prompt = history + entry.message
-        core.add_request(rid, prompt, SamplingParams(max_tokens=entry.max_tokens, ignore_eos=True))
+        core.add_request(rid, prompt, SamplingParams(max_tokens=entry.max_tokens, ignore_eos=True, temperature=0.0))
         live[rid] = (conv, turn, prompt)
 
     for conv in range(len(rounds[0])):
@@ -329,7 +329,7 @@ def timed_run(core: EngineCore, work: list[tuple[str, list[int], int]]) -> tuple
     """
     tracer = PreemptionTracer(core)
     for rid, prompt, max_tokens in work:
-        core.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        core.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
     times: dict[str, list[float]] = {rid: [] for rid, _, _ in work}
     outputs: dict[str, list[int]] = {}
     start = time.perf_counter()
@@ -484,7 +484,7 @@ def run_arrivals(core: EngineCore, work: list[tuple[str, int, list[int], int]], 
             due -= 1.0
             rid, _, prompt, max_tokens = pending.popleft()
             step = len(tracer.records) + 1  # the step about to run
-            core.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            core.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
                              arrival_time=float(step))
             arrived[rid] = step
         tracer.step()
@@ -675,7 +675,7 @@ class FlatBlockCache:
         return self.bm.hit_rate
 
     def admit(self, rid: str, prompt: Sequence[int], tokens: Sequence[int]) -> bool:
-        req = Request(rid, list(prompt), SamplingParams(max_tokens=max(1, len(tokens) - len(prompt))))
+        req = Request(rid, list(prompt), SamplingParams(max_tokens=max(1, len(tokens) - len(prompt)), temperature=0.0))
         cached = self.bm.find_cached_prefix(req)
         if not self.bm.allocate_slots(req, len(tokens) - len(cached) * self.bm.block_size, cached):
             return False

@@ -84,7 +84,7 @@ def check_engine(device: torch.device) -> dict:
                             ("preempt", dict(num_blocks=12, block_size=8))):
             core = EngineCore(model, EngineConfig(attention_backend=backend, **extra))
             for i, p in enumerate(prompts):
-                core.add_request(f"r{i}", p, SamplingParams(max_tokens=16, ignore_eos=True))
+                core.add_request(f"r{i}", p, SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0))
             outs[backend, name] = core.run_until_done()
             assert name != "preempt" or core.preemptions > 0, "the 12-block pool was meant to preempt"
     same = {name: outs["triton", name] == outs["torch", name] for name in ("ample", "chunked", "preempt")}

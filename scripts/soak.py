@@ -205,7 +205,7 @@ class Soak:
         if r.random() < 0.1:
             kw["ignore_eos"] = True
         n = r.choice((1, 1, 1, 2, 3))
-        params = SamplingParams(n=n, max_tokens=max_tokens, **kw)
+        params = SamplingParams(n=n, max_tokens=max_tokens, **{"temperature": 0.0, **kw})
         rid = f"q{self.next_id}"
         self.next_id += 1
         cache_key = r.choice(((), (), ("tenant-a",), ("tenant-b", 7)))

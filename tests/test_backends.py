@@ -229,7 +229,7 @@ def test_engine_on_torch_backend_matches_generate(milestone, name):
     model, prompts, expected = milestone
     core = EngineCore(model, EngineConfig(block_size=8, attention_backend="torch", **ENGINE_CONFIGS[name]))
     for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
-        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True))
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
     out = core.run_until_done()
     for i, want in enumerate(expected):
         got = out.get(f"r{i}")
@@ -252,7 +252,7 @@ def test_engine_with_cascade_attention_matches_generate():
     core = EngineCore(model, EngineConfig(block_size=8, attention_backend="torch"))
     core.runner.backend = backend
     for i, (p, m) in enumerate(zip(prompts, lens)):
-        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True))
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
     prefixes, out = [], {}
     while core.has_unfinished():
         for o in core.step():

@@ -55,25 +55,25 @@ REQUEST_CASES = {
     "token id bool": Case(_add("a", [True, 2]), "token ids must be ints"),
     "token id tensor": Case(_add("a", torch.tensor([1, 2])), "token ids must be ints"),
     # sampling parameters
-    "max_tokens 0": Case(lambda core: core.add_request("a", PROMPT, SP(max_tokens=0)), "max_tokens must be an integer >= 1"),
-    "max_tokens float": Case(lambda core: core.add_request("a", PROMPT, SP(max_tokens=2.5)), "max_tokens must be an integer"),
-    "n 0": Case(lambda core: core.add_request("a", PROMPT, SP(n=0)), "n must be an integer >= 1"),
+    "max_tokens 0": Case(lambda core: core.add_request("a", PROMPT, SP(max_tokens=0, temperature=0.0)), "max_tokens must be an integer >= 1"),
+    "max_tokens float": Case(lambda core: core.add_request("a", PROMPT, SP(max_tokens=2.5, temperature=0.0)), "max_tokens must be an integer"),
+    "n 0": Case(lambda core: core.add_request("a", PROMPT, SP(n=0, temperature=0.0)), "n must be an integer >= 1"),
     "negative temperature": Case(lambda core: core.add_request("a", PROMPT, SP(temperature=-0.1)), "temperature must be >= 0"),
     "nan temperature": Case(lambda core: core.add_request("a", PROMPT, SP(temperature=float("nan"))), "temperature must be >= 0"),
-    "top_p 0": Case(lambda core: core.add_request("a", PROMPT, SP(top_p=0.0)), "top_p must be in (0, 1]"),
-    "top_p above 1": Case(lambda core: core.add_request("a", PROMPT, SP(top_p=1.5)), "top_p must be in (0, 1]"),
-    "top_k negative": Case(lambda core: core.add_request("a", PROMPT, SP(top_k=-1)), "top_k must be an integer >= 0"),
-    "top_k float": Case(lambda core: core.add_request("a", PROMPT, SP(top_k=2.5)), "top_k must be an integer >= 0"),
-    "min_tokens > max_tokens": Case(lambda core: core.add_request("a", PROMPT, SP(min_tokens=5, max_tokens=4)),
+    "top_p 0": Case(lambda core: core.add_request("a", PROMPT, SP(top_p=0.0, temperature=0.0)), "top_p must be in (0, 1]"),
+    "top_p above 1": Case(lambda core: core.add_request("a", PROMPT, SP(top_p=1.5, temperature=0.0)), "top_p must be in (0, 1]"),
+    "top_k negative": Case(lambda core: core.add_request("a", PROMPT, SP(top_k=-2, temperature=0.0)), "top_k must be an integer >= 0"),
+    "top_k float": Case(lambda core: core.add_request("a", PROMPT, SP(top_k=2.5, temperature=0.0)), "top_k must be an integer >= 0"),
+    "min_tokens > max_tokens": Case(lambda core: core.add_request("a", PROMPT, SP(min_tokens=5, max_tokens=4, temperature=0.0)),
                                     "must not exceed max_tokens"),
-    "negative stop token": Case(lambda core: core.add_request("a", PROMPT, SP(stop_token_ids=[-3])),
+    "negative stop token": Case(lambda core: core.add_request("a", PROMPT, SP(stop_token_ids=[-3], temperature=0.0)),
                                 "stop_token_ids must be a list of non-negative integers"),
-    "stop tokens not a list": Case(lambda core: core.add_request("a", PROMPT, SP(stop_token_ids=7)),
+    "stop tokens not a list": Case(lambda core: core.add_request("a", PROMPT, SP(stop_token_ids=7, temperature=0.0)),
                                    "stop_token_ids must be a list"),
-    "seed not an int": Case(lambda core: core.add_request("a", PROMPT, SP(seed="7")), "seed must be an integer or None"),
-    "logprobs (full sampler)": Case(lambda core: core.add_request("a", PROMPT, SP(logprobs=2)), "leave logprobs=None"),
-    "repetition penalty (full sampler)": Case(lambda core: core.add_request("a", PROMPT, SP(repetition_penalty=1.2)),
-                                              "leave it at 1.0"),
+    "seed not an int": Case(lambda core: core.add_request("a", PROMPT, SP(seed="7", temperature=0.0)), "seed must be an integer or None"),
+    "logprobs (full sampler)": Case(lambda core: core.add_request("a", PROMPT, SP(logprobs=2, temperature=0.0)), "leave logprobs=None"),
+    "repetition penalty (full sampler)": Case(lambda core: core.add_request("a", PROMPT, SP(repetition_penalty=1.2, temperature=0.0)),
+                                              "leave repetition_penalty=1.0"),
     "params not SamplingParams": Case(_add("a", PROMPT, {"max_tokens": 3}), "params must be a SamplingParams"),
     # identity, ordering and tenancy
     "request id empty": Case(_add("", PROMPT), "request_id must be a non-empty string"),
@@ -82,7 +82,7 @@ REQUEST_CASES = {
     "duplicate id of a child": Case(_add("p:1", PROMPT), "already in use", setup=_existing("p", n=2)),
     "n > 1 colliding with a live id": Case(_add("x", PROMPT, SP(n=3, seed=1, temperature=0.5)), "already in use",
                                           setup=_existing("x:2")),
-    "n > 1 reusing a live parent id": Case(_add("p", PROMPT, SP(n=2)), "already in use", setup=_existing("p", n=2)),
+    "n > 1 reusing a live parent id": Case(_add("p", PROMPT, SP(n=2, temperature=0.0)), "already in use", setup=_existing("p", n=2)),
     "priority not an int": Case(_add("a", PROMPT, priority="high"), "priority must be an int",
                                 config=dict(policy="priority"), setup=_existing("b")),
     "arrival_time not a number": Case(_add("a", PROMPT, arrival_time="now"), "arrival_time must be a finite number",
@@ -90,8 +90,8 @@ REQUEST_CASES = {
     "arrival_time nan": Case(_add("a", PROMPT, arrival_time=float("nan")), "arrival_time must be a finite number"),
     "cache_key not a tuple": Case(_add("a", PROMPT, cache_key=["tenant"]), "cache_key must be a tuple"),
     # sizes
-    "prompt beyond the context": Case(_add("a", [1] * 90, SP(max_tokens=11)), "exceeds max_model_len=100"),
-    "request larger than the pool": Case(_add("a", [1] * 40, SP(max_tokens=30)), "exceeds the whole KV pool",
+    "prompt beyond the context": Case(_add("a", [1] * 90, SP(max_tokens=11, temperature=0.0)), "exceeds max_model_len=100"),
+    "request larger than the pool": Case(_add("a", [1] * 40, SP(max_tokens=30, temperature=0.0)), "exceeds the whole KV pool",
                                          setup=_existing("b")),
     "n > 1 each larger than the pool": Case(_add("a", [1] * 60, SP(max_tokens=10, n=3, seed=4, temperature=0.5)),
                                             "exceeds the whole KV pool"),
@@ -110,7 +110,7 @@ def _snapshot(core) -> dict:
 
 def _serve_normally(core) -> None:
     """Whatever was queued before plus one new greedy request all finish, the new one equal to generate()."""
-    core.add_request("normal", PROMPT, SP(max_tokens=6))
+    core.add_request("normal", PROMPT, SP(max_tokens=6, temperature=0.0))
     out = run_checked(core)
     assert out["normal"] == oracle(tuple(PROMPT), 6), "after a rejected input the engine answers wrongly"
     check_idle(core)
@@ -186,14 +186,14 @@ def test_abort_unknown_finished_and_twice_is_harmless_and_ids_are_reusable():
     core = EngineCore(model64(), EngineConfig(**BASE))
     core.abort_request("nobody")
     core.add_request("a", PROMPT, SP(max_tokens=2, seed=3, temperature=0.5))
-    core.add_request("b", PROMPT, SP(max_tokens=2, n=2))
+    core.add_request("b", PROMPT, SP(max_tokens=2, n=2, temperature=0.0))
     core.abort_request("a")
     core.abort_request("a")  # twice
     core.abort_request("b")  # the parent: both children go
     check_idle(core)
-    core.add_request("a", PROMPT, SP(max_tokens=4))  # aborted ids can be reused ...
+    core.add_request("a", PROMPT, SP(max_tokens=4, temperature=0.0))  # aborted ids can be reused ...
     assert core.run_until_done() == {"a": oracle(tuple(PROMPT), 4)}
     core.abort_request("a")  # ... aborting a finished one changes nothing ...
-    core.add_request("a", PROMPT, SP(max_tokens=2, n=2))  # ... and finished ids too, even as a parent
+    core.add_request("a", PROMPT, SP(max_tokens=2, n=2, temperature=0.0))  # ... and finished ids too, even as a parent
     assert core.run_until_done() == {"a:0": oracle(tuple(PROMPT), 2), "a:1": oracle(tuple(PROMPT), 2)}
     check_idle(core)

@@ -31,7 +31,7 @@ def req(rid: str, tokens, computed: int = 0, prompt_len: int | None = None, **pa
     """A request whose first ``prompt_len`` tokens are the prompt and the rest outputs."""
     tokens = list(tokens)
     prompt_len = len(tokens) if prompt_len is None else prompt_len
-    r = Request(rid, tokens[:prompt_len], SamplingParams(**params))
+    r = Request(rid, tokens[:prompt_len], SamplingParams(**{"temperature": 0.0, **params}))
     for t in tokens[prompt_len:]:
         r.append(t)
     r.num_computed_tokens = computed
@@ -768,7 +768,7 @@ def test_step_runs_one_forward_per_step_and_reports_only_produced_tokens():
     original = e.runner.flat.forward
     e.runner.flat.forward = lambda *a, **k: calls.append(a[0].shape[0]) or original(*a, **k)
     p = prompts([30], seed=8)[0]
-    e.add_request("a", p, SamplingParams(max_tokens=3, ignore_eos=True))
+    e.add_request("a", p, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
     first = e.step()
     assert first == [], "a mid-prompt chunk reports nothing"
     assert calls == [16]
@@ -785,7 +785,7 @@ def test_step_outputs_and_frees_finished_requests_at_once():
     p = prompts([9], seed=9)[0]
     want = oracle(tuple(p), 4)
     e = core(EngineConfig(block_size=4), eos=want[1])
-    e.add_request("a", p, SamplingParams(max_tokens=4))
+    e.add_request("a", p, SamplingParams(max_tokens=4, temperature=0.0))
     outs = []
     while e.has_unfinished():
         outs += e.step()
@@ -799,7 +799,7 @@ def test_step_outputs_and_frees_finished_requests_at_once():
 def test_step_n_children_share_the_prompt_blocks():
     p = prompts([40], seed=10)[0]
     e = core(EngineConfig(block_size=16))
-    ids = e.add_request("p", p, SamplingParams(n=3, max_tokens=4, ignore_eos=True))
+    ids = e.add_request("p", p, SamplingParams(n=3, max_tokens=4, ignore_eos=True, temperature=0.0))
     assert ids == ["p:0", "p:1", "p:2"]
     e.step()
     tables = [e.blocks.req_blocks[i] for i in ids]
@@ -815,7 +815,7 @@ def test_step_qwen3_moe_through_the_core():
     ps = prompts([7, 23, 35], seed=11)
     e = core(EngineConfig(block_size=8, max_num_batched_tokens=20), moe=True)
     for i, p in enumerate(ps):
-        e.add_request(f"m{i}", p, SamplingParams(max_tokens=6, ignore_eos=True))
+        e.add_request(f"m{i}", p, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))
     done = e.run_until_done()
     for i, p in enumerate(ps):
         assert_same_tokens(done[f"m{i}"], oracle(tuple(p), 6, moe=True), f"m{i}", len(p), 8, "Qwen3-MoE: ")
@@ -825,7 +825,7 @@ def test_step_qwen3_moe_through_the_core():
 def test_step_abort_frees_everything():
     e = core(EngineConfig(block_size=4, max_num_batched_tokens=8))
     e.add_request("a", prompts([20])[0], SamplingParams(max_tokens=5, seed=3, temperature=1.0))
-    e.add_request("b", prompts([6], seed=2)[0], SamplingParams(max_tokens=5))
+    e.add_request("b", prompts([6], seed=2)[0], SamplingParams(max_tokens=5, temperature=0.0))
     e.step()
     e.abort_request("a")
     e.abort_request("nobody")  # harmless
@@ -838,7 +838,7 @@ def test_step_abort_frees_everything():
 def test_step_prompt_logprobs_match_the_model():
     p = prompts([12], seed=12)[0]
     e = core(EngineConfig(block_size=4, max_num_batched_tokens=5))
-    e.add_request("a", p, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    e.add_request("a", p, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))
     outs = [o for _ in range(5) for o in e.step()]
     lp = outs[-1].prompt_logprobs
     with torch.no_grad():
@@ -876,7 +876,7 @@ def test_milestone_every_config_equals_generate(name):
     ps, max_tokens = milestone_requests()
     e = core(config)
     for i, (p, m) in enumerate(zip(ps, max_tokens)):
-        e.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True))
+        e.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
     done = e.run_until_done()
     for i, (p, m) in enumerate(zip(ps, max_tokens)):
         assert_same_tokens(done.get(f"r{i}", []), oracle(tuple(p), m), f"r{i}", len(p), 16, f"[{name}] ")

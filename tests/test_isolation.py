@@ -36,10 +36,10 @@ def _run_pair(key_a: tuple, key_b: tuple, staggered: bool):
     """A and B, same prompt, keys key_a and key_b; B arrives after A's prefill (its blocks are then
     published) or in the same step. Returns (shared blocks seen while both ran, B's cached tokens)."""
     core = _engine()
-    core.add_request("a", PROMPT, SamplingParams(max_tokens=6), cache_key=key_a)
+    core.add_request("a", PROMPT, SamplingParams(max_tokens=6, temperature=0.0), cache_key=key_a)
     if staggered:
         core.step()
-    core.add_request("b", PROMPT, SamplingParams(max_tokens=6), cache_key=key_b)
+    core.add_request("b", PROMPT, SamplingParams(max_tokens=6, temperature=0.0), cache_key=key_b)
     b = core.scheduler.requests["b"]
     shared: set[int] = set()
 
@@ -78,16 +78,16 @@ def test_equal_cache_keys_share(key):
 def test_isolation_holds_after_the_owner_finishes():
     """Cached-free blocks of tenant A are still findable, but only by A."""
     core = _engine()
-    core.add_request("a", PROMPT, SamplingParams(max_tokens=2), cache_key=("A",))
+    core.add_request("a", PROMPT, SamplingParams(max_tokens=2, temperature=0.0), cache_key=("A",))
     core.run_until_done()
     a_blocks = {b for b, h in enumerate(core.blocks.block_hash) if h is not None}
     assert a_blocks, "tenant A's finished blocks should stay cached"
-    core.add_request("b", PROMPT, SamplingParams(max_tokens=2), cache_key=("B",))
+    core.add_request("b", PROMPT, SamplingParams(max_tokens=2, temperature=0.0), cache_key=("B",))
     core.step()
     b = core.scheduler.requests["b"]
     assert b.num_cached_tokens == 0 and not set(core.blocks.req_blocks["b"]) & a_blocks
     core.run_until_done()
-    core.add_request("a2", PROMPT, SamplingParams(max_tokens=2), cache_key=("A",))
+    core.add_request("a2", PROMPT, SamplingParams(max_tokens=2, temperature=0.0), cache_key=("A",))
     core.step()
     assert core.scheduler.requests["a2"].num_cached_tokens == 20
     core.run_until_done()

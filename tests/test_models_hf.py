@@ -30,6 +30,7 @@ import transformers  # a dev dependency: `make setup` installs it
 
 from engine.models.loader import load_model  # noqa: E402
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
+from pathload import load_by_path  # noqa: E402
 
 VOCAB = 320  # the model's; the tokenizer has 300 ids (real checkpoints pad the embedding too)
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -80,17 +81,8 @@ def _hf_config(moe: bool, tied: bool, **extra):
     return transformers.Qwen3Config(**common)
 
 
-def _redraw(model: torch.nn.Module, seed: int) -> None:
-    """Norms ~ 1 +- 0.1, embedding and head ~ N(0, 1), the rest ~ N(0, 1/fan_in)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif "embed_tokens" in name or "lm_head" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+# Norms ~ 1 +- 0.1, embedding and head ~ N(0, 1), the rest ~ N(0, 1/fan_in).
+_redraw = load_by_path("tiny_hf_checkpoint", "scripts/tiny_hf_checkpoint.py").redraw
 
 
 CHECKPOINTS = {
@@ -439,7 +431,7 @@ def test_engine_core_matches_hf_generate(ckpt, hf_models, name, setup):
     prompts[3] = prompts[2][:8] + prompts[3]  # shares its first two 4-token blocks with prompt 2
     config = _core_configs()[setup]
     core = EngineCore(model, config, eos_token_id=2)
-    params = SamplingParams(max_tokens=12, stop_token_ids=[0])
+    params = SamplingParams(max_tokens=12, stop_token_ids=[0], temperature=0.0)
     for i, p in enumerate(prompts):
         core.add_request(f"r{i}", p, params)
     done, cached = {}, 0
@@ -470,7 +462,7 @@ def test_llm_generate_strings_round_trip(ckpt):
 
     llm = LLM(ckpt["dense"], dtype="float64", block_size=4, num_blocks=64)
     tok = llm.get_tokenizer()
-    outs = llm.generate(TEXT_PROMPTS, SamplingParams(max_tokens=10))
+    outs = llm.generate(TEXT_PROMPTS, SamplingParams(max_tokens=10, temperature=0.0))
     assert [o.prompt for o in outs] == TEXT_PROMPTS
     for text, out in zip(TEXT_PROMPTS, outs):
         assert out.prompt_token_ids == tok.encode(text)
@@ -482,16 +474,16 @@ def test_llm_generate_strings_round_trip(ckpt):
         assert out.text == tok.decode(out.token_ids)
         assert out.finish_reason == ("length" if stop is None else "stop")
     # one prompt as a string, token ids, per-prompt params, n > 1
-    [single] = llm.generate(TEXT_PROMPTS[0], SamplingParams(max_tokens=10))
+    [single] = llm.generate(TEXT_PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.0))
     assert single.token_ids == outs[0].token_ids
-    [by_ids] = llm.generate(outs[1].prompt_token_ids, SamplingParams(max_tokens=10))
+    [by_ids] = llm.generate(outs[1].prompt_token_ids, SamplingParams(max_tokens=10, temperature=0.0))
     assert by_ids.token_ids == outs[1].token_ids and by_ids.prompt is None
-    mixed = llm.generate(TEXT_PROMPTS[:2], [SamplingParams(max_tokens=3), SamplingParams(max_tokens=5)])
+    mixed = llm.generate(TEXT_PROMPTS[:2], [SamplingParams(max_tokens=3, temperature=0.0), SamplingParams(max_tokens=5, temperature=0.0)])
     assert len(mixed[0].token_ids) <= 3 and len(mixed[1].token_ids) <= 5
     [two] = llm.generate("hello", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4))
     assert len(two.outputs) == 2 and [c.index for c in two.outputs] == [0, 1]
     with pytest.raises(ValueError, match="one SamplingParams or a list of 3"):
-        llm.generate(TEXT_PROMPTS, [SamplingParams()])
+        llm.generate(TEXT_PROMPTS, [SamplingParams(temperature=0.0)])
     assert not llm.engine.has_unfinished()
 
 
@@ -507,9 +499,9 @@ def test_llm_extra_eos_from_generation_config(ckpt):
     base = llm.get_tokenizer()
     tok = Tokenizer(base.backend, eos_token=IM_END, extra_eos_token_ids=[first])
     llm2 = LLM(llm.model, tok, block_size=4, num_blocks=64)
-    [out] = llm2.generate(prompt, SamplingParams(max_tokens=6))
+    [out] = llm2.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0))
     assert out.token_ids == [first] and out.finish_reason == "stop"
-    [out] = llm2.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+    [out] = llm2.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
 
 
@@ -521,14 +513,15 @@ def test_llm_chat_and_model_object(ckpt, capsys):
     tok = Tokenizer.from_pretrained(ckpt["moe"])
     llm = LLM(model, tok, block_size=4, num_blocks=64)
     convo = [{"role": "user", "content": "hello world"}]
-    [out] = llm.chat(convo, SamplingParams(max_tokens=5))
+    [out] = llm.chat(convo, SamplingParams(max_tokens=5, temperature=0.0))
     assert out.prompt == tok.apply_chat_template(convo)
     assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False)
-    [again] = llm.generate({"prompt_token_ids": out.prompt_token_ids}, SamplingParams(max_tokens=5))
+    [again] = llm.generate({"prompt_token_ids": out.prompt_token_ids}, SamplingParams(max_tokens=5, temperature=0.0))
     assert again.token_ids == out.token_ids
-    assert len(llm.chat([convo, convo], SamplingParams(max_tokens=2))) == 2
-    assert capsys.readouterr().err == "", "no progress bar when stderr is not a terminal"
-    llm.chat([convo, convo], SamplingParams(max_tokens=2), use_tqdm=True)
+    capsys.readouterr()
+    assert len(llm.chat([convo, convo], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)) == 2
+    assert capsys.readouterr().err == "", "no progress bar with use_tqdm=False"
+    llm.chat([convo, convo], SamplingParams(max_tokens=2, temperature=0.0))  # vLLM's default: use_tqdm=True
     assert "2/2 prompts" in capsys.readouterr().err
     with pytest.raises(ValueError, match="pass tokenizer="):
         LLM(model, block_size=4, num_blocks=16).generate("text needs a tokenizer")
@@ -546,7 +539,7 @@ def test_llm_without_tokenizer_files(ckpt, tmp_path):
     with pytest.raises(ValueError, match="no tokenizer.json.*skip_tokenizer_init=True"):
         LLM(d, block_size=4, num_blocks=16)
     llm = LLM(d, skip_tokenizer_init=True, block_size=4, num_blocks=16)
-    [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+    [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
     assert len(out.token_ids) == 3 and out.text == ""
 
 
@@ -555,7 +548,7 @@ def test_llm_stream_pieces_join_to_text(ckpt):
     from engine.serve import SamplingParams
 
     llm = LLM(ckpt["dense_tied"], dtype="float64", block_size=4, num_blocks=64)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
     deltas = list(llm.stream("the lazy dog", params))
     [full] = llm.generate("the lazy dog", params)
     assert "".join(d.text for d in deltas) == full.text
@@ -573,7 +566,7 @@ def test_cli_generate(ckpt, capsys):
     assert generate_main(args) == 0
     printed = capsys.readouterr()
     [want] = LLM(ckpt["dense"], dtype="float64", block_size=4, num_blocks=64).generate(
-        "hello world", SamplingParams(max_tokens=8))
+        "hello world", SamplingParams(max_tokens=8, temperature=0.0))
     assert printed.out == "hello world" + want.text + "\n"
     assert "tokens in" in printed.err
     assert generate_main(args[:2] + ["--prompt", "hi", "--chat", "--max-tokens", "3"]) == 0

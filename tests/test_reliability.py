@@ -351,7 +351,7 @@ class EngineMachine(RuleBasedStateMachine):
             kw = dict(temperature=0.9, top_k=20, seed=seed if sampling == "seeded" else None)
         if stop_at is not None:
             kw["stop_token_ids"] = [greedy_oracle(prompt)[stop_at]]
-        params = SamplingParams(n=n, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), **kw)
+        params = SamplingParams(n=n, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), **{"temperature": 0.0, **kw})
         rid = f"q{self.count}"
         self.count += 1
         cfg = self.core.config
@@ -509,12 +509,12 @@ def test_abort_at_every_moment_leaves_nothing_behind(moment):
 def test_finished_id_can_be_reused_and_abort_is_harmless():
     core = EngineCore(model64(), EngineConfig(block_size=4, num_blocks=20))
     p = PREFIXES[2] + SUFFIXES[1]
-    core.add_request("a", p, SamplingParams(max_tokens=3))
+    core.add_request("a", p, SamplingParams(max_tokens=3, temperature=0.0))
     assert core.run_until_done()["a"] == greedy_oracle(tuple(p))[:3]
     core.abort_request("a")  # finished
     core.abort_request("never-seen")  # unknown
     check_idle(core)
-    core.add_request("a", p, SamplingParams(max_tokens=5, n=2))  # same id again, now with children
+    core.add_request("a", p, SamplingParams(max_tokens=5, n=2, temperature=0.0))  # same id again, now with children
     out = core.run_until_done()
     assert out == {"a:0": greedy_oracle(tuple(p))[:5], "a:1": greedy_oracle(tuple(p))[:5]}
     check_idle(core)
@@ -526,8 +526,8 @@ def test_prompt_logprobs_survive_recompute_preemption():
     def run(num_blocks: int, mode: str):
         core = EngineCore(model64(), EngineConfig(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=6,
                                                   preemption_mode=mode))
-        core.add_request("b", SUFFIXES[5], SamplingParams(max_tokens=MAX_NEW))
-        core.add_request("a", PREFIXES[3] + SUFFIXES[2], SamplingParams(max_tokens=MAX_NEW, prompt_logprobs=2))
+        core.add_request("b", SUFFIXES[5], SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+        core.add_request("a", PREFIXES[3] + SUFFIXES[2], SamplingParams(max_tokens=MAX_NEW, prompt_logprobs=2, temperature=0.0))
         final = {}
         while core.has_unfinished():
             for out in core.step():
@@ -560,8 +560,8 @@ def _seeded_run(cfg: EngineConfig, batch_mates: int, delay_victim: bool = False)
         core.add_request("s", prompt, SEEDED)
     for i in range(batch_mates):  # greedy, unseeded-sampled and other seeded requests around it
         kind = i % 3
-        params = SamplingParams(max_tokens=MAX_NEW, **({} if kind == 0 else dict(
-            temperature=1.0, seed=None if kind == 1 else 99 + i)))
+        params = SamplingParams(max_tokens=MAX_NEW, **({"temperature": 0.0, **({} if kind == 0 else dict(
+            temperature=1.0, seed=None if kind == 1 else 99 + i))}))
         core.add_request(f"m{i}", PREFIXES[i % 4] + SUFFIXES[i % 6], params)
     if delay_victim:  # the newest request is the one preempted first
         core.add_request("s", prompt, SEEDED)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.sampling import sample_token
+from engine.serve.params import FULL_SAMPLER_FIELDS
 from engine.serve.request import Request
 
 
@@ -18,11 +19,13 @@ class SimpleSampler:
         self.generator = generator
 
     def check(self, params) -> None:
-        """ValueError for the settings this sampler cannot honour."""
-        if params.logprobs is not None:
-            raise ValueError("logprobs needs the full sampler (chapter 34); leave logprobs=None")
-        if params.repetition_penalty != 1.0:
-            raise ValueError("repetition_penalty needs the full sampler (chapter 34); leave it at 1.0")
+        """ValueError for the settings this sampler cannot honour (``SamplingParams``' list)."""
+        unsupported = params.full_sampler_fields()
+        if unsupported:
+            name = unsupported[0]
+            raise ValueError(f"SamplingParams.{name}={getattr(params, name)!r} needs chapter 34's full "
+                             f"sampler, not this chapter's SimpleSampler; leave {name}="
+                             f"{FULL_SAMPLER_FIELDS[name]!r}")
 
     def __call__(self, logits: torch.Tensor, requests: list[Request],
                  generators: dict[str, torch.Generator]) -> list[int]:

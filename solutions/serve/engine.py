@@ -138,7 +138,7 @@ class EngineCore:
             # One request filling the whole budget, against a pool just big enough for it.
             n = min(self.config.max_num_batched_tokens, self.max_model_len)
             dummy = ModelRunner(self.flat, backend, -(-n // bs), bs)
-            req = Request("profile", [0] * n, SamplingParams(max_tokens=1))
+            req = Request("profile", [0] * n, SamplingParams(max_tokens=1, temperature=0.0))
             batch = dummy.prepare([(req, n)], [list(range(-(-n // bs)))])
             dummy.execute(batch)
             del dummy
@@ -175,6 +175,8 @@ class EngineCore:
                 raise ValueError(f"request {request_id!r}: token ids must be ints, got {t!r}")
             if not 0 <= t < vocab:
                 raise ValueError(f"request {request_id!r}: token id {t} is outside the vocabulary [0, {vocab})")
+        if params.max_tokens is None:  # vLLM's "as many as the context allows"
+            params = SamplingParams(**{**params.__dict__, "max_tokens": max(1, self.max_model_len - len(prompt))})
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
