@@ -82,7 +82,9 @@ def block_violations(blocks: BlockManager) -> list[str]:
 def request_hash_violations(blocks: BlockManager, request: Request) -> list[str]:
     """Hash-chain checks for one live request: its ``block_hashes`` are the chain of its own tokens
     and cache_key, and every block in its table that carries a hash carries the hash of that
-    position of THIS request (otherwise it reads another prefix's — or another tenant's — K/V)."""
+    position of THIS request (otherwise it reads another prefix's — or another tenant's — K/V) and
+    lies within its computed tokens (between steps a published block holds computed K/V; only a
+    failed step that was not undone leaves one past them)."""
     bad: list[str] = []
     bs = blocks.block_size
     parent = None
@@ -102,6 +104,10 @@ def request_hash_violations(blocks: BlockManager, request: Request) -> list[str]
         if i >= len(request.block_hashes) or request.block_hashes[i] != h:
             bad.append(f"request {request.request_id!r}: table position {i} is block {b}, whose hash "
                        "belongs to a different prefix (or cache_key)")
+        if (i + 1) * bs > request.num_computed_tokens:
+            bad.append(f"request {request.request_id!r}: block {b} (table position {i}) is published "
+                       f"but only {request.num_computed_tokens} of its tokens are computed: a failed "
+                       "step's publication was not taken back?")
     return bad
 
 

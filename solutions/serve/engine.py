@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 from engine.serve.attention import get_backend
-from engine.serve.blocks import BlockManager
+from engine.serve.blocks import BlockManager, encode_cache_key
 from engine.serve.flat import FlatModel
 from engine.serve.params import SamplingParams
 from engine.serve.request import Request, Status
 from engine.serve.runner import ModelRunner
 from engine.serve.sampler import SimpleSampler
-from engine.serve.scheduler import Scheduler, SchedulerConfig
+from engine.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.serve.sizing import kv_bytes_per_block, num_blocks_for_memory, profile_num_blocks
 
 SAMPLERS = ("simple", "full")
@@ -179,8 +179,10 @@ class EngineCore:
             raise ValueError(
                 f"request {request_id!r}: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
                 f"exceeds max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens")
-        if not isinstance(cache_key, tuple):
-            raise ValueError(f"cache_key must be a tuple, got {type(cache_key).__name__}")
+        try:
+            encode_cache_key(cache_key)  # the prefix cache hashes it at every block boundary
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
         # Both end up in the queues' sort keys: a value that can't be compared would fail mid-step.
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"request {request_id!r}: priority must be an int (lower runs first), got {priority!r}")
@@ -258,23 +260,28 @@ class EngineCore:
         it had a sample row), publishes its newly full blocks, and is checked for stop — a
         finished request is finished in the scheduler at once, freeing its blocks. Returns one
         RequestOutput per request that produced a token or finished (a mid-prompt chunk reports
-        nothing).
+        nothing). If anything from the swaps to the sampling raises (the forward pass ran out of
+        memory, Ctrl-C), call ``self.recover_failed_step(plan)`` before letting the exception
+        propagate, and count no step: the engine must be left as if the step never ran.
         """
         plan = self.scheduler.schedule()
-        for req, blocks in plan.swap_out:
-            self.runner.swap_out(req, blocks)
-        for req, blocks in plan.swap_in:
-            self.runner.swap_in(req, blocks)
-        if plan.empty:
-            return []
-        batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)  # tables looked up by id
-        logits = self.runner.execute(batch)  # [sample rows + prompt-logprob rows, V]
+        try:
+            for req, blocks in plan.swap_out:
+                self.runner.swap_out(req, blocks)
+            for req, blocks in plan.swap_in:
+                self.runner.swap_in(req, blocks)
+            if plan.empty:
+                return []
+            batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)  # tables looked up by id
+            logits = self.runner.execute(batch)  # [sample rows + prompt-logprob rows, V]
+            sample_reqs = [req for (req, _), k in zip(plan.scheduled, batch.sample_counts) for _ in range(k)]
+            num_sample = batch.num_sample_rows
+            tokens = self.sampler(logits[:num_sample], sample_reqs, self.generators)
+            prompt_lp = self._prompt_logprobs(batch, logits[num_sample:])
+        except BaseException:  # out of memory, Ctrl-C ...: nothing this step wrote can be trusted
+            self.recover_failed_step(plan)
+            raise
         self.steps += 1
-
-        sample_reqs = [req for (req, _), k in zip(plan.scheduled, batch.sample_counts) for _ in range(k)]
-        num_sample = batch.num_sample_rows
-        tokens = self.sampler(logits[:num_sample], sample_reqs, self.generators)
-        prompt_lp = self._prompt_logprobs(batch, logits[num_sample:])
 
         outputs: list[RequestOutput] = []
         row = 0
@@ -310,6 +317,26 @@ class EngineCore:
             if new or status is not None:
                 outputs.append(self._output(req, new))
         return outputs
+
+    def recover_failed_step(self, plan: SchedulerOutput) -> None:
+        """Undo what a step that raised before its bookkeeping left behind, so that a retry, an
+        abort or a later request with the same prompt sees only K/V that was really computed.
+
+        The scheduler published the step's blocks before the forward pass, which may have written
+        some layers of them, or none: they are unpublished, and requests that adopted them
+        compute them again (``BlockManager.unpublish_uncomputed``). A swap-out that did not
+        complete turns into a recompute preemption; a swap-in that did not complete recomputes
+        the request from its first token. Nothing advanced, so nothing else needs undoing.
+        """
+        for req, _ in plan.swap_out:
+            if req.swapped_out and req.request_id not in self.runner.swapped:
+                req.swapped_out = False
+                req.num_computed_tokens = 0
+        for req, _ in plan.swap_in:
+            if req.request_id in self.runner.swapped:  # its K/V never reached the pool
+                self.runner.drop(req.request_id)
+                req.num_computed_tokens = 0
+        self.blocks.unpublish_uncomputed(req for req, _ in plan.scheduled)
 
     def _prompt_logprobs(self, batch, logits: torch.Tensor) -> dict[str, list[dict[int, float]]]:
         """Per request: for each predicted prompt token, {token: logprob} plus the top-k alternatives."""
