@@ -7,11 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 
 from ch31_helpers import model64, oracle, run_checked
 from engine.serve import BlockManager, EngineConfig, EngineCore, SamplingParams
+from engine.serve.blocks import encode_cache_key, hash_block
 from engine.serve.invariants import check_engine_invariants, check_idle
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7]
@@ -30,6 +32,18 @@ class Case:
     fragment: str
     config: dict = field(default_factory=dict)
     setup: Callable | None = None
+
+
+class _Unprintable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+def _nested(depth: int) -> tuple:
+    key: tuple = ("leaf",)
+    for _ in range(depth):
+        key = (key,)
+    return key
 
 
 def _add(*args, **kwargs) -> Callable:
@@ -89,6 +103,13 @@ REQUEST_CASES = {
                                       setup=_existing("b")),
     "arrival_time nan": Case(_add("a", PROMPT, arrival_time=float("nan")), "arrival_time must be a finite number"),
     "cache_key not a tuple": Case(_add("a", PROMPT, cache_key=["tenant"]), "cache_key must be a tuple"),
+    "cache_key holds a numpy array": Case(_add("a", PROMPT, cache_key=("img", np.arange(2000))), "pass a digest"),
+    "cache_key holds a tensor": Case(_add("a", PROMPT, cache_key=(torch.arange(3),)), "pass a digest"),
+    "cache_key holds a float": Case(_add("a", PROMPT, cache_key=(0.5,)), "must be str, int, bytes, bool, None"),
+    "cache_key holds a list": Case(_add("a", PROMPT, cache_key=(("a", ["b"]),)), "must be str, int, bytes, bool"),
+    "cache_key item whose repr raises": Case(_add("a", PROMPT, cache_key=(_Unprintable(),)),
+                                             "must be str, int, bytes, bool, None"),
+    "cache_key nested too deep": Case(_add("a", PROMPT, cache_key=_nested(40)), "nests tuples more than"),
     # sizes
     "prompt beyond the context": Case(_add("a", [1] * 90, SP(max_tokens=11)), "exceeds max_model_len=100"),
     "request larger than the pool": Case(_add("a", [1] * 40, SP(max_tokens=30)), "exceeds the whole KV pool",
@@ -196,4 +217,38 @@ def test_abort_unknown_finished_and_twice_is_harmless_and_ids_are_reusable():
     core.abort_request("a")  # ... aborting a finished one changes nothing ...
     core.add_request("a", PROMPT, SP(max_tokens=2, n=2))  # ... and finished ids too, even as a parent
     assert core.run_until_done() == {"a:0": oracle(tuple(PROMPT), 2), "a:1": oracle(tuple(PROMPT), 2)}
+    check_idle(core)
+
+
+class _Impostor(str):
+    """A str whose repr() and str() pretend to be another tenant's name."""
+
+    def __repr__(self) -> str:
+        return "'tenant-a'"
+
+    def __str__(self) -> str:
+        return "tenant-a"
+
+
+def test_cache_keys_are_encoded_losslessly():
+    """Different keys never share a digest (True vs 1, nesting, bytes vs str, None vs "None"), and a
+    key is hashed by its value, not by what its repr() claims."""
+    keys = [(1,), (True,), (0,), (False,), (None,), ("None",), ("ab",), ("a", "b"), (("a",),), ("a",),
+            (b"a",), (-1,), (2**70,), (2**70 + 1,), ((), ()), ((),), ("\ud800",), ("é",)]
+    digests = [hash_block(None, [1, 2], k) for k in keys]
+    assert len(set(digests)) == len(keys), "two different cache keys hash alike"
+    assert len({encode_cache_key(k) for k in keys}) == len(keys)
+    assert hash_block(None, [1, 2], (_Impostor("tenant-b"),)) == hash_block(None, [1, 2], ("tenant-b",))
+    assert hash_block(None, [1, 2], (_Impostor("tenant-b"),)) != hash_block(None, [1, 2], ("tenant-a",)), \
+        "a str whose repr() claims another tenant's name took that tenant's hash"
+
+
+def test_tenants_never_share_blocks_through_a_forged_key():
+    core = EngineCore(model64(), EngineConfig(**BASE))
+    core.add_request("a", PROMPT * 3, SP(max_tokens=2, temperature=0.0), cache_key=("tenant-a",))
+    run_checked(core)
+    core.add_request("b", PROMPT * 3, SP(max_tokens=2, temperature=0.0), cache_key=(_Impostor("tenant-b"),))
+    core.step()
+    assert core.scheduler.requests["b"].num_cached_tokens == 0, "tenant b adopted tenant a's blocks"
+    run_checked(core)
     check_idle(core)
