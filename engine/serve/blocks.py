@@ -199,7 +199,9 @@ class BlockManager:
         duplicate stays private, with no hash). The scheduler calls this right after allocating a
         step's blocks, before they are computed: a request admitted later in the same step may
         adopt them, which is safe because in a flattened batch every layer writes all K/V before
-        any attention reads. The engine calls it again after each step, for generated tokens.
+        any attention reads — and if the forward pass fails instead, the engine takes these
+        publications back (``unpublish_uncomputed``). The engine calls it again after each step,
+        for generated tokens.
         """
         raise NotImplementedError("BlockManager.cache_full_blocks is a hole: fill it in (Chapter 31, engine/serve/blocks.py)")
 
