@@ -57,6 +57,13 @@ def _existing(*ids: str, n: int = 1) -> Callable:
     return setup
 
 
+def _existing_then_abort(parent: str, child: str, n: int) -> Callable:
+    def setup(core):
+        _existing(parent, n=n)(core)
+        core.abort_request(child)
+    return setup
+
+
 REQUEST_CASES = {
     # the prompt
     "empty prompt": Case(_add("a", []), "prompt_token_ids is empty"),
@@ -97,6 +104,10 @@ REQUEST_CASES = {
     "n > 1 colliding with a live id": Case(_add("x", PROMPT, SP(n=3, seed=1, temperature=0.5)), "already in use",
                                           setup=_existing("x:2")),
     "n > 1 reusing a live parent id": Case(_add("p", PROMPT, SP(n=2)), "already in use", setup=_existing("p", n=2)),
+    "id of an aborted child whose sibling runs": Case(_add("p:0", PROMPT), "by n > 1 request 'p', which is still running",
+                                                      setup=_existing_then_abort("p", "p:0", n=3)),
+    "parent id of a child id in use": Case(_add("p:1", PROMPT, SP(n=2)), "already in use",
+                                           setup=_existing_then_abort("p", "p:0", n=2)),
     "priority not an int": Case(_add("a", PROMPT, priority="high"), "priority must be an int",
                                 config=dict(policy="priority"), setup=_existing("b")),
     "arrival_time not a number": Case(_add("a", PROMPT, arrival_time="now"), "arrival_time must be a finite number",
@@ -252,3 +263,57 @@ def test_tenants_never_share_blocks_through_a_forged_key():
     assert core.scheduler.requests["b"].num_cached_tokens == 0, "tenant b adopted tenant a's blocks"
     run_checked(core)
     check_idle(core)
+
+
+def test_aborting_a_parent_never_touches_another_request():
+    core = EngineCore(model64(), EngineConfig(**BASE))
+    core.add_request("p", PROMPT, SP(max_tokens=3, n=2, seed=5, temperature=0.7))
+    core.abort_request("p:0")
+    with pytest.raises(ValueError, match="already in use"):
+        core.add_request("p:0", PROMPT, SP(max_tokens=3, temperature=0.0))
+    core.add_request("p:00", PROMPT, SP(max_tokens=3, temperature=0.0))
+    core.abort_request("p")  # p:1 goes; p:00 is not p's
+    assert sorted(core.scheduler.requests) == ["p:00"]
+    check_engine_invariants(core)
+    assert run_checked(core) == {"p:00": oracle(tuple(PROMPT), 3)}
+    core.add_request("p:0", PROMPT, SP(max_tokens=2, temperature=0.0))  # p is gone: its ids are free again
+    assert run_checked(core) == {"p:0": oracle(tuple(PROMPT), 2)}
+    check_idle(core)
+
+
+def _python_calls(fn) -> int:
+    """How many Python and C function calls ``fn()`` makes: a deterministic measure of work."""
+    import sys
+
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_adding_and_aborting_many_children_is_linear(policy):
+    """n children added and aborted (by parent, then one by one) cost O(n) calls, not O(n^2):
+    four times the children may cost at most about four times the calls."""
+    def work(n: int) -> Callable:
+        core = EngineCore(model64(), EngineConfig(block_size=4, num_blocks=16, policy=policy))
+
+        def run():
+            core.add_request("many", PROMPT, SP(max_tokens=2, n=n, temperature=0.0), priority=1)
+            core.add_request("one", PROMPT, SP(max_tokens=2, n=n, temperature=0.0), priority=0)
+            core.abort_request("many")
+            for i in range(n):
+                core.abort_request(f"one:{i}")
+        return run
+
+    small, large = _python_calls(work(300)), _python_calls(work(1200))
+    assert large < 5 * small, f"4x the children cost {large / small:.1f}x the calls: quadratic bookkeeping"

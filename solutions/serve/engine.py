@@ -123,7 +123,11 @@ class EngineCore:
         self.generator = torch.Generator(device=self.flat.device).manual_seed(config.seed)
         self.sampler = sampler or SimpleSampler(self.generator)
         self.generators: dict[str, torch.Generator] = {}
-        self.children: dict[str, list[str]] = {}  # parent id -> child ids for n > 1
+        # n > 1: parent id -> its child ids, kept (so the ids stay reserved) while any child lives;
+        # child id -> parent id for those children; parent id -> how many children still live.
+        self.children: dict[str, list[str]] = {}
+        self.parent_of: dict[str, str] = {}
+        self.live_children: dict[str, int] = {}
         self.steps = 0
 
     # ----- set-up --------------------------------------------------------------------------
@@ -193,8 +197,11 @@ class EngineCore:
         self.sampler.check(params)
         ids = [request_id] if params.n == 1 else [f"{request_id}:{i}" for i in range(params.n)]
         for rid in ids + ([request_id] if params.n > 1 else []):
-            if rid in self.scheduler.requests or rid in self.children:
-                raise ValueError(f"request id {rid!r} is already in use; pick a new id")
+            if rid in self.scheduler.requests or rid in self.children or rid in self.parent_of:
+                owner = self.parent_of.get(rid)
+                raise ValueError(f"request id {rid!r} is already in use"
+                                 + (f" (by n > 1 request {owner!r}, which is still running)" if owner else "")
+                                 + "; pick a new id")
         reqs = []
         for i, rid in enumerate(ids):
             child = SamplingParams(**{**params.__dict__, "n": 1,
@@ -209,10 +216,16 @@ class EngineCore:
                 self.generators[req.request_id] = torch.Generator(device=self.flat.device).manual_seed(req.params.seed)
         if params.n > 1:
             self.children[request_id] = ids
+            self.live_children[request_id] = len(ids)
+            self.parent_of.update((rid, request_id) for rid in ids)
         return ids
 
     def abort_request(self, request_id: str) -> None:
-        """Abort a request (or all children of an n > 1 request); unknown or finished ids are ignored."""
+        """Abort a request (or all children of an n > 1 request); unknown or finished ids are ignored.
+
+        A parent's child ids stay reserved until its last child finishes, so aborting the parent
+        reaches its own children only, never a later request that took a finished child's id.
+        """
         for rid in self.children.get(request_id, [request_id]):
             self.scheduler.abort(rid)
 
@@ -220,11 +233,16 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def _on_finish(self, request: Request) -> None:
-        self.runner.drop(request.request_id)
-        self.generators.pop(request.request_id, None)
-        for parent, ids in list(self.children.items()):
-            if request.request_id in ids and all(i not in self.scheduler.requests for i in ids):
-                del self.children[parent]
+        rid = request.request_id
+        self.runner.drop(rid)
+        self.generators.pop(rid, None)
+        parent = self.parent_of.get(rid)
+        if parent is not None:  # the last child to finish frees its parent's ids
+            self.live_children[parent] -= 1
+            if self.live_children[parent] == 0:
+                del self.live_children[parent]
+                for child in self.children.pop(parent):
+                    del self.parent_of[child]
 
     # ----- the step ------------------------------------------------------------------------
     def check_stop(self, request: Request) -> Status | None:
