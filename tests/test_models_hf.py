@@ -728,3 +728,55 @@ def test_cli_generate(ckpt, capsys):
     assert generate_main(args[:2] + ["--prompt", "hi", "--chat", "--max-tokens", "3"]) == 0
     assert generate_main(["--model", str(ckpt["dense"]) + "-nope", "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+CLI_ERRORS = {
+    # case: (extra arguments, what the one line must say)
+    "block_size_zero": (["--block-size", "0"], "--block-size must be in [1, 1024], got 0"),
+    "block_size_huge": (["--block-size", str(10**9)], "--block-size must be in [1, 1024]"),
+    "max_tokens_past_the_model": (["--max-tokens", str(10**9)], "exceeds the model's 512 positions; lower --max-tokens"),
+    "device_unknown": (["--device", "tpu"], "--device 'tpu' is not usable here"),
+    "device_empty": (["--device", ""], "--device '' is not usable here"),
+    "device_meta": (["--device", "meta"], "--device 'meta' is not usable here"),
+    "device_other_cpu": (["--device", "cpu:3"], "--device 'cpu:3' is not usable here"),
+    "temperature_nan": (["--temperature", "nan"], "temperature must be >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_ERRORS))
+def test_cli_user_errors_are_one_line(ckpt, capsys, monkeypatch, case):
+    """A user error ends `run.py generate` with exit status 2 and one line saying what to change,
+    before any model memory is sized (load_model is never reached)."""
+    import engine.models.loader
+    from engine.cli_generate import generate_main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("load_model was called before the arguments were checked")
+
+    monkeypatch.setattr(engine.models.loader, "load_model", no_load)
+    extra, message = CLI_ERRORS[case]
+    args = ["--model", str(ckpt["dense"]), "--prompt", "hello", "--dtype", "float64", "--device", "cpu", *extra]
+    assert generate_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+@pytest.mark.parametrize("bad", ["config_binary", "tokenizer_binary"])
+def test_cli_bad_checkpoint_files_are_one_line(ckpt, tmp_path, capsys, bad):
+    from engine.cli_generate import generate_main
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(ckpt["dense"], d)
+    (d / ("config.json" if bad == "config_binary" else "tokenizer.json")).write_bytes(b"\xff\xfe\x00\x01")
+    assert generate_main(["--model", str(d), "--prompt", "hi", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "not " in err, err
+
+
+def test_run_py_bad_impl_exits_2(capsys):
+    import run
+
+    with pytest.raises(SystemExit) as exit_:
+        run.main(["generate", "--impl", "bogus"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --impl must be 'solution' or 'engine'")

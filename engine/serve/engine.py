@@ -19,6 +19,7 @@ from engine.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.serve.sizing import kv_bytes_per_block, num_blocks_for_memory, profile_num_blocks
 
 SAMPLERS = ("simple", "full")
+SEED_LIMIT = 2**64  # torch.Generator seeds are 64-bit unsigned; a negative one aliases a large one
 
 
 @dataclass
@@ -60,8 +61,8 @@ class EngineConfig:
         for flag in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"EngineConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"EngineConfig.seed must be an integer in [0, 2**64), got {self.seed!r}")
         if self.num_blocks is not None:
             positive("num_blocks")
         if self.max_model_len is not None:
@@ -196,6 +197,12 @@ class EngineCore:
             raise ValueError(f"request {request_id!r}: arrival_time must be a finite number of seconds "
                              f"(time.monotonic()) or None, got {arrival_time!r}")
         self.sampler.check(params)
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise ValueError(f"request {request_id!r}: prompt_logprobs={params.prompt_logprobs} asks for more "
+                             f"alternatives than the vocabulary has ({vocab})")
+        if params.seed is not None and not 0 <= params.seed <= SEED_LIMIT - params.n:
+            raise ValueError(f"request {request_id!r}: seed {params.seed} is outside [0, 2**64 - n]; child i of an "
+                             "n > 1 request uses seed + i, and generator seeds are 64-bit unsigned")
         ids = [request_id] if params.n == 1 else [f"{request_id}:{i}" for i in range(params.n)]
         for rid in ids + ([request_id] if params.n > 1 else []):
             if rid in self.scheduler.requests or rid in self.children or rid in self.parent_of:
