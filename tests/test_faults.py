@@ -126,3 +126,37 @@ def test_random_faults_with_preemption_and_swap(seed):
         if rid not in aborted:
             assert done[rid].output_token_ids == oracle(tuple(p), max_tokens), \
                 f"{rid} differs from generate() after failed steps"
+
+
+@pytest.mark.parametrize("which", ["swap_out", "swap_in"])
+def test_failed_swap_copy(which):
+    """The copy of a swap-out or swap-in raises (host memory exhausted): the request it concerned
+    falls back to recomputing, and every output still equals generate()."""
+    core = _core(num_blocks=9, preemption_mode="swap", max_num_batched_tokens=8)
+    todo = {f"r{i}": SHARED[:8] + TAILS[i % 3] + [i] for i in range(4)}
+    for rid, p in todo.items():
+        core.add_request(rid, p, SamplingParams(max_tokens=8, temperature=0.0))
+    original = getattr(core.runner, which)
+    fired = []
+
+    def fail_once(req, blocks):
+        if not fired:
+            fired.append(req.request_id)
+            raise InjectedFault(f"injected fault in {which}")
+        return original(req, blocks)
+
+    setattr(core.runner, which, fail_once)
+    done = {}
+    while core.has_unfinished():
+        try:
+            outs = core.step()
+        except InjectedFault:
+            outs = []
+        for o in outs:
+            if o.finished:
+                done[o.request_id] = o.output_token_ids
+        check_engine_invariants(core)
+    assert fired, f"the workload never reached a {which}: adjust the test"
+    check_idle(core)
+    for rid, p in todo.items():
+        assert done[rid] == oracle(tuple(p), 8), f"{rid} differs from generate() after a failed {which}"
