@@ -91,27 +91,36 @@ def test_checker_sees_a_published_block_that_was_never_computed():
     assert any("published" in v for v in bad), f"the checker missed uncomputed published blocks: {bad}"
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_random_faults_with_preemption_and_swap(seed):
-    """A seeded random workload (shared prefixes, a tight pool, both preemption modes) whose steps
-    fail at random layers, sometimes followed by an abort; every request that finishes normally
-    equals generate()."""
+    """A seeded random workload (shared prefixes, repeated prompts arriving while others run, a
+    tight pool, both preemption modes) whose steps fail at random layers, often followed by an
+    abort of a running request; every request that finishes normally equals generate()."""
     rng = random.Random(seed)
-    core = _core(num_blocks=rng.choice((10, 14, 40)), max_num_batched_tokens=rng.choice((6, 16, 64)),
+    core = _core(num_blocks=rng.choice((12, 16, 40)), max_num_batched_tokens=rng.choice((8, 16, 64)),
                  preemption_mode=rng.choice(("recompute", "swap")), block_size=rng.choice((2, 4)))
-    todo = {f"r{i}": (SHARED[:rng.choice((0, 8, 16))] + TAILS[i % 3], rng.randint(1, 6)) for i in range(6)}
-    for rid, (p, max_tokens) in todo.items():
-        core.add_request(rid, p, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    family = [SHARED[:k] + TAILS[j] for k in (8, 16) for j in range(3)]
+    todo: dict[str, tuple[list[int], int]] = {}
+
+    def add() -> None:
+        rid = f"r{len(todo)}"
+        todo[rid] = (rng.choice(family), rng.randint(1, 6))
+        core.add_request(rid, todo[rid][0], SamplingParams(max_tokens=todo[rid][1], temperature=0.0))
+
+    for _ in range(4):
+        add()
     done, aborted, faults = {}, set(), 0
     for i in range(500):
         if not core.has_unfinished():
             break
+        if len(todo) < 16 and rng.random() < 0.3:
+            add()
         if i == 1 or rng.random() < 0.3:
             faults += 1
             _failed_step(core, rng.randrange(2), rng.choice(PLACES))
-            if rng.random() < 0.4:
-                live = sorted(core.scheduler.requests)
-                victim = rng.choice(live)
+            running = sorted(r.request_id for r in core.scheduler.running)
+            if running and rng.random() < 0.6:
+                victim = rng.choice(running)
                 aborted.add(victim)
                 core.abort_request(victim)
                 check_engine_invariants(core)
