@@ -26,6 +26,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as _Backend
 
+from engine.models.hf_config import read_json_object
+
 REPLACEMENT_CHAR = "\ufffd"  # what decoding an incomplete UTF-8 sequence produces
 # How many prompt tokens the detokenizer decodes as left context for the first output token, so
 # that a leading space or a merge with the prompt's last word comes out right.
@@ -183,15 +185,7 @@ class Tokenizer:
 def _read_json(path: Path) -> dict[str, Any]:
     """The JSON object in ``path`` ({} if there is no such file); ValueError naming the file if it
     is not UTF-8 JSON holding an object."""
-    if not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ValueError(f"{path}: not valid UTF-8 JSON ({type(e).__name__}: {str(e)[:200]})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
-    return raw
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _token_text(value: Any, key: str = "special token", source: str = "tokenizer_config.json") -> str | None:
