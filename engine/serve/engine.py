@@ -287,7 +287,9 @@ class EngineCore:
         some layers of them, or none: they are unpublished, and requests that adopted them
         compute them again (``BlockManager.unpublish_uncomputed``). A swap-out that did not
         complete turns into a recompute preemption; a swap-in that did not complete recomputes
-        the request from its first token. Nothing advanced, so nothing else needs undoing.
+        the request from its first token. No request advanced, so nothing else needs undoing —
+        except that a failure inside the sampler itself may already have drawn from seeded
+        requests' generators, whose later samples then differ from an uninterrupted run.
         """
         for req, _ in plan.swap_out:
             if req.swapped_out and req.request_id not in self.runner.swapped:
