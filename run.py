@@ -23,7 +23,8 @@ def _set_impl(argv: list[str], default: str = "solution") -> None:
         elif arg.startswith("--impl="):
             impl = arg.split("=", 1)[1]
     if impl not in ("solution", "engine"):
-        sys.exit(f"--impl must be 'solution' or 'engine', got {impl!r}")
+        print(f"error: --impl must be 'solution' or 'engine', got {impl!r}", file=sys.stderr)
+        sys.exit(2)
     os.environ["ENGINE_IMPL"] = impl
 
 
@@ -31,6 +32,9 @@ def _run_guarded(fn, argv: list[str]) -> int:
     """Run a command; an unfilled hole ends it with one clear line instead of a traceback."""
     try:
         return fn(argv) or 0
+    except ValueError as exc:  # a bad argument or input file: say what to change, no traceback
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     except NotImplementedError as exc:
         from tools.skeleton import test_selector, unfilled_holes
 

@@ -40,27 +40,55 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+MAX_BLOCK_SIZE = 1024  # tokens per KV block; real engines use 16-256
+
+
+def _device(name: str | None) -> str:
+    """The --device to run on ("cpu", "cuda" or "cuda:N"), checked against this machine."""
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
+        raise ValueError(f"--device {name!r} is not usable here: use cpu, cuda or cuda:N")
+    if dev.type == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {name} asked for, but this PyTorch sees no CUDA GPU; use --device cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return str(dev)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if isinstance(e, ValueError) else f"{type(e).__name__}: {text}"
+
+
 def generate_main(argv: list[str] | None = None) -> int:
     """Entry point of ``run.py generate``; returns the process exit status.
 
     A bad argument or checkpoint prints one line naming the problem and returns 2.
     """
     args = build_parser().parse_args(argv)
-    import torch
+    from jinja2 import TemplateError
 
     from engine.llm import LLM
-    from engine.models.hf_config import checkpoint_dir
+    from engine.models.hf_config import checkpoint_dir, read_config
     from engine.models.loader import load_model
     from engine.serve import SamplingParams
     from engine.tokenizer import Tokenizer
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"error: --device {device} asked for, but this PyTorch sees no CUDA GPU; use --device cpu",
-              file=sys.stderr)
-        return 2
     streaming = False
     try:
+        device = _device(args.device)
+        if not 1 <= args.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"--block-size must be in [1, {MAX_BLOCK_SIZE}], got {args.block_size}")
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         t0 = time.perf_counter()
@@ -72,6 +100,10 @@ def generate_main(argv: list[str] | None = None) -> int:
             prompt_ids = tok.encode(text, add_special_tokens=False)
         else:
             prompt_ids = tok.encode(args.prompt)
+        _, cfg, _ = read_config(args.model)  # before any memory is sized: does the request fit at all?
+        if len(prompt_ids) + args.max_tokens > cfg.max_position_embeddings:
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the "
+                             f"model's {cfg.max_position_embeddings} positions; lower --max-tokens")
         model = load_model(args.model, dtype=args.dtype, device=device)
         options: dict = {"block_size": args.block_size}
         if device == "cpu":
@@ -94,10 +126,10 @@ def generate_main(argv: list[str] | None = None) -> int:
             reason = delta.finish_reason or reason
             sys.stdout.write(delta.text)
             sys.stdout.flush()
-    except ValueError as e:
+    except (ValueError, OSError, TemplateError) as e:  # the user's input or files: one line, no traceback
         if streaming:
             sys.stdout.write("\n")
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C mid-stream: stream() has already aborted the request
         sys.stdout.write("\n")

@@ -26,6 +26,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as _Backend
 
+from engine.models.hf_config import read_json_object
+
 REPLACEMENT_CHAR = "\ufffd"  # what decoding an incomplete UTF-8 sequence produces
 # How many prompt tokens the detokenizer decodes as left context for the first output token, so
 # that a leading space or a merge with the prompt's last word comes out right.
@@ -90,21 +92,38 @@ class Tokenizer:
                 f"{root}: no tokenizer.json (found {found or 'no tokenizer files'}). This engine "
                 "reads only the fast-tokenizer format; save one with transformers' "
                 "AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
-        backend = _Backend.from_file(str(tok_file))
-        config = _read_json(root / "tokenizer_config.json")
+        try:
+            backend = _Backend.from_file(str(tok_file))
+        except Exception as e:  # the tokenizers library raises a plain Exception for a bad file
+            raise ValueError(f"{tok_file}: not a readable tokenizer.json ({str(e)[:200]})") from None
+        cfg_file = root / "tokenizer_config.json"
+        config = _read_json(cfg_file)
         template = config.get("chat_template")
         if (root / "chat_template.jinja").is_file():
-            template = (root / "chat_template.jinja").read_text()
+            try:
+                template = (root / "chat_template.jinja").read_bytes().decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{root / 'chat_template.jinja'}: not UTF-8 text ({e})") from None
         elif template is None and (root / "chat_template.json").is_file():
             template = _read_json(root / "chat_template.json").get("chat_template")
         if isinstance(template, list):  # several named templates: take the default one
+            if not all(isinstance(t, dict) for t in template):
+                raise ValueError(f"{cfg_file}: chat_template must be a string or a list of "
+                                 "{\"name\", \"template\"} objects")
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default", next(iter(named.values()), None))
-        gen_eos = _read_json(root / "generation_config.json").get("eos_token_id")
-        gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
-        return cls(backend, eos_token=_token_text(config.get("eos_token")),
-                   bos_token=_token_text(config.get("bos_token")),
-                   pad_token=_token_text(config.get("pad_token")),
+        if template is not None and not isinstance(template, str):
+            raise ValueError(f"{cfg_file}: chat_template must be a string, got {type(template).__name__}")
+        gen_file = root / "generation_config.json"
+        gen_eos = _read_json(gen_file).get("eos_token_id")
+        gen_eos = [gen_eos] if isinstance(gen_eos, int) and not isinstance(gen_eos, bool) else gen_eos
+        if gen_eos is None:
+            gen_eos = []
+        if not isinstance(gen_eos, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in gen_eos):
+            raise ValueError(f"{gen_file}: eos_token_id must be a token id or a list of them, got {gen_eos!r}")
+        return cls(backend, eos_token=_token_text(config.get("eos_token"), "eos_token", str(cfg_file)),
+                   bos_token=_token_text(config.get("bos_token"), "bos_token", str(cfg_file)),
+                   pad_token=_token_text(config.get("pad_token"), "pad_token", str(cfg_file)),
                    chat_template=template, extra_eos_token_ids=gen_eos)
 
     # ------------------------------------------------------------------ ids and text
@@ -179,18 +198,17 @@ class Tokenizer:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    """The JSON object in ``path`` ({} if there is no such file); ValueError naming the file if it
+    is not UTF-8 JSON holding an object."""
+    return read_json_object(path) if path.is_file() else {}
 
 
-def _token_text(value: Any) -> str | None:
+def _token_text(value: Any, key: str = "special token", source: str = "tokenizer_config.json") -> str | None:
     """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
     if isinstance(value, dict):
-        return value.get("content")
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{source}: {key} must be a string or {{\"content\": string}}, got {value!r}")
     return value
 
 

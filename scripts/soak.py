@@ -8,7 +8,9 @@ barely enough for one request, token budget, chunking and its threshold, fcfs or
 recompute or swap, prefix caching on or off, max_num_seqs), then runs random operations on it:
 add a request (prompts drawn from a few shared prefixes, n > 1, priorities, tenants' cache keys,
 greedy or sampled, seeded or not, stop tokens, min_tokens), abort one (waiting, mid-prefill,
-decoding, preempted, swapped, or an unknown id), step, or reset the prefix cache. After every step
+decoding, preempted, swapped, or an unknown id), step, reset the prefix cache, or run a step whose
+forward pass fails at a random layer (``engine.serve.faults``; ``--faults`` sets how often), perhaps
+followed at once by an abort. After every step, failed ones included,
 the whole engine is checked (``engine.serve.invariants``). Every greedy request that finishes
 normally must equal ``generate()`` on its prompt alone (cut where its stop rules say), every
 seeded sampled request must equal an independent token-by-token sampler with the same seed, and
@@ -47,7 +49,7 @@ class Tracked:
 class Soak:
     """Drives random episodes and counts violations; ``run(num_ops)`` returns the violations."""
 
-    def __init__(self, seed: int = 0, verbose: bool = False) -> None:
+    def __init__(self, seed: int = 0, verbose: bool = False, fault_rate: float = 0.05) -> None:
         import torch
 
         from engine.models.tiny import tiny_model
@@ -56,6 +58,7 @@ class Soak:
         torch.set_num_threads(1)  # the test model is tiny: one thread beats two that wait on each other
         self.rng = random.Random(seed)
         self.verbose = verbose
+        self.fault_rate = fault_rate  # share of operations that are a step whose forward pass fails
         self.model = tiny_model(seed=0, dtype=torch.float64)
         vocab = self.model.cfg.vocab_size
         prng = random.Random(1234)  # the prompt families are the same in every run
@@ -67,7 +70,8 @@ class Soak:
         self.ops = 0  # random operations (add, abort, step, reset)
         self.drain_steps = 0  # steps run to bring each episode to idle
         self.episodes = 0
-        self.counts = {"finished": 0, "compared": 0, "aborted": 0, "preemptions": 0, "rejected": 0}
+        self.counts = {"finished": 0, "compared": 0, "aborted": 0, "preemptions": 0, "rejected": 0,
+                       "faults": 0, "mismatches": 0}
         self.abort_kinds: dict[str, int] = {}  # aborted requests by the state they were in
 
     # ----- oracles -------------------------------------------------------------------------
@@ -160,6 +164,8 @@ class Soak:
                     self.abort()
                 elif x < 0.41:
                     core.blocks.reset_prefix_cache()
+                elif x < 0.41 + self.fault_rate:
+                    ok = self.failed_step()
                 else:
                     ok = self.step()
             except Exception as e:  # an engine crash is a violation; the episode ends with it
@@ -264,6 +270,27 @@ class Soak:
                 self.violation(f"aborted request {rid!r} is still in the scheduler")
         self.check(core)
 
+    def failed_step(self) -> bool:
+        """A step whose forward pass raises at a random layer (before or after that layer writes
+        its K/V); half the time an abort follows at once. Nothing may be reported, and every later
+        output must still match its oracle."""
+        from engine.serve.faults import PLACES, InjectedFault, forward_fault
+
+        r, core = self.rng, self.core
+        layer, where = r.randrange(core.model.cfg.num_hidden_layers), r.choice(PLACES)
+        self.counts["faults"] += 1
+        try:
+            with forward_fault(core.model, layer, where):
+                outs = core.step()
+        except InjectedFault:
+            outs = None
+        if outs is not None and outs:  # an empty plan runs no forward pass, so nothing fails
+            self.violation(f"step() reported {len(outs)} outputs although its forward pass was to fail")
+        ok = self.check(core)
+        if ok and r.random() < 0.5:
+            self.abort()
+        return ok
+
     def step(self) -> bool:
         core = self.core
         for out in core.step():
@@ -298,6 +325,7 @@ class Soak:
             return
         self.counts["compared"] += 1
         if out.output_token_ids != want or out.finish_reason != reason:
+            self.counts["mismatches"] += 1
             self.violation(
                 f"{rid} (prompt {len(t.prompt)} tokens, {p}) gave {out.output_token_ids} "
                 f"({out.finish_reason}); expected {want} ({reason}); config {self.core.config}")
@@ -315,15 +343,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     ap.add_argument("--impl", choices=("engine", "solution"), default="solution",
                     help="which chapter-31 implementation to soak (default: the reference)")
+    ap.add_argument("--faults", type=float, default=0.05,
+                    help="share of operations that are a step whose forward pass fails (default 0.05)")
     ap.add_argument("--verbose", action="store_true", help="print each violation as it is found")
     args = ap.parse_args(argv)
     if args.ops < 1:
         ap.error("--operations must be >= 1")
+    if not 0.0 <= args.faults <= 0.5:
+        ap.error("--faults must be in [0, 0.5]")
     os.environ["ENGINE_IMPL"] = args.impl  # before anything imports engine
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     start = time.monotonic()
-    soak = Soak(args.seed, args.verbose)
+    soak = Soak(args.seed, args.verbose, args.faults)
     violations = soak.run(args.ops)
     elapsed = time.monotonic() - start
     for v in violations[:20]:
@@ -333,8 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     c = soak.counts
     print(f"soak: {soak.ops} operations (+{soak.drain_steps} steps draining to idle) in {soak.episodes} "
           f"episodes, {elapsed:.0f} s; "
-          f"{c['finished']} requests finished ({c['compared']} compared with an oracle), "
-          f"{c['aborted']} aborted {soak.abort_kinds}, {c['rejected']} rejected, {c['preemptions']} preemptions; "
+          f"{c['finished']} requests finished ({c['compared']} compared with an oracle, "
+          f"{c['mismatches']} mismatches), "
+          f"{c['aborted']} aborted {soak.abort_kinds}, {c['rejected']} rejected, {c['preemptions']} preemptions, "
+          f"{c['faults']} failed steps (forward fault injected); "
           f"{len(violations)} violations")
     return 1 if violations else 0
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 
 from ch31_helpers import model64, oracle, run_checked
 from engine.serve import BlockManager, EngineConfig, EngineCore, SamplingParams
+from engine.serve.blocks import encode_cache_key, hash_block
 from engine.serve.invariants import check_engine_invariants, check_idle
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7]
@@ -32,6 +34,18 @@ class Case:
     setup: Callable | None = None
 
 
+class _Unprintable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+def _nested(depth: int) -> tuple:
+    key: tuple = ("leaf",)
+    for _ in range(depth):
+        key = (key,)
+    return key
+
+
 def _add(*args, **kwargs) -> Callable:
     return lambda core: core.add_request(*args, **kwargs)
 
@@ -40,6 +54,13 @@ def _existing(*ids: str, n: int = 1) -> Callable:
     def setup(core):
         for rid in ids:
             core.add_request(rid, PROMPT, SP(max_tokens=3, n=n, seed=11, temperature=0.7))
+    return setup
+
+
+def _existing_then_abort(parent: str, child: str, n: int) -> Callable:
+    def setup(core):
+        _existing(parent, n=n)(core)
+        core.abort_request(child)
     return setup
 
 
@@ -74,6 +95,12 @@ REQUEST_CASES = {
     "logprobs (full sampler)": Case(lambda core: core.add_request("a", PROMPT, SP(logprobs=2, temperature=0.0)), "leave logprobs=None"),
     "repetition penalty (full sampler)": Case(lambda core: core.add_request("a", PROMPT, SP(repetition_penalty=1.2, temperature=0.0)),
                                               "leave repetition_penalty=1.0"),
+    "seed negative": Case(_add("a", PROMPT, SP(seed=-1, temperature=0.5)), "seed"),
+    "seed past 2**64": Case(_add("a", PROMPT, SP(seed=2**64, temperature=0.5)), "seed", setup=_existing("b")),
+    "children's seeds past 2**64": Case(_add("a", PROMPT, SP(seed=2**64 - 1, n=2, temperature=0.5)), "seed",
+                                        setup=_existing("b")),
+    "prompt_logprobs beyond the vocabulary": Case(_add("a", PROMPT, SP(prompt_logprobs=513, temperature=0.0)),
+                                                  "more alternatives than the vocabulary has (512)"),
     "params not SamplingParams": Case(_add("a", PROMPT, {"max_tokens": 3}), "params must be a SamplingParams"),
     # identity, ordering and tenancy
     "request id empty": Case(_add("", PROMPT), "request_id must be a non-empty string"),
@@ -83,12 +110,23 @@ REQUEST_CASES = {
     "n > 1 colliding with a live id": Case(_add("x", PROMPT, SP(n=3, seed=1, temperature=0.5)), "already in use",
                                           setup=_existing("x:2")),
     "n > 1 reusing a live parent id": Case(_add("p", PROMPT, SP(n=2, temperature=0.0)), "already in use", setup=_existing("p", n=2)),
+    "id of an aborted child whose sibling runs": Case(_add("p:0", PROMPT), "by n > 1 request 'p', which is still running",
+                                                      setup=_existing_then_abort("p", "p:0", n=3)),
+    "parent id of a child id in use": Case(_add("p:1", PROMPT, SP(n=2, temperature=0.0)), "already in use",
+                                           setup=_existing_then_abort("p", "p:0", n=2)),
     "priority not an int": Case(_add("a", PROMPT, priority="high"), "priority must be an int",
                                 config=dict(policy="priority"), setup=_existing("b")),
     "arrival_time not a number": Case(_add("a", PROMPT, arrival_time="now"), "arrival_time must be a finite number",
                                       setup=_existing("b")),
     "arrival_time nan": Case(_add("a", PROMPT, arrival_time=float("nan")), "arrival_time must be a finite number"),
     "cache_key not a tuple": Case(_add("a", PROMPT, cache_key=["tenant"]), "cache_key must be a tuple"),
+    "cache_key holds a numpy array": Case(_add("a", PROMPT, cache_key=("img", np.arange(2000))), "pass a digest"),
+    "cache_key holds a tensor": Case(_add("a", PROMPT, cache_key=(torch.arange(3),)), "pass a digest"),
+    "cache_key holds a float": Case(_add("a", PROMPT, cache_key=(0.5,)), "must be str, int, bytes, bool, None"),
+    "cache_key holds a list": Case(_add("a", PROMPT, cache_key=(("a", ["b"]),)), "must be str, int, bytes, bool"),
+    "cache_key item whose repr raises": Case(_add("a", PROMPT, cache_key=(_Unprintable(),)),
+                                             "must be str, int, bytes, bool, None"),
+    "cache_key nested too deep": Case(_add("a", PROMPT, cache_key=_nested(40)), "nests tuples more than"),
     # sizes
     "prompt beyond the context": Case(_add("a", [1] * 90, SP(max_tokens=11, temperature=0.0)), "exceeds max_model_len=100"),
     "request larger than the pool": Case(_add("a", [1] * 40, SP(max_tokens=30, temperature=0.0)), "exceeds the whole KV pool",
@@ -149,6 +187,8 @@ CONFIG_CASES = {
     "max_model_len 0": (dict(max_model_len=0), "max_model_len must be an integer >= 1"),
     "max_model_len past the model": (dict(max_model_len=10**6), "exceeds the model's 8192 positions"),
     "seed not an int": (dict(seed="0"), "seed must be an integer"),
+    "seed negative": (dict(seed=-1), "seed must be an integer in [0, 2**64)"),
+    "seed past 2**64": (dict(seed=2**64), "seed must be an integer in [0, 2**64)"),
     "unknown policy": (dict(policy="lifo"), "unknown policy 'lifo': choose one of"),
     "unknown preemption mode": (dict(preemption_mode="drop"), "unknown preemption_mode 'drop': choose one of"),
     "unknown backend": (dict(attention_backend="flash9"), "unknown attention backend 'flash9': choose one of"),
@@ -197,3 +237,91 @@ def test_abort_unknown_finished_and_twice_is_harmless_and_ids_are_reusable():
     core.add_request("a", PROMPT, SP(max_tokens=2, n=2, temperature=0.0))  # ... and finished ids too, even as a parent
     assert core.run_until_done() == {"a:0": oracle(tuple(PROMPT), 2), "a:1": oracle(tuple(PROMPT), 2)}
     check_idle(core)
+
+
+class _Impostor(str):
+    """A str whose repr() and str() pretend to be another tenant's name."""
+
+    def __repr__(self) -> str:
+        return "'tenant-a'"
+
+    def __str__(self) -> str:
+        return "tenant-a"
+
+
+def test_cache_keys_are_encoded_losslessly():
+    """Different keys never share a digest (True vs 1, nesting, bytes vs str, None vs "None"), and a
+    key is hashed by its value, not by what its repr() claims."""
+    keys = [(1,), (True,), (0,), (False,), (None,), ("None",), ("ab",), ("a", "b"), (("a",),), ("a",),
+            (b"a",), (-1,), (2**70,), (2**70 + 1,), ((), ()), ((),), ("\ud800",), ("é",)]
+    digests = [hash_block(None, [1, 2], k) for k in keys]
+    assert len(set(digests)) == len(keys), "two different cache keys hash alike"
+    assert len({encode_cache_key(k) for k in keys}) == len(keys)
+    assert hash_block(None, [1, 2], (_Impostor("tenant-b"),)) == hash_block(None, [1, 2], ("tenant-b",))
+    assert hash_block(None, [1, 2], (_Impostor("tenant-b"),)) != hash_block(None, [1, 2], ("tenant-a",)), \
+        "a str whose repr() claims another tenant's name took that tenant's hash"
+
+
+def test_tenants_never_share_blocks_through_a_forged_key():
+    core = EngineCore(model64(), EngineConfig(**BASE))
+    core.add_request("a", PROMPT * 3, SP(max_tokens=2, temperature=0.0), cache_key=("tenant-a",))
+    run_checked(core)
+    core.add_request("b", PROMPT * 3, SP(max_tokens=2, temperature=0.0), cache_key=(_Impostor("tenant-b"),))
+    core.step()
+    assert core.scheduler.requests["b"].num_cached_tokens == 0, "tenant b adopted tenant a's blocks"
+    run_checked(core)
+    check_idle(core)
+
+
+def test_aborting_a_parent_never_touches_another_request():
+    core = EngineCore(model64(), EngineConfig(**BASE))
+    core.add_request("p", PROMPT, SP(max_tokens=3, n=2, seed=5, temperature=0.7))
+    core.abort_request("p:0")
+    with pytest.raises(ValueError, match="already in use"):
+        core.add_request("p:0", PROMPT, SP(max_tokens=3, temperature=0.0))
+    core.add_request("p:00", PROMPT, SP(max_tokens=3, temperature=0.0))
+    core.abort_request("p")  # p:1 goes; p:00 is not p's
+    assert sorted(core.scheduler.requests) == ["p:00"]
+    check_engine_invariants(core)
+    assert run_checked(core) == {"p:00": oracle(tuple(PROMPT), 3)}
+    core.add_request("p:0", PROMPT, SP(max_tokens=2, temperature=0.0))  # p is gone: its ids are free again
+    assert run_checked(core) == {"p:0": oracle(tuple(PROMPT), 2)}
+    check_idle(core)
+
+
+def _python_calls(fn) -> int:
+    """How many Python and C function calls ``fn()`` makes: a deterministic measure of work."""
+    import sys
+
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_adding_and_aborting_many_children_is_linear(policy):
+    """n children added and aborted (by parent, then one by one) cost O(n) calls, not O(n^2):
+    four times the children may cost at most about four times the calls."""
+    def work(n: int) -> Callable:
+        core = EngineCore(model64(), EngineConfig(block_size=4, num_blocks=16, policy=policy))
+
+        def run():
+            core.add_request("many", PROMPT, SP(max_tokens=2, n=n, temperature=0.0), priority=1)
+            core.add_request("one", PROMPT, SP(max_tokens=2, n=n, temperature=0.0), priority=0)
+            core.abort_request("many")
+            for i in range(n):
+                core.abort_request(f"one:{i}")
+        return run
+
+    small, large = _python_calls(work(300)), _python_calls(work(1200))
+    assert large < 5 * small, f"4x the children cost {large / small:.1f}x the calls: quadratic bookkeeping"

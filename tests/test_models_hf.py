@@ -303,7 +303,50 @@ MALFORMED = {
                           r"unexpected tensors.*model\.layers\.0\.self_attn\.q_proj\.bias"),
     "shape": (_edit_config(intermediate_size=96),
               r"'model\.layers\.0\.mlp\.down_proj\.weight' has shape \[64, 128\] but config\.json implies \[64, 96\]"),
+    # config values: types and ranges, each named with its key and file
+    "config_not_object": (lambda d: (d / "config.json").write_text("[1, 2]"),
+                          r"config\.json: must hold a JSON object, got list"),
+    "config_binary": (lambda d: (d / "config.json").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00"),
+                      r"config\.json: not valid UTF-8 JSON"),
+    "config_truncated": (lambda d: (d / "config.json").write_text('{"hidden_size": 6'), r"config\.json: not valid UTF-8 JSON"),
+    "tie_as_string": (_edit_config(tie_word_embeddings="false"), r"config\.json: tie_word_embeddings must be true or false"),
+    "bias_as_string": (_edit_config(attention_bias="false"), r"config\.json: attention_bias must be true or false"),
+    "zero_heads": (_edit_config(num_attention_heads=0), r"config\.json: num_attention_heads must be in \[1, "),
+    "zero_heads_no_head_dim": (_edit_config(num_attention_heads=0, head_dim=None), r"num_attention_heads must be in"),
+    "negative_size": (_edit_config(hidden_size=-64), r"config\.json: hidden_size must be in \[1, "),
+    "fractional_size": (_edit_config(hidden_size=64.5), r"config\.json: hidden_size must be an integer"),
+    "size_as_string": (_edit_config(intermediate_size="128"), r"config\.json: intermediate_size must be an integer"),
+    "size_as_bool": (_edit_config(vocab_size=True), r"config\.json: vocab_size must be an integer"),
+    "nan_eps": (_edit_config(rms_norm_eps=float("nan")), r"config\.json: rms_norm_eps must be a finite number > 0"),
+    "infinite_theta": (_edit_config(rope_theta=float("inf"), rope_parameters=None),
+                       r"config\.json: rope_theta must be a finite number > 0"),
+    "negative_window": (_edit_config(use_sliding_window=True, sliding_window=-8), r"sliding_window must be in \[1, "),
+    "quantization_not_object": (_edit_config(quantization_config="awq"), r"quantization_config must be an object"),
+    "architectures_not_list": (_edit_config(architectures="Qwen3ForCausalLM"), r"architectures must be a list"),
+    "dtype_not_string": (_edit_config(torch_dtype=32, dtype=None), r"unknown dtype 32"),
+    "absurd_layers": (_edit_config(num_hidden_layers=10**9), r"num_hidden_layers must be in \[1, 1024\], got 1000000000"),
+    "absurd_experts": (_edit_config(architectures=["Qwen3MoeForCausalLM"], num_experts=10**7, num_experts_per_tok=2,
+                                    moe_intermediate_size=32), r"num_experts must be in \[1, 4096\]"),
+    "too_many_expert_blocks": (_edit_config(architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=1000,
+                                            num_experts=4000, num_experts_per_tok=2, moe_intermediate_size=32),
+                               r"1000 layers x 4000 experts is more than this engine builds"),
+    "mlp_only_layers_bad": (_edit_config(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, mlp_only_layers=[7]),
+                            r"mlp_only_layers must be a list of layer indices in \[0, 2\)"),
+    # weight files
+    "int_tensor": (_edit_tensors(drop=["model.norm.weight"], add={"model.norm.weight": torch.ones(64, dtype=torch.int64)}),
+                   r"tensor 'model\.norm\.weight' has dtype I64; this engine loads floating-point weights only"),
+    "truncated_weights": (lambda d: _truncate(d / "model.safetensors"),
+                          r"model\.safetensors: not a readable safetensors file"),
+    "not_safetensors": (lambda d: (d / "model.safetensors").write_bytes(b"PK\x03\x04 a zip, not a safetensors file"),
+                        r"model\.safetensors: not a readable safetensors file"),
+    "empty_weights": (lambda d: (d / "model.safetensors").write_bytes(b""), r"model\.safetensors: not a readable safetensors file"),
 }
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
 
 
 @pytest.mark.parametrize("case", list(MALFORMED))
@@ -325,6 +368,112 @@ def test_missing_directory_and_shard(ckpt, tmp_path):
     shard.unlink()
     with pytest.raises(ValueError, match=f"lists shard '{shard.name}', which is missing"):
         load_model(d)
+
+
+def _edit_index(change):
+    def edit(d: Path) -> None:
+        index = d / "model.safetensors.index.json"
+        raw = json.loads(index.read_text())
+        index.write_text(json.dumps(change(raw, d)))
+    return edit
+
+
+def _first_shard_to(target):
+    """Point the index's first shard at ``target`` (a name, or a function of the directory)."""
+    def change(raw, d: Path):
+        first = sorted(set(raw["weight_map"].values()))[0]
+        name = target(d) if callable(target) else target
+        raw["weight_map"] = {k: (name if v == first else v) for k, v in raw["weight_map"].items()}
+        return raw
+    return change
+
+
+SHARD_INDEX_CASES = {
+    "parent_dir": (_edit_index(_first_shard_to("../elsewhere/model-00001.safetensors")), r"must be a plain file name"),
+    "absolute": (_edit_index(_first_shard_to(lambda d: str(d.parent / "elsewhere" / "model-00001.safetensors"))),
+                 r"must be a plain file name"),
+    "dotdot_inside": (_edit_index(_first_shard_to("sub/../../x.safetensors")), r"must be a plain file name"),
+    "backslash": (_edit_index(_first_shard_to("..\\x.safetensors")), r"must be a plain file name"),
+    "map_not_object": (_edit_index(lambda raw, d: {"weight_map": ["a", "b"]}), r"not a valid safetensors index"),
+    "name_not_string": (_edit_index(lambda raw, d: {"weight_map": {"model.norm.weight": 3}}),
+                        r"not a valid safetensors index"),
+    "index_not_object": (lambda d: (d / "model.safetensors.index.json").write_text("[]"), r"must hold a JSON object"),
+    "index_binary": (lambda d: (d / "model.safetensors.index.json").write_bytes(b"\xff\xfe\x00{"),
+                     r"model\.safetensors\.index\.json: not valid UTF-8 JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARD_INDEX_CASES))
+def test_shard_index_stays_inside_the_checkpoint(ckpt, tmp_path, case):
+    """An index is untrusted: a shard name that leaves the directory is refused (the shard it
+    points at exists, so today's loader would read it)."""
+    edit, pattern = SHARD_INDEX_CASES[case]
+    d = tmp_path / "ckpt"
+    shutil.copytree(ckpt["dense_sharded"], d)
+    first = sorted(d.glob("model-*.safetensors"))[0]
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copy(first, tmp_path / "elsewhere" / "model-00001.safetensors")
+    edit(d)
+    with pytest.raises(ValueError, match=pattern):
+        load_model(d)
+
+
+def test_hf_cache_symlinks_into_blobs_still_load(ckpt, tmp_path):
+    """The HF cache layout: snapshots/<rev>/ holds symlinks to ../../blobs/<digest>."""
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(ckpt["dense_sharded"].iterdir())):
+        shutil.copy(f, blobs / f"blob{i}")
+        (snap / f.name).symlink_to(Path("..") / ".." / "blobs" / f"blob{i}")
+    a, b = load_model(snap), load_model(ckpt["dense_sharded"])
+    for (n1, p1), (n2, p2) in zip(a.named_parameters(), b.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+
+
+def test_pickle_files_are_never_unpickled(ckpt, tmp_path):
+    """A directory with only pytorch_model.bin is refused without loading it: unpickling runs code."""
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    shutil.copy(ckpt["dense"] / "config.json", d)
+    (d / "pytorch_model.bin").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(ValueError, match=r"pickle files are never loaded"):
+        load_model(d)
+    assert not marker.exists(), "the pickle was unpickled"
+
+
+TOKENIZER_FILE_CASES = {
+    "tokenizer_json_garbage": ("tokenizer.json", b"{\"model\": 42}", r"tokenizer\.json: not a readable tokenizer\.json"),
+    "tokenizer_json_binary": ("tokenizer.json", b"\x00\xff\x13", r"tokenizer\.json: not a readable tokenizer\.json"),
+    "config_binary": ("tokenizer_config.json", b"\xff\xfe{", r"tokenizer_config\.json: not valid UTF-8 JSON"),
+    "config_list": ("tokenizer_config.json", b"[]", r"tokenizer_config\.json: must hold a JSON object"),
+    "eos_not_text": ("tokenizer_config.json", b'{"eos_token": 5}', r"tokenizer_config\.json: eos_token must be a string"),
+    "template_not_text": ("tokenizer_config.json", b'{"chat_template": 5}', r"chat_template must be a string"),
+    "template_list_of_text": ("tokenizer_config.json", b'{"chat_template": ["a"]}', r"chat_template must be a string or a list"),
+    "generation_config_list": ("generation_config.json", b"[2]", r"generation_config\.json: must hold a JSON object"),
+    "generation_eos_text": ("generation_config.json", b'{"eos_token_id": "2"}',
+                            r"generation_config\.json: eos_token_id must be a token id"),
+    "generation_eos_nested": ("generation_config.json", b'{"eos_token_id": [[2]]}', r"eos_token_id must be a token id"),
+    "generation_truncated": ("generation_config.json", b'{"eos_token_id": [2,', r"generation_config\.json: not valid"),
+}
+
+
+@pytest.mark.parametrize("case", list(TOKENIZER_FILE_CASES))
+def test_malformed_tokenizer_files_are_named(ckpt, tmp_path, case):
+    name, content, pattern = TOKENIZER_FILE_CASES[case]
+    d = tmp_path / "tok"
+    shutil.copytree(ckpt["dense"], d)
+    (d / name).write_bytes(content)
+    with pytest.raises(ValueError, match=pattern):
+        Tokenizer.from_pretrained(d)
 
 
 def test_tokenizer_errors(ckpt, tmp_path):
@@ -572,3 +721,55 @@ def test_cli_generate(ckpt, capsys):
     assert generate_main(args[:2] + ["--prompt", "hi", "--chat", "--max-tokens", "3"]) == 0
     assert generate_main(["--model", str(ckpt["dense"]) + "-nope", "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+CLI_ERRORS = {
+    # case: (extra arguments, what the one line must say)
+    "block_size_zero": (["--block-size", "0"], "--block-size must be in [1, 1024], got 0"),
+    "block_size_huge": (["--block-size", str(10**9)], "--block-size must be in [1, 1024]"),
+    "max_tokens_past_the_model": (["--max-tokens", str(10**9)], "exceeds the model's 512 positions; lower --max-tokens"),
+    "device_unknown": (["--device", "tpu"], "--device 'tpu' is not usable here"),
+    "device_empty": (["--device", ""], "--device '' is not usable here"),
+    "device_meta": (["--device", "meta"], "--device 'meta' is not usable here"),
+    "device_other_cpu": (["--device", "cpu:3"], "--device 'cpu:3' is not usable here"),
+    "temperature_nan": (["--temperature", "nan"], "temperature must be >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_ERRORS))
+def test_cli_user_errors_are_one_line(ckpt, capsys, monkeypatch, case):
+    """A user error ends `run.py generate` with exit status 2 and one line saying what to change,
+    before any model memory is sized (load_model is never reached)."""
+    import engine.models.loader
+    from engine.cli_generate import generate_main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("load_model was called before the arguments were checked")
+
+    monkeypatch.setattr(engine.models.loader, "load_model", no_load)
+    extra, message = CLI_ERRORS[case]
+    args = ["--model", str(ckpt["dense"]), "--prompt", "hello", "--dtype", "float64", "--device", "cpu", *extra]
+    assert generate_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+@pytest.mark.parametrize("bad", ["config_binary", "tokenizer_binary"])
+def test_cli_bad_checkpoint_files_are_one_line(ckpt, tmp_path, capsys, bad):
+    from engine.cli_generate import generate_main
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(ckpt["dense"], d)
+    (d / ("config.json" if bad == "config_binary" else "tokenizer.json")).write_bytes(b"\xff\xfe\x00\x01")
+    assert generate_main(["--model", str(d), "--prompt", "hi", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "not " in err, err
+
+
+def test_run_py_bad_impl_exits_2(capsys):
+    import run
+
+    with pytest.raises(SystemExit) as exit_:
+        run.main(["generate", "--impl", "bogus"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --impl must be 'solution' or 'engine'")

@@ -5,7 +5,8 @@ Two property-based state machines (hypothesis, derandomized so every run is the 
   queue, hash map), with the bookkeeping checked after every operation;
 - over ``EngineCore``, on random configurations (block size, pool down to barely enough, budget,
   chunking and threshold, fcfs/priority, recompute/swap, caching on/off): add requests with shared
-  prefixes, n > 1, priorities, seeds and tenants' cache keys; abort at random moments; step. The
+  prefixes, n > 1, priorities, seeds and tenants' cache keys; abort at random moments; step; run a
+  step whose forward pass fails at a layer (``engine.serve.faults``), perhaps aborting after it. The
   whole engine is checked after every rule (``engine.serve.invariants``); every greedy request that
   finishes normally must equal ``generate()`` and every seeded sampled one an independent sampler;
   at idle nothing may be left over.
@@ -25,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from ch31_helpers import model64, oracle, run_checked
 from engine.sampling import sample_token
 from engine.serve import BlockManager, EngineConfig, EngineCore, Request, SamplingParams, Status
+from engine.serve.faults import PLACES, InjectedFault, forward_fault
 from engine.serve.invariants import (block_violations, check_engine_invariants, check_idle, engine_violations,
                                      idle_violations)
 
@@ -414,6 +416,23 @@ class EngineMachine(RuleBasedStateMachine):
     @rule()
     def reset_prefix_cache(self):
         self.core.blocks.reset_prefix_cache()
+
+    @rule(layer=st.integers(0, 1), where=st.sampled_from(PLACES), abort_pick=st.sampled_from([None, 0, 3]))
+    def failed_step(self, layer, where, abort_pick):
+        """A step whose forward pass raises at a layer, perhaps followed by an abort: it reports
+        nothing, and every later output must still match its oracle (tests/test_faults.py)."""
+        try:
+            with forward_fault(self.core.model, layer, where):
+                outs = self.core.step()
+        except InjectedFault:
+            outs = []
+        assert outs == [], "a step without a forward pass (empty plan) reported outputs"
+        check_engine_invariants(self.core)
+        live = sorted(self.core.scheduler.requests)
+        if abort_pick is not None and live:
+            victim = live[abort_pick % len(live)]
+            self.aborted.add(victim)
+            self.core.abort_request(victim)
 
     def _one_step(self):
         for out in self.core.step():

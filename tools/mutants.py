@@ -120,7 +120,7 @@ MUTANTS: list[Mutant] = [
            "h.update(ROOT_HASH)",
            "a block's hash doesn't chain its parent: equal blocks after different prefixes collide"),
     Mutant("hash-ignores-cache-key", "serve/blocks.py", ("hash_block",),
-           "    if extra:\n        h.update(b\"\\x00extra\\x00\")\n        h.update(repr(extra).encode())\n",
+           "    if extra:\n        h.update(b\"\\x00extra\\x00\")\n        h.update(encode_cache_key(extra))\n",
            "",
            "the cache key (tenant, adapter, image) is left out of the hash: tenants share K/V"),
     # ---- scheduler ----------------------------------------------------------------------------

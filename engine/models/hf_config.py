@@ -9,6 +9,7 @@ that would silently compute something else.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,55 @@ def resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype = torch.
     raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(set(_DTYPES))} or a torch.dtype")
 
 
+# Upper bounds that no real checkpoint comes near: a config beyond them is corrupt or hostile, and
+# building its modules (even shapes only, on the meta device) would take minutes or memory first.
+LIMITS = {
+    "vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 20,
+    "num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+    "head_dim": 4096, "max_position_embeddings": 1 << 24, "num_experts": 4096,
+    "num_experts_per_tok": 4096, "moe_intermediate_size": 1 << 20, "decoder_sparse_step": 1024,
+    "sliding_window": 1 << 24, "max_window_layers": 1 << 20,
+}
+MAX_EXPERT_MODULES = 1 << 16  # layers x experts: each expert is three Linear modules
+
+
+def _int_field(raw: dict[str, Any], key: str, source: str, default: Any = None, minimum: int = 1) -> int:
+    """``raw[key]`` (or ``default`` when absent or null) as an int in [minimum, LIMITS[key]]."""
+    value = raw.get(key)
+    if value is None:
+        value = default
+    if value is None:
+        raise ValueError(f"{source}: required field {key!r} is missing; is this a Qwen3 checkpoint?")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # some writers save 4096 as 4096.0
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{source}: {key} must be an integer, got {value!r}")
+    top = LIMITS.get(key, 1 << 62)
+    if not minimum <= value <= top:
+        raise ValueError(f"{source}: {key} must be in [{minimum}, {top}], got {value}")
+    return value
+
+
+def _float_field(raw: dict[str, Any], key: str, source: str, default: float) -> float:
+    """``raw[key]`` (``default`` when absent or null) as a finite float > 0."""
+    value = raw.get(key)
+    if value is None:
+        value = default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{source}: {key} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _bool_field(raw: dict[str, Any], key: str, source: str, default: bool) -> bool:
+    """``raw[key]`` as a JSON boolean (a string "false" is not one)."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{source}: {key} must be true or false, got {value!r}")
+    return value
+
+
 def config_from_hf(raw: dict[str, Any], source: str = "config.json") -> tuple[str, Qwen3Config, torch.dtype]:
     """Map an HF ``config.json`` dict to (architecture name, Qwen3Config, the checkpoint's dtype).
 
@@ -50,58 +100,67 @@ def config_from_hf(raw: dict[str, Any], source: str = "config.json") -> tuple[st
     ``num_local_experts``). Options our model does not implement raise ``ValueError`` rather than
     load a model that silently computes something else.
     """
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: must hold a JSON object, got {type(raw).__name__}")
     arch = _pick_architecture(raw, source)
     moe = arch == "Qwen3MoeForCausalLM"
-
-    def need(key: str) -> Any:
-        if raw.get(key) is None:
-            raise ValueError(f"{source}: required field {key!r} is missing; is this a Qwen3 checkpoint?")
-        return raw[key]
 
     def unsupported(what: str, fix: str) -> ValueError:
         return ValueError(f"{source}: {what} is not supported by this engine ({fix})")
 
-    if raw.get("hidden_act", "silu") != "silu":
-        raise unsupported(f"hidden_act={raw['hidden_act']!r}", "Qwen3 uses 'silu'")
-    if raw.get("attention_bias", False):
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise unsupported(f"hidden_act={act!r}", "Qwen3 uses 'silu'")
+    if _bool_field(raw, "attention_bias", source, False):
         raise unsupported("attention_bias=true", "our q/k/v/o projections have no bias")
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?")
+    quant = raw.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise ValueError(f"{source}: quantization_config must be an object, got {quant!r}")
+    if quant:
+        method = quant.get("quant_method", "?")
         raise unsupported(f"a quantized checkpoint (quant_method={method!r})",
                           "use the unquantized BF16/FP16/FP32 weights")
 
     rope_theta = _rope_theta(raw, source)
-    hidden = int(need("hidden_size"))
-    heads = int(need("num_attention_heads"))
-    kv_heads = raw.get("num_key_value_heads")
-    layers = int(need("num_hidden_layers"))
+    hidden = _int_field(raw, "hidden_size", source)
+    heads = _int_field(raw, "num_attention_heads", source)
+    layers = _int_field(raw, "num_hidden_layers", source)
     fields: dict[str, Any] = dict(
-        vocab_size=int(need("vocab_size")),
+        vocab_size=_int_field(raw, "vocab_size", source),
         hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
+        intermediate_size=_int_field(raw, "intermediate_size", source),
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=int(kv_heads) if kv_heads is not None else heads,
-        head_dim=int(raw.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        num_key_value_heads=_int_field(raw, "num_key_value_heads", source, default=heads),
+        head_dim=_int_field(raw, "head_dim", source, default=max(1, hidden // heads)),
+        rms_norm_eps=_float_field(raw, "rms_norm_eps", source, 1e-6),
         rope_theta=rope_theta,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        max_position_embeddings=_int_field(raw, "max_position_embeddings", source, default=32768),
+        tie_word_embeddings=_bool_field(raw, "tie_word_embeddings", source, False),
         sliding_window=_sliding_window(raw, layers, moe, source),
     )
     if moe:
-        experts = raw.get("num_experts") or raw.get("num_local_experts")
-        if experts is None:
+        key = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
+        if raw.get(key) is None:
             raise ValueError(f"{source}: a Qwen3MoeForCausalLM config needs 'num_experts' "
                              "(or 'num_local_experts')")
+        experts = _int_field({"num_experts": raw[key]}, "num_experts", source)
+        if experts * layers > MAX_EXPERT_MODULES:
+            raise ValueError(f"{source}: {layers} layers x {experts} experts is more than this engine "
+                             f"builds ({MAX_EXPERT_MODULES} expert blocks); is the config corrupt?")
+        only = raw.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                 and 0 <= i < layers for i in only):
+            raise ValueError(f"{source}: mlp_only_layers must be a list of layer indices in "
+                             f"[0, {layers}), got {only!r}")
         fields.update(
-            num_experts=int(experts),
-            num_experts_per_tok=int(need("num_experts_per_tok")),
-            moe_intermediate_size=int(need("moe_intermediate_size")),
+            num_experts=experts,
+            num_experts_per_tok=_int_field(raw, "num_experts_per_tok", source),
+            moe_intermediate_size=_int_field(raw, "moe_intermediate_size", source),
             # HF's Qwen3-MoE default is False; the released models set it to true explicitly.
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-            decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
-            mlp_only_layers=[int(i) for i in (raw.get("mlp_only_layers") or [])],
+            norm_topk_prob=_bool_field(raw, "norm_topk_prob", source, False),
+            decoder_sparse_step=_int_field(raw, "decoder_sparse_step", source, default=1),
+            mlp_only_layers=list(only),
         )
     try:
         cfg = Qwen3Config(**fields)
@@ -109,6 +168,8 @@ def config_from_hf(raw: dict[str, Any], source: str = "config.json") -> tuple[st
         raise ValueError(f"{source}: {e}") from None
     dtype_name = raw.get("torch_dtype") or raw.get("dtype")
     try:
+        if dtype_name is not None and not isinstance(dtype_name, str):
+            raise ValueError(dtype_name)
         dtype = resolve_dtype(dtype_name)
     except ValueError:
         raise ValueError(f"{source}: unknown dtype {dtype_name!r}; pass dtype= to load_model") from None
@@ -117,7 +178,9 @@ def config_from_hf(raw: dict[str, Any], source: str = "config.json") -> tuple[st
 
 def _pick_architecture(raw: dict[str, Any], source: str) -> str:
     archs = raw.get("architectures") or []
-    if not archs and raw.get("model_type") in _MODEL_TYPES:
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"{source}: architectures must be a list of names, got {archs!r}")
+    if not archs and isinstance(raw.get("model_type"), str) and raw["model_type"] in _MODEL_TYPES:
         archs = [_MODEL_TYPES[raw["model_type"]]]
     for a in archs:
         if a in SUPPORTED_ARCHITECTURES:
@@ -145,7 +208,7 @@ def _rope_theta(raw: dict[str, Any], source: str) -> float:
         if params.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"{source}: partial_rotary_factor != 1 is not supported by this engine")
         theta = params.get("rope_theta", theta)
-    return float(theta) if theta is not None else 10_000.0
+    return _float_field({"rope_theta": theta}, "rope_theta", source, 10_000.0)
 
 
 def _sliding_window(raw: dict[str, Any], layers: int, moe: bool, source: str) -> int:
@@ -155,17 +218,19 @@ def _sliding_window(raw: dict[str, Any], layers: int, moe: bool, source: str) ->
     layer; dense Qwen3 windows the layers marked "sliding_attention" in ``layer_types`` (by
     default those with index >= ``max_window_layers``). Our model has one window for all layers.
     """
-    window = raw.get("sliding_window")
-    if not raw.get("use_sliding_window", False) or not window:
+    if not _bool_field(raw, "use_sliding_window", source, False) or not raw.get("sliding_window"):
         return 0
+    window = _int_field(raw, "sliding_window", source)
     if moe:
-        return int(window)
+        return window
     types = raw.get("layer_types") or [
-        "sliding_attention" if i >= int(raw.get("max_window_layers", 28)) else "full_attention"
-        for i in range(layers)]
+        "sliding_attention" if i >= _int_field(raw, "max_window_layers", source, default=28, minimum=0)
+        else "full_attention" for i in range(layers)]
+    if not isinstance(types, list):
+        raise ValueError(f"{source}: layer_types must be a list, got {types!r}")
     sliding = {t == "sliding_attention" for t in types}
     if sliding == {True}:
-        return int(window)
+        return window
     if sliding == {False}:
         return 0
     raise ValueError(
@@ -189,8 +254,16 @@ def read_config(path: str | os.PathLike) -> tuple[str, Qwen3Config, torch.dtype]
     if not cfg_file.is_file():
         raise ValueError(f"{root}: no config.json; a checkpoint directory needs config.json next "
                          "to its *.safetensors files")
+    return config_from_hf(read_json_object(cfg_file), str(cfg_file))
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; ValueError naming the file if it is not UTF-8 JSON holding
+    an object (a binary file, a truncated download, a list, nesting deep enough to overflow)."""
     try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
-    return config_from_hf(raw, str(cfg_file))
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{path}: not valid UTF-8 JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
+    return raw

@@ -22,17 +22,19 @@ tensor at fault and says what would fix it.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.models.hf_config import checkpoint_dir, read_config, resolve_dtype
+from engine.models.hf_config import checkpoint_dir, read_config, read_json_object, resolve_dtype
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -57,12 +59,12 @@ def weight_files(path: str | os.PathLike) -> dict[str, Path]:
     root = checkpoint_dir(path)
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a valid safetensors index (needs a 'weight_map' "
-                             f"object): {e}") from None
-        files = {name: root / fname for name, fname in weight_map.items()}
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise ValueError(f"{index}: not a valid safetensors index (needs a 'weight_map' object "
+                             "from tensor names to shard file names)")
+        files = {name: _shard_path(root, index, fname) for name, fname in weight_map.items()}
         for f in sorted(set(files.values())):
             if not f.is_file():
                 raise ValueError(f"{index} lists shard {f.name!r}, which is missing from {root}; "
@@ -71,20 +73,52 @@ def weight_files(path: str | os.PathLike) -> dict[str, Path]:
     single = root / "model.safetensors"
     shards = [single] if single.is_file() else sorted(root.glob("*.safetensors"))
     if not shards:
-        bins = sorted(p.name for p in root.glob("*.bin"))
-        hint = (f" (found {bins}: convert them to safetensors first)" if bins
+        bins = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt*"))
+        hint = (f" (found {bins}: pickle files are never loaded, since unpickling runs code; "
+                "convert them to safetensors first)" if bins
                 else "; download the weights next to config.json")
         raise ValueError(f"{root}: no weights file (model.safetensors, or shards with "
                          f"model.safetensors.index.json){hint}")
     files: dict[str, Path] = {}
     for shard in shards:
-        with safe_open(shard, framework="pt") as f:
+        with _open(shard) as f:
             for name in f.keys():
                 if name in files:
                     raise ValueError(f"tensor {name!r} appears in both {files[name].name} and "
                                      f"{shard.name}; remove the stray file")
                 files[name] = shard
     return files
+
+
+def _shard_path(root: Path, index: Path, name: str) -> Path:
+    """``root / name`` for a shard name from the index, which must name a file inside ``root``.
+
+    Checked on the name itself, not on the resolved path: in the HF cache every file of a snapshot
+    is a symlink into ``../../blobs/``, and that must keep working, while an index entry such as
+    ``../other/x.safetensors`` or ``/etc/x`` must not reach outside the checkpoint.
+    """
+    parts = PurePosixPath(name).parts
+    if (not name or "\\" in name or PurePosixPath(name).is_absolute() or PureWindowsPath(name).drive
+            or any(p in ("..", ".") for p in parts) or "\0" in name):
+        raise ValueError(f"{index}: shard name {name!r} must be a plain file name inside {root} "
+                         "(no absolute path, no '..'); the index is corrupt or hostile")
+    return root.joinpath(*parts)
+
+
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes we load
+
+
+@contextmanager
+def _open(file: Path, device: str = "cpu") -> Iterator[Any]:
+    """``safe_open`` on one weights file; any failure to read it is a ValueError naming the file."""
+    try:
+        with safe_open(file, framework="pt", device=device) as f:
+            yield f
+    except ValueError:
+        raise
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for bad files
+        raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e}); "
+                         "the download may be truncated or corrupt") from None
 
 
 @dataclass(frozen=True)
@@ -153,13 +187,18 @@ def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
         by_file.setdefault(file, []).append(key)
     shapes = {}
     for file, keys in by_file.items():
-        with safe_open(file, framework="pt") as f:
+        with _open(file) as f:
             present = set(f.keys())
             for key in keys:
                 if key not in present:
                     raise ValueError(f"the index lists tensor {key!r} in {file.name}, which does "
                                      "not hold it; re-download the checkpoint")
-                shapes[key] = tuple(f.get_slice(key).get_shape())
+                sl = f.get_slice(key)
+                if not _IGNORED.match(key) and sl.get_dtype() not in _FLOAT_DTYPES:
+                    raise ValueError(f"{file.name}: tensor {key!r} has dtype {sl.get_dtype()}; this "
+                                     f"engine loads floating-point weights only ({', '.join(_FLOAT_DTYPES)}), "
+                                     "never casting integers (a quantized checkpoint?)")
+                shapes[key] = tuple(sl.get_shape())
     return shapes
 
 
@@ -198,7 +237,7 @@ def load_model(
         by_file.setdefault(src.file, []).append(name)
     with torch.no_grad():
         for file, names in by_file.items():
-            with safe_open(file, framework="pt", device=str(device)) as f:
+            with _open(file, device=str(device)) as f:
                 for name in names:
                     src = sources[name]
                     if src.expert is None:

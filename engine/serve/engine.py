@@ -9,16 +9,17 @@ import torch
 from torch import nn
 
 from engine.serve.attention import get_backend
-from engine.serve.blocks import BlockManager
+from engine.serve.blocks import BlockManager, encode_cache_key
 from engine.serve.flat import FlatModel
 from engine.serve.params import SamplingParams
 from engine.serve.request import Request, Status
 from engine.serve.runner import ModelRunner
 from engine.serve.sampler import SimpleSampler
-from engine.serve.scheduler import Scheduler, SchedulerConfig
+from engine.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.serve.sizing import kv_bytes_per_block, num_blocks_for_memory, profile_num_blocks
 
 SAMPLERS = ("simple", "full")
+SEED_LIMIT = 2**64  # torch.Generator seeds are 64-bit unsigned; a negative one aliases a large one
 
 
 @dataclass
@@ -60,8 +61,8 @@ class EngineConfig:
         for flag in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"EngineConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"EngineConfig.seed must be an integer in [0, 2**64), got {self.seed!r}")
         if self.num_blocks is not None:
             positive("num_blocks")
         if self.max_model_len is not None:
@@ -124,7 +125,11 @@ class EngineCore:
         self.generator = torch.Generator(device=self.flat.device).manual_seed(config.seed)
         self.sampler = sampler or SimpleSampler(self.generator)
         self.generators: dict[str, torch.Generator] = {}
-        self.children: dict[str, list[str]] = {}  # parent id -> child ids for n > 1
+        # n > 1: parent id -> its child ids, kept (so the ids stay reserved) while any child lives;
+        # child id -> parent id for those children; parent id -> how many children still live.
+        self.children: dict[str, list[str]] = {}
+        self.parent_of: dict[str, str] = {}
+        self.live_children: dict[str, int] = {}
         self.steps = 0
 
     # ----- set-up --------------------------------------------------------------------------
@@ -182,8 +187,10 @@ class EngineCore:
             raise ValueError(
                 f"request {request_id!r}: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
                 f"exceeds max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens")
-        if not isinstance(cache_key, tuple):
-            raise ValueError(f"cache_key must be a tuple, got {type(cache_key).__name__}")
+        try:
+            encode_cache_key(cache_key)  # the prefix cache hashes it at every block boundary
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
         # Both end up in the queues' sort keys: a value that can't be compared would fail mid-step.
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"request {request_id!r}: priority must be an int (lower runs first), got {priority!r}")
@@ -192,10 +199,19 @@ class EngineCore:
             raise ValueError(f"request {request_id!r}: arrival_time must be a finite number of seconds "
                              f"(time.monotonic()) or None, got {arrival_time!r}")
         self.sampler.check(params)
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise ValueError(f"request {request_id!r}: prompt_logprobs={params.prompt_logprobs} asks for more "
+                             f"alternatives than the vocabulary has ({vocab})")
+        if params.seed is not None and not 0 <= params.seed <= SEED_LIMIT - params.n:
+            raise ValueError(f"request {request_id!r}: seed {params.seed} is outside [0, 2**64 - n]; child i of an "
+                             "n > 1 request uses seed + i, and generator seeds are 64-bit unsigned")
         ids = [request_id] if params.n == 1 else [f"{request_id}:{i}" for i in range(params.n)]
         for rid in ids + ([request_id] if params.n > 1 else []):
-            if rid in self.scheduler.requests or rid in self.children:
-                raise ValueError(f"request id {rid!r} is already in use; pick a new id")
+            if rid in self.scheduler.requests or rid in self.children or rid in self.parent_of:
+                owner = self.parent_of.get(rid)
+                raise ValueError(f"request id {rid!r} is already in use"
+                                 + (f" (by n > 1 request {owner!r}, which is still running)" if owner else "")
+                                 + "; pick a new id")
         reqs = []
         for i, rid in enumerate(ids):
             child = SamplingParams(**{**params.__dict__, "n": 1,
@@ -210,10 +226,16 @@ class EngineCore:
                 self.generators[req.request_id] = torch.Generator(device=self.flat.device).manual_seed(req.params.seed)
         if params.n > 1:
             self.children[request_id] = ids
+            self.live_children[request_id] = len(ids)
+            self.parent_of.update((rid, request_id) for rid in ids)
         return ids
 
     def abort_request(self, request_id: str) -> None:
-        """Abort a request (or all children of an n > 1 request); unknown or finished ids are ignored."""
+        """Abort a request (or all children of an n > 1 request); unknown or finished ids are ignored.
+
+        A parent's child ids stay reserved until its last child finishes, so aborting the parent
+        reaches its own children only, never a later request that took a finished child's id.
+        """
         for rid in self.children.get(request_id, [request_id]):
             self.scheduler.abort(rid)
 
@@ -221,11 +243,16 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def _on_finish(self, request: Request) -> None:
-        self.runner.drop(request.request_id)
-        self.generators.pop(request.request_id, None)
-        for parent, ids in list(self.children.items()):
-            if request.request_id in ids and all(i not in self.scheduler.requests for i in ids):
-                del self.children[parent]
+        rid = request.request_id
+        self.runner.drop(rid)
+        self.generators.pop(rid, None)
+        parent = self.parent_of.get(rid)
+        if parent is not None:  # the last child to finish frees its parent's ids
+            self.live_children[parent] -= 1
+            if self.live_children[parent] == 0:
+                del self.live_children[parent]
+                for child in self.children.pop(parent):
+                    del self.parent_of[child]
 
     # ----- the step ------------------------------------------------------------------------
     def check_stop(self, request: Request) -> Status | None:
@@ -248,9 +275,33 @@ class EngineCore:
         it had a sample row), publishes its newly full blocks, and is checked for stop — a
         finished request is finished in the scheduler at once, freeing its blocks. Returns one
         RequestOutput per request that produced a token or finished (a mid-prompt chunk reports
-        nothing).
+        nothing). If anything from the swaps to the sampling raises (the forward pass ran out of
+        memory, Ctrl-C), call ``self.recover_failed_step(plan)`` before letting the exception
+        propagate, and count no step: the engine must be left as if the step never ran.
         """
         raise NotImplementedError("EngineCore.step is a hole: fill it in (Chapter 31, engine/serve/engine.py)")
+
+    def recover_failed_step(self, plan: SchedulerOutput) -> None:
+        """Undo what a step that raised before its bookkeeping left behind, so that a retry, an
+        abort or a later request with the same prompt sees only K/V that was really computed.
+
+        The scheduler published the step's blocks before the forward pass, which may have written
+        some layers of them, or none: they are unpublished, and requests that adopted them
+        compute them again (``BlockManager.unpublish_uncomputed``). A swap-out that did not
+        complete turns into a recompute preemption; a swap-in that did not complete recomputes
+        the request from its first token. No request advanced, so nothing else needs undoing —
+        except that a failure inside the sampler itself may already have drawn from seeded
+        requests' generators, whose later samples then differ from an uninterrupted run.
+        """
+        for req, _ in plan.swap_out:
+            if req.swapped_out and req.request_id not in self.runner.swapped:
+                req.swapped_out = False
+                req.num_computed_tokens = 0
+        for req, _ in plan.swap_in:
+            if req.request_id in self.runner.swapped:  # its K/V never reached the pool
+                self.runner.drop(req.request_id)
+                req.num_computed_tokens = 0
+        self.blocks.unpublish_uncomputed(req for req, _ in plan.scheduled)
 
     def _prompt_logprobs(self, batch, logits: torch.Tensor) -> dict[str, list[dict[int, float]]]:
         """Per request: for each predicted prompt token, {token: logprob} plus the top-k alternatives."""

@@ -82,7 +82,9 @@ def block_violations(blocks: BlockManager) -> list[str]:
 def request_hash_violations(blocks: BlockManager, request: Request) -> list[str]:
     """Hash-chain checks for one live request: its ``block_hashes`` are the chain of its own tokens
     and cache_key, and every block in its table that carries a hash carries the hash of that
-    position of THIS request (otherwise it reads another prefix's — or another tenant's — K/V)."""
+    position of THIS request (otherwise it reads another prefix's — or another tenant's — K/V) and
+    lies within its computed tokens (between steps a published block holds computed K/V; only a
+    failed step that was not undone leaves one past them)."""
     bad: list[str] = []
     bs = blocks.block_size
     parent = None
@@ -102,6 +104,10 @@ def request_hash_violations(blocks: BlockManager, request: Request) -> list[str]
         if i >= len(request.block_hashes) or request.block_hashes[i] != h:
             bad.append(f"request {request.request_id!r}: table position {i} is block {b}, whose hash "
                        "belongs to a different prefix (or cache_key)")
+        if (i + 1) * bs > request.num_computed_tokens:
+            bad.append(f"request {request.request_id!r}: block {b} (table position {i}) is published "
+                       f"but only {request.num_computed_tokens} of its tokens are computed: a failed "
+                       "step's publication was not taken back?")
     return bad
 
 
@@ -203,6 +209,15 @@ def engine_violations(core: Any) -> list[str]:
             bad.append(f"children[{parent!r}] kept after all of {ids} finished")
         if parent in sched.requests:
             bad.append(f"parent id {parent!r} of an n > 1 request is also a live request id")
+        live = sum(1 for i in ids if i in sched.requests and core.parent_of.get(i) == parent)
+        if core.live_children.get(parent) != live:
+            bad.append(f"live_children[{parent!r}] is {core.live_children.get(parent)} but {live} of its "
+                       "children are live")
+    want_parent = {c: p for p, ids in core.children.items() for c in ids}
+    if core.parent_of != want_parent:
+        bad.append("parent_of does not map exactly the children of live n > 1 requests to their parent")
+    if set(core.live_children) != set(core.children):
+        bad.append(f"live_children kept for {sorted(core.live_children)}, children for {sorted(core.children)}")
     return bad
 
 
@@ -218,6 +233,7 @@ def idle_violations(core: Any) -> list[str]:
         "scheduler.requests": sched.requests, "scheduler.waiting": sched.waiting,
         "scheduler.running": sched.running, "generators": core.generators,
         "runner.swapped": core.runner.swapped, "children": core.children,
+        "parent_of": core.parent_of, "live_children": core.live_children,
         "blocks.req_blocks": blocks.req_blocks, "blocks.num_published": blocks.num_published,
         "blocks.pending_lookups": blocks.pending_lookups,
     }

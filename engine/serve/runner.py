@@ -47,7 +47,7 @@ class ModelRunner:
 
     def swap_in(self, request: Request, blocks: Sequence[int]) -> None:
         """Copy the request's saved K/V into ``blocks`` (its new table's first blocks)."""
-        saved = self.swapped.pop(request.request_id)
+        saved = self.swapped[request.request_id]  # dropped only once the copy is done
         if saved and saved[0][0].shape[0] != len(blocks):
             raise RuntimeError(f"request {request.request_id!r}: swapped {saved[0][0].shape[0]} blocks "
                                f"out but {len(blocks)} came back")
@@ -55,6 +55,7 @@ class ModelRunner:
         for (k_pool, v_pool), (k, v) in zip(self.kv_caches, saved):
             k_pool.index_copy_(0, idx, k.to(self.device, non_blocking=True))
             v_pool.index_copy_(0, idx, v.to(self.device, non_blocking=True))
+        del self.swapped[request.request_id]
 
     def drop(self, request_id: str) -> None:
         """Forget a finished request's swapped K/V, if any."""

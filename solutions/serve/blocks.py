@@ -20,6 +20,53 @@ from collections.abc import Iterable, Sequence
 from engine.serve.request import Request
 
 ROOT_HASH = b"engine-ch31-root"  # the "parent" of a request's first block
+MAX_KEY_DEPTH = 16  # how deeply cache_key tuples may nest
+
+
+def encode_cache_key(key: tuple) -> bytes:
+    """The canonical bytes of a ``cache_key``: equal bytes exactly when the keys are equal.
+
+    Accepts only values with one obvious encoding: str, int, bytes, bool, None and tuples of those
+    (nested at most ``MAX_KEY_DEPTH`` deep). Each value is written as a type tag, then its length,
+    then its content, so True and 1, ("ab",) and ("a", "b"), or (("a",),) and ("a",) all differ.
+    Anything else — a float, a list, a numpy array or tensor (whose repr() is truncated, so two
+    different arrays would look equal) — is a ValueError: pass a digest of it instead.
+    """
+    if not isinstance(key, tuple):
+        raise ValueError(f"cache_key must be a tuple, got {type(key).__name__}")
+    out = bytearray()
+
+    def put(tag: bytes, data: bytes) -> None:
+        out.extend(tag + len(data).to_bytes(8, "little") + data)
+
+    def walk(value: object, depth: int) -> None:
+        if value is None:
+            put(b"N", b"")
+        elif isinstance(value, bool):  # before int: True must not equal 1
+            put(b"B", b"\x01" if value else b"\x00")
+        # The base classes' own methods: a subclass can't change what gets hashed.
+        elif isinstance(value, int):
+            number = int.__int__(value)
+            put(b"I", number.to_bytes(number.bit_length() // 8 + 1, "little", signed=True))
+        elif isinstance(value, str):
+            put(b"S", str.encode(value, "utf-8", "surrogatepass"))
+        elif isinstance(value, bytes):
+            put(b"Y", b"".join((value,)))
+        elif isinstance(value, tuple):
+            if depth >= MAX_KEY_DEPTH:
+                raise ValueError(f"cache_key nests tuples more than {MAX_KEY_DEPTH} deep")
+            items = list(tuple.__iter__(value))
+            put(b"T", len(items).to_bytes(8, "little"))
+            for item in items:
+                walk(item, depth + 1)
+        else:
+            raise ValueError(
+                f"cache_key items must be str, int, bytes, bool, None or tuples of those, got "
+                f"{type(value).__module__}.{type(value).__qualname__}; pass a digest instead "
+                "(e.g. hashlib.sha256(array.tobytes()).digest())")
+
+    walk(key, 0)
+    return bytes(out)
 
 
 def hash_block(parent: bytes | None, tokens: Sequence[int], extra: tuple = ()) -> bytes:
@@ -27,7 +74,7 @@ def hash_block(parent: bytes | None, tokens: Sequence[int], extra: tuple = ()) -
 
     Hashes, in order: the parent block's digest (``ROOT_HASH`` for the first block), the block's
     token ids packed as little-endian 64-bit integers, and — only when ``extra`` is non-empty —
-    ``repr(extra)`` (cache_key items must have a stable repr: str, int, bytes, tuples of those).
+    ``encode_cache_key(extra)`` (given above: one unambiguous byte string per key, never a repr).
     It must be a cryptographic hash that is the same in every process: never Python's ``hash()``,
     whose value changes with PYTHONHASHSEED and whose collisions can be crafted — a collision
     here would hand one user another user's cached K/V.
@@ -40,7 +87,7 @@ def hash_block(parent: bytes | None, tokens: Sequence[int], extra: tuple = ()) -
     h.update(packed.tobytes())
     if extra:
         h.update(b"\x00extra\x00")
-        h.update(repr(extra).encode())
+        h.update(encode_cache_key(extra))
     return h.digest()
 
 
@@ -197,7 +244,9 @@ class BlockManager:
         duplicate stays private, with no hash). The scheduler calls this right after allocating a
         step's blocks, before they are computed: a request admitted later in the same step may
         adopt them, which is safe because in a flattened batch every layer writes all K/V before
-        any attention reads. The engine calls it again after each step, for generated tokens.
+        any attention reads — and if the forward pass fails instead, the engine takes these
+        publications back (``unpublish_uncomputed``). The engine calls it again after each step,
+        for generated tokens.
         """
         if not self.enable_prefix_caching:
             return
@@ -217,6 +266,43 @@ class BlockManager:
                 self.cached[h] = b
                 self.block_hash[b] = h
         self.num_published[rid] = max(full, self.num_published.get(rid, 0))
+
+    def unpublish_uncomputed(self, requests: Iterable[Request]) -> None:
+        """Take back what a failed step published, for the requests that step scheduled.
+
+        The scheduler publishes a step's blocks before the forward pass writes them; if that pass
+        raises, every published block past a request's ``num_computed_tokens`` holds nothing
+        valid. Those blocks lose their hash (they stay in their tables, to be computed again). A
+        request that adopted one of them at admission falls back to the blocks before the first
+        such block: its ``num_computed_tokens`` (and its hit count) shrink to them and the rest of
+        its table is released, so it computes those tokens itself. Callers first set
+        ``num_computed_tokens`` of any request whose earlier K/V is also lost (a failed swap-in).
+        """
+        requests = list(requests)
+        bs = self.block_size
+        uncomputed: set[int] = set()
+        for req in requests:
+            table = self.req_blocks.get(req.request_id, [])
+            uncomputed.update(b for b in table[req.num_computed_tokens // bs:] if self.block_hash[b] is not None)
+        for b in uncomputed:
+            h = self.block_hash[b]
+            if self.cached.get(h) == b:
+                del self.cached[h]
+            self.block_hash[b] = None
+        for req in requests:
+            rid = req.request_id
+            table = self.req_blocks.get(rid)
+            if table is None:
+                continue
+            adopted = req.num_computed_tokens // bs
+            first_bad = next((i for i, b in enumerate(table[:adopted]) if b in uncomputed), None)
+            if first_bad is not None:
+                lost = req.num_computed_tokens - first_bad * bs
+                self.num_hits -= lost
+                req.num_computed_tokens = first_bad * bs
+                req.num_cached_tokens = min(req.num_cached_tokens, req.num_computed_tokens)
+                self.trim(req, req.num_computed_tokens)
+            self.num_published[rid] = min(self.num_published.get(rid, 0), req.num_computed_tokens // bs)
 
     # ----- release -----------------------------------------------------------------------
     def free(self, request: Request) -> None:

@@ -97,8 +97,8 @@ class Scheduler:
         return (request.arrival_time, tie)
 
     def _insert_sorted(self, queue: list[Request], request: Request) -> None:
-        keys = [self.order_key(r) for r in queue]
-        queue.insert(bisect.bisect_right(keys, self.order_key(request)), request)
+        # O(log n) keys per insert: rebuilding every key would make n additions quadratic.
+        queue.insert(bisect.bisect_right(queue, self.order_key(request), key=self.order_key), request)
 
     def check(self, request: Request) -> None:
         """ValueError if ``request`` could never run under this configuration (nothing changes)."""
