@@ -65,18 +65,23 @@ def test_build_batch_worked_example():
         "rows must be each request's tokens [c:c+n], requests in schedule order"
     assert batch.positions.tolist() == [6, 7, 8, 41, 9, 0, 1, 2, 3], "positions are c .. c+n-1"
     m = batch.meta
-    assert m.query_start_loc.tolist() == [0, 3, 4, 5, 9]
+    assert m.query_start_loc.tolist() == [0, 3, 4, 5, 9], \
+        "query_start_loc[r] is where request r's rows start: 0, then the running sum of the n's"
     assert m.seq_lens.tolist() == [9, 42, 10, 4], "seq_len is c + n (the context after this step)"
     want_slots = [5 * 16 + 6, 5 * 16 + 7, 5 * 16 + 8, 9 * 16 + 9, 1 * 16 + 9, 64, 65, 66, 67]
     assert m.slot_mapping.tolist() == want_slots, "slot = table[p // block_size] * block_size + p % block_size"
     assert m.block_table.tolist() == [[5, 2, 0], [7, 8, 9], [1, 0, 0], [4, 0, 0]], "tables zero padded"
     assert (m.query_start_loc.dtype, m.seq_lens.dtype, m.block_table.dtype, m.slot_mapping.dtype) == \
-        (torch.int32, torch.int32, torch.int32, torch.int64)
-    assert m.query_start_loc_cpu.tolist() == [0, 3, 4, 5, 9] and m.seq_lens_cpu.tolist() == [9, 42, 10, 4]
-    assert (m.max_query_len, m.max_seq_len, m.num_reqs, m.decode_only) == (4, 42, 4, False)
+        (torch.int32, torch.int32, torch.int32, torch.int64), \
+            'dtypes: query_start_loc, seq_lens, block_table int32; slot_mapping int64'
+    assert m.query_start_loc_cpu.tolist() == [0, 3, 4, 5, 9] and m.seq_lens_cpu.tolist() == [9, 42, 10, 4], \
+        'the *_cpu host copies hold the same values'
+    assert (m.max_query_len, m.max_seq_len, m.num_reqs, m.decode_only) == (4, 42, 4, False), \
+        'max_query_len = the largest n, max_seq_len = the largest c + n, num_reqs = R, decode_only = all n == 1'
     assert batch.sample_counts == [0, 1, 1, 1], "a stops mid-prompt (0 rows); b, c decode; d reaches its last token"
     assert batch.logits_indices.tolist() == [3, 4, 8], "sample rows are the LAST rows of each span"
-    assert batch.request_ids == ["a", "b", "c", "d"] and batch.num_sample_rows == 3
+    assert batch.request_ids == ["a", "b", "c", "d"] and batch.num_sample_rows == 3, \
+        'request_ids in schedule order; num_sample_rows = sum(sample_counts)'
 
 
 @hole("build_batch")
@@ -96,8 +101,10 @@ def test_build_batch_decodes_on_both_sides_of_a_block_boundary():
     batch = build_batch([(last, 1), (first, 1), (third, 1)], [[7, 3], [5, 2], [9, 4, 6]], 16)
     assert batch.meta.slot_mapping.tolist() == [7 * 16 + 15, 2 * 16 + 0, 6 * 16 + 0], \
         "a decode at position 16 (32) writes the first slot of the table's second (third) block"
-    assert batch.positions.tolist() == [15, 16, 32] and batch.input_ids.tolist() == [15, 16, 32]
-    assert batch.logits_indices.tolist() == [0, 1, 2] and batch.meta.decode_only
+    assert batch.positions.tolist() == [15, 16, 32] and batch.input_ids.tolist() == [15, 16, 32], \
+        'one row per decode, at position c, its token token_ids[c]'
+    assert batch.logits_indices.tolist() == [0, 1, 2] and batch.meta.decode_only, \
+        'a decode samples its only row; a batch of decodes only is decode_only'
 
 
 @hole("build_batch")
@@ -109,7 +116,8 @@ def test_build_batch_sample_rows_for_each_kind_of_span():
     spec.spec_token_ids = [5, 6, 7]  # verification span: 1 + 3 drafts
     tables = {"mid": [0, 1], "last": [2, 3], "dec": [4], "spec": [5]}
     batch = build_batch([(mid, 20), (last, 10), (decode, 1), (spec, 4)], tables, 16)
-    assert batch.sample_counts == [0, 1, 1, 4]
+    assert batch.sample_counts == [0, 1, 1, 4], \
+        'sample rows: 0 mid-prompt, 1 for the chunk reaching the last token, 1 per decode, 1 + drafts for a verification span'
     assert batch.logits_indices.tolist() == [29, 30, 31, 32, 33, 34], \
         "a mid-prompt chunk must not sample; the others sample from the end of their span"
     assert batch.input_ids[-4:].tolist() == [11, 5, 6, 7], "a verification span feeds the drafts after the last token"
@@ -120,11 +128,12 @@ def test_build_batch_prompt_logprob_rows_come_after_all_sample_rows():
     a = req("a", range(10), computed=0, prompt_logprobs=0)  # whole prompt: rows 0..8 predict tokens 1..9
     b = req("b", list(range(6)) + [9], computed=6, prompt_len=6)
     batch = build_batch([(a, 10), (b, 1)], [[0], [1]], 16)
-    assert batch.sample_counts == [1, 1]
+    assert batch.sample_counts == [1, 1], 'both spans reach their last known token: one sample row each'
     assert batch.logits_indices.tolist()[:2] == [9, 10], "sample rows first, in request order"
     assert batch.logits_indices.tolist()[2:] == list(range(0, 9)), "then the prompt-logprob rows"
     (r, c, targets), = batch.prompt_spans
-    assert r is a and c == 0 and targets == list(range(1, 10))
+    assert r is a and c == 0 and targets == list(range(1, 10)), \
+        'a whole-prompt span: prompt_spans entry (request, c=0, prompt tokens 1..P-1)'
 
 
 @hole("build_batch")
@@ -132,7 +141,8 @@ def test_build_batch_prompt_logprob_targets_of_later_chunks():
     mid = req("mid", range(100, 110), computed=4, prompt_logprobs=0)  # 2nd chunk: positions 4..7
     last = req("last", range(200, 210), computed=8, prompt_logprobs=0)  # last chunk: positions 8, 9
     batch = build_batch([(mid, 4), (last, 2)], [[0, 1, 2], [3, 4, 5]], 4)
-    assert batch.sample_counts == [0, 1] and batch.logits_indices.tolist() == [5, 0, 1, 2, 3, 4]
+    assert batch.sample_counts == [0, 1] and batch.logits_indices.tolist() == [5, 0, 1, 2, 3, 4], \
+        "sample rows (last's final row, 5) first, then the prompt-logprob rows 0..3 and 4"
     (r1, c1, t1), (r2, c2, t2) = batch.prompt_spans
     assert (r1, c1, t1) == (mid, 4, [105, 106, 107, 108]), \
         "the row at position p predicts prompt token p + 1: a chunk starting at c predicts tokens c+1.., not 1.."
@@ -144,11 +154,14 @@ def test_build_batch_pad_to_adds_inert_dummy_requests():
     r = req("r", range(5), computed=4)
     batch = build_batch([(r, 1)], [[3]], 16, pad_to=3)
     m = batch.meta
-    assert batch.input_ids.tolist() == [4, 0, 0] and batch.positions.tolist() == [4, 0, 0]
-    assert m.slot_mapping.tolist() == [3 * 16 + 4, PAD_SLOT, PAD_SLOT]
-    assert m.seq_lens.tolist() == [5, 0, 0] and m.query_start_loc.tolist() == [0, 1, 2, 3]
-    assert m.block_table.tolist() == [[3], [0], [0]]
-    assert batch.sample_counts == [1, 0, 0] and batch.logits_indices.tolist() == [0]
+    assert batch.input_ids.tolist() == [4, 0, 0] and batch.positions.tolist() == [4, 0, 0], \
+        'padding rows: token 0 at position 0'
+    assert m.slot_mapping.tolist() == [3 * 16 + 4, PAD_SLOT, PAD_SLOT], 'padding rows write to PAD_SLOT'
+    assert m.seq_lens.tolist() == [5, 0, 0] and m.query_start_loc.tolist() == [0, 1, 2, 3], \
+        'padding requests have seq_len 0 and one row each'
+    assert m.block_table.tolist() == [[3], [0], [0]], 'padding requests have empty (zero-padded) tables'
+    assert batch.sample_counts == [1, 0, 0] and batch.logits_indices.tolist() == [0], \
+        'padding requests sample nothing'
 
 
 @hole("build_batch")
@@ -227,7 +240,7 @@ def test_reference_forward_leaves_padding_rows_zero():
     q = torch.randn(4, 4, 8, dtype=torch.float64)
     out = backend.forward(q, cache, batch.meta)
     assert not out[2:].any(), "rows of seq_len 0 are padding and must stay zero"
-    assert out[:2].abs().sum() > 0
+    assert out[:2].abs().sum() > 0, 'real rows attend to something'
 
 
 # ===================================================================== FlatModel
@@ -268,10 +281,11 @@ def test_flat_attention_writes_rotated_k_and_matches_plain_attention():
     k = apply_rope(attn.k_norm(attn.k_proj(x).view(6, hkv, d)), cos, sin)
     v = attn.v_proj(x).view(6, hkv, d)
     want = attn.o_proj(causal_attention(q, k, v, pos, pos).reshape(6, -1))
-    assert torch.allclose(out, want, atol=1e-10)
+    assert torch.allclose(out, want, atol=1e-10), \
+        'FlatModel.attention must equal q/k-norm, RoPE, causal attention and o_proj computed by hand'
     assert torch.allclose(cache[0][2], k[:4]) and torch.allclose(cache[0][0, :2], k[4:]), \
         "the pool must hold k AFTER q/k-norm and RoPE, at the slots of the block table"
-    assert torch.allclose(cache[1][2], v[:4])
+    assert torch.allclose(cache[1][2], v[:4]), 'the V pool holds v at the slots of the block table'
 
 
 @hole("FlatModel.forward")
@@ -307,12 +321,13 @@ def test_hash_block_is_blake2b_over_parent_and_int64_tokens():
 @hole("hash_block")
 def test_hash_block_depends_on_parent_tokens_and_extra():
     base = hash_block(None, [1, 2, 3, 4])
-    assert isinstance(base, bytes) and len(base) == 16
+    assert isinstance(base, bytes) and len(base) == 16, 'a 16-byte digest (bytes)'
     assert hash_block(None, [1, 2, 3, 4]) == base, "must be deterministic"
-    assert hash_block(None, [1, 2, 3, 5]) != base
+    assert hash_block(None, [1, 2, 3, 5]) != base, 'changing a token changes the digest'
     assert hash_block(base, [1, 2, 3, 4]) != base, "the parent is part of the name"
-    assert hash_block(None, [1, 2, 3, 4], ("tenant-a",)) != base
-    assert hash_block(None, [1, 2, 3, 4], ("tenant-a",)) != hash_block(None, [1, 2, 3, 4], ("tenant-b",))
+    assert hash_block(None, [1, 2, 3, 4], ("tenant-a",)) != base, 'a non-empty extra (cache_key) changes the digest'
+    assert hash_block(None, [1, 2, 3, 4], ("tenant-a",)) != hash_block(None, [1, 2, 3, 4], ("tenant-b",)), \
+        'different cache keys give different digests'
     assert hash_block(None, [1, 2, 3, 4], ()) == base, "empty extra changes nothing"
 
 
@@ -339,7 +354,7 @@ def test_hash_block_is_the_same_in_every_process():
 # ===================================================================== BlockManager
 def published(bm: BlockManager, r: Request, n: int) -> list[int]:
     """Allocate n tokens for r, mark them computed and published; returns its table."""
-    assert bm.allocate_slots(r, n)
+    assert bm.allocate_slots(r, n), 'helper: the allocation must succeed here'
     r.num_computed_tokens += n
     bm.cache_full_blocks(r)
     return bm.req_blocks[r.request_id]
@@ -351,7 +366,8 @@ def test_find_cached_prefix_stops_at_first_miss():
     a = req("a", range(12))
     published(bm, a, 12)
     b = req("b", list(range(8)) + [99, 99, 99, 99, 5])
-    assert bm.find_cached_prefix(b) == bm.req_blocks["a"][:2]
+    assert bm.find_cached_prefix(b) == bm.req_blocks["a"][:2], \
+        "a's first two blocks match b's; b's third block differs: stop there"
     c = req("c", [7, 7, 7, 7] + list(range(4, 13)))
     assert bm.find_cached_prefix(c) == [], "block 1 matches a's tokens but its parent differs: no match"
 
@@ -373,7 +389,8 @@ def test_find_cached_prefix_never_matches_the_block_of_the_last_token():
     b = req("b", range(8))  # two full blocks, both cached
     assert bm.find_cached_prefix(b) == bm.req_blocks["a"][:1], \
         "the block holding the prompt's last token must run: its logits choose the first output"
-    assert bm.find_cached_prefix(req("c", range(9))) == bm.req_blocks["a"][:2]
+    assert bm.find_cached_prefix(req("c", range(9))) == bm.req_blocks["a"][:2], \
+        '9 tokens: the last token is in block 2, so blocks 0 and 1 can match'
 
 
 @hole("BlockManager.find_cached_prefix")
@@ -381,20 +398,22 @@ def test_find_cached_prefix_counts_queries_and_hits_and_respects_switches():
     bm = BlockManager(16, 4)
     published(bm, req("a", range(12)), 12)
     bm.num_queries = bm.num_hits = 0
-    assert len(bm.find_cached_prefix(req("b", range(10)))) == 2
-    assert (bm.num_queries, bm.num_hits) == (10, 8) and bm.hit_rate == 0.8
+    assert len(bm.find_cached_prefix(req("b", range(10)))) == 2, \
+        '10 tokens: blocks 0 and 1 cached (block 2 holds the last token)'
+    assert (bm.num_queries, bm.num_hits) == (10, 8) and bm.hit_rate == 0.8, \
+        "queries count the request's tokens (10), hits the matched tokens (8)"
     assert bm.find_cached_prefix(req("c", range(10), prompt_logprobs=0)) == [], \
         "prompt logprobs need every prompt row computed"
     off = BlockManager(16, 4, enable_prefix_caching=False)
     published(off, req("a", range(12)), 12)
-    assert off.find_cached_prefix(req("b", range(10))) == []
+    assert off.find_cached_prefix(req("b", range(10))) == [], 'with prefix caching off nothing is ever found'
 
 
 @hole("BlockManager.allocate_slots")
 def test_allocate_slots_is_all_or_nothing():
     bm = BlockManager(4, 4)
     a = req("a", range(10))
-    assert bm.allocate_slots(a, 10) and len(bm.req_blocks["a"]) == 3
+    assert bm.allocate_slots(a, 10) and len(bm.req_blocks["a"]) == 3, '10 tokens in blocks of 4 need 3 blocks'
     b = req("b", range(8))
     before = (bm.num_free, list(bm.free_queue), dict(bm.req_blocks), list(bm.ref_count))
     assert bm.allocate_slots(b, 8) is False, "b needs 2 blocks but 1 is free"
@@ -406,7 +425,7 @@ def test_allocate_slots_is_all_or_nothing():
 def test_allocate_slots_grows_only_when_a_block_fills():
     bm = BlockManager(8, 4)
     r = req("r", range(6))
-    assert bm.allocate_slots(r, 6) and len(bm.req_blocks["r"]) == 2
+    assert bm.allocate_slots(r, 6) and len(bm.req_blocks["r"]) == 2, '6 tokens in blocks of 4 need 2 blocks'
     r.num_computed_tokens = 6
     assert bm.allocate_slots(r, 2) and len(bm.req_blocks["r"]) == 2, "tokens 6, 7 fit in block 1"
     r.num_computed_tokens = 8
@@ -420,19 +439,20 @@ def test_allocate_slots_counts_adopted_cached_free_blocks():
     a = req("a", range(9))
     published(bm, a, 9)  # blocks 0, 1 full and cached, block 2 partial
     bm.free(a)
-    assert bm.num_free == 4
+    assert bm.num_free == 4, 'after free every block is free (cached-free counts as free)'
     b = req("b", list(range(8)) + list(range(50, 62)))  # 20 tokens: 2 cached blocks + 12 new tokens
     cached = bm.find_cached_prefix(b)
-    assert cached == [0, 1]
+    assert cached == [0, 1], "b's first two blocks are a's cached (now free) blocks 0 and 1"
     # 2 adopted (cached-free, so they leave the free queue) + 3 new = 5 > 4 blocks
     assert bm.allocate_slots(b, 12, cached) is False, \
         "adopting a cached-FREE block takes it out of the free queue: it counts against what is left"
-    assert bm.num_free == 4 and "b" not in bm.req_blocks
+    assert bm.num_free == 4 and "b" not in bm.req_blocks, 'a failed allocation changes nothing'
     c = req("c", list(range(8)) + list(range(50, 58)))  # 16 tokens: 2 cached + 2 new = 4 blocks
     cached = bm.find_cached_prefix(c)
-    assert bm.allocate_slots(c, 8, cached)
-    assert bm.req_blocks["c"][:2] == [0, 1] and bm.num_free == 0
-    assert bm.ref_count[0] == bm.ref_count[1] == 1
+    assert bm.allocate_slots(c, 8, cached), '2 adopted + 2 new = 4 blocks: it fits exactly'
+    assert bm.req_blocks["c"][:2] == [0, 1] and bm.num_free == 0, \
+        'the adopted blocks come first in the table, and leave the free queue'
+    assert bm.ref_count[0] == bm.ref_count[1] == 1, "an adopted block's ref_count goes from 0 to 1"
 
 
 @hole("BlockManager.allocate_slots")
@@ -441,8 +461,10 @@ def test_allocate_slots_bookkeeping_on_success():
     published(bm, req("a", range(12)), 12)
     b = req("b", list(range(8)) + [50, 51])
     cached = bm.find_cached_prefix(b)
-    assert len(cached) == 2 and "b" in bm.pending_lookups
-    assert bm.allocate_slots(b, 2, cached) and bm.req_blocks["b"][:2] == cached
+    assert len(cached) == 2 and "b" in bm.pending_lookups, \
+        "find_cached_prefix finds a's two full blocks and records a pending lookup"
+    assert bm.allocate_slots(b, 2, cached) and bm.req_blocks["b"][:2] == cached, \
+        'b adopts the 2 cached blocks first, then gets a new one'
     assert bm.num_published.get("b") == 2, \
         "adopted blocks are published already: a first allocation sets num_published[rid] to their count"
     assert "b" not in bm.pending_lookups, \
@@ -458,31 +480,34 @@ def test_allocate_slots_evicts_the_old_hash_of_a_reused_block():
     a = req("a", range(5))
     published(bm, a, 5)
     h0 = a.block_hashes[0]
-    assert bm.cached[h0] == 0
+    assert bm.cached[h0] == 0, "a's first block was published under its hash"
     bm.free(a)  # tail first: queue = [1, 0]
     b = req("b", range(100, 108))
-    assert bm.allocate_slots(b, 8) and bm.req_blocks["b"] == [1, 0]
+    assert bm.allocate_slots(b, 8) and bm.req_blocks["b"] == [1, 0], \
+        "b takes the queue's front: a's blocks freed tail first, so [1, 0]"
     assert h0 not in bm.cached and bm.block_hash[0] is None, \
         "a block handed out again loses its old hash, or a later request would adopt b's K/V as a's"
-    assert bm.find_cached_prefix(req("c", range(9))) == []
+    assert bm.find_cached_prefix(req("c", range(9))) == [], \
+        "the old hash is gone: nothing matches a's tokens any more"
 
 
 @hole("BlockManager.cache_full_blocks")
 def test_cache_full_blocks_publishes_only_full_blocks():
     bm = BlockManager(8, 4)
     r = req("r", range(10))
-    assert bm.allocate_slots(r, 10)
+    assert bm.allocate_slots(r, 10), '10 tokens need 3 blocks out of 8'
     bm.cache_full_blocks(r, 10)
     t = bm.req_blocks["r"]
     assert set(bm.cached.values()) == {t[0], t[1]}, "10 tokens: blocks 0 and 1 are full, block 2 is not"
-    assert bm.block_hash[t[0]] == r.block_hashes[0] and bm.block_hash[t[2]] is None
+    assert bm.block_hash[t[0]] == r.block_hashes[0] and bm.block_hash[t[2]] is None, \
+        "block_hash of a published block is the request's hash of that position; the partial block has none"
 
 
 @hole("BlockManager.cache_full_blocks")
 def test_cache_full_blocks_defaults_to_computed_tokens_and_first_writer_wins():
     bm = BlockManager(8, 4)
     a, b = req("a", range(8)), req("b", range(8))
-    assert bm.allocate_slots(a, 8) and bm.allocate_slots(b, 8)
+    assert bm.allocate_slots(a, 8) and bm.allocate_slots(b, 8), 'both fit (4 of 8 blocks)'
     a.num_computed_tokens = 5
     bm.cache_full_blocks(a)
     assert list(bm.cached.values()) == [bm.req_blocks["a"][0]], "default: only the computed tokens count"
@@ -490,7 +515,8 @@ def test_cache_full_blocks_defaults_to_computed_tokens_and_first_writer_wins():
     bm.cache_full_blocks(b)
     assert bm.cached[b.block_hashes[0]] == bm.req_blocks["a"][0], "first writer wins"
     assert bm.block_hash[bm.req_blocks["b"][0]] is None, "the duplicate stays private"
-    assert bm.cached[b.block_hashes[1]] == bm.req_blocks["b"][1]
+    assert bm.cached[b.block_hashes[1]] == bm.req_blocks["b"][1], \
+        "b's second block is new to the cache: b publishes it"
 
 
 @hole("BlockManager.free")
@@ -503,8 +529,8 @@ def test_free_returns_blocks_tail_first_so_shared_heads_are_evicted_last():
     assert list(bm.free_queue)[-3:] == ta[::-1], \
         "freed blocks join the BACK of the queue tail first: the last block is evicted before the first"
     b = req("b", range(100, 120))  # 5 blocks: the 3 never-used ones, then a's LAST two
-    assert bm.allocate_slots(b, 20)
-    assert bm.req_blocks["b"][3:] == [ta[2], ta[1]]
+    assert bm.allocate_slots(b, 20), 'b needs 5 blocks and 6 are free'
+    assert bm.req_blocks["b"][3:] == [ta[2], ta[1]], "after the 3 never-used blocks come a's blocks, LAST first"
     assert bm.find_cached_prefix(req("c", range(12))) == [ta[0]], "a's first block (shared prefix) survives"
 
 
@@ -515,13 +541,14 @@ def test_free_keeps_shared_blocks_and_rejects_double_free():
     published(bm, a, 9)
     b = req("b", range(9))
     cached = bm.find_cached_prefix(b)
-    assert bm.allocate_slots(b, 1, cached)
+    assert bm.allocate_slots(b, 1, cached), "b adopts a's 2 blocks and needs one more"
     shared = bm.req_blocks["a"][:2]
     bm.free(a)
     assert all(bm.ref_count[x] == 1 for x in shared) and not any(x in bm.free_queue for x in shared), \
         "a block another request still holds must stay in use"
     bm.free(b)
-    assert bm.num_free == 8 and all(c == 0 for c in bm.ref_count)
+    assert bm.num_free == 8 and all(c == 0 for c in bm.ref_count), \
+        'after both frees every block is free with ref_count 0'
     bm.req_blocks["b"] = shared  # simulate a stale table
     with pytest.raises(RuntimeError):
         bm.free(b)
@@ -533,9 +560,11 @@ def test_trim_and_reset_prefix_cache():
     r = req("r", range(14))
     published(bm, r, 14)
     bm.trim(r, 5)
-    assert len(bm.req_blocks["r"]) == 2 and bm.num_free == 6
+    assert len(bm.req_blocks["r"]) == 2 and bm.num_free == 6, \
+        'trim to 5 tokens keeps 2 blocks (of 4 tokens), releasing the rest'
     bm.free(r)
-    assert bm.cached and bm.reset_prefix_cache() == 3 and not bm.cached
+    assert bm.cached and bm.reset_prefix_cache() == 3 and not bm.cached, \
+        "reset_prefix_cache forgets the 3 cached-free blocks' hashes"
     with pytest.raises(ValueError):
         BlockManager(0, 4)
     with pytest.raises(ValueError):
@@ -548,7 +577,8 @@ def test_free_drops_the_requests_entries_even_without_blocks():
     a = req("a", range(12))
     published(bm, a, 12)  # 3 of 4 blocks held
     b = req("b", list(range(8)) + list(range(50, 60)))  # 2 cached blocks + 3 new: does not fit
-    assert not bm.allocate_slots(b, 10, bm.find_cached_prefix(b)) and "b" in bm.pending_lookups
+    assert not bm.allocate_slots(b, 10, bm.find_cached_prefix(b)) and "b" in bm.pending_lookups, \
+        "b doesn't fit; its lookup is pending"
     bm.free(b)  # b is aborted while it waits: it holds no blocks
     assert "b" not in bm.pending_lookups, \
         "free() must drop pending_lookups even for a request that holds no blocks (a waiting request aborted)"
@@ -557,7 +587,8 @@ def test_free_drops_the_requests_entries_even_without_blocks():
         "free() must drop num_published too, or it leaks (and a reused request id would skip publishing)"
     again = req("a", range(100, 112))
     published(bm, again, 12)
-    assert len(bm.cached) >= 3 and bm.block_hash[bm.req_blocks["a"][0]] == again.block_hashes[0]
+    assert len(bm.cached) >= 3 and bm.block_hash[bm.req_blocks["a"][0]] == again.block_hashes[0], \
+        'the id reused after free publishes its own blocks again'
 
 
 # ===================================================================== Scheduler
@@ -589,7 +620,7 @@ def test_schedule_chunks_a_long_prompt_under_the_budget():
     long = req("long", [3] * 5000, max_tokens=4)
     s.add(long)
     assert first_chunk_sizes(s, 3) == [2048, 2048, 904], "chunked prefill falls out of the budget: 2,048 + 2,048 + 904"
-    assert long.num_output_tokens == 1
+    assert long.num_output_tokens == 1, 'after 5,000 prompt tokens the request has sampled its first token'
 
 
 @hole("Scheduler.schedule")
@@ -611,7 +642,8 @@ def test_schedule_caps_chunks_at_the_threshold():
     s.add(req("a", range(40), max_tokens=2))
     s.add(req("b", range(50, 90), max_tokens=2))
     plan = s.schedule()
-    assert [n for _, n in plan.scheduled] == [16, 16]
+    assert [n for _, n in plan.scheduled] == [16, 16], \
+        "both newcomers' chunks are capped at long_prefill_token_threshold=16"
 
 
 @hole("Scheduler.schedule")
@@ -631,7 +663,7 @@ def test_schedule_respects_max_num_seqs():
     for i in range(3):
         s.add(req(f"r{i}", range(i * 10, i * 10 + 5), max_tokens=3))
     plan = s.schedule()
-    assert [r.request_id for r, _ in plan.scheduled] == ["r0", "r1"]
+    assert [r.request_id for r, _ in plan.scheduled] == ["r0", "r1"], 'max_num_seqs=2: only two requests run'
 
 
 @hole("Scheduler.schedule")
@@ -642,7 +674,8 @@ def test_schedule_priority_policy_admits_lowest_value_first():
         r.priority, r.arrival_time = prio, t
         s.add(r)
     plan = s.schedule()
-    assert [r.request_id for r, _ in plan.scheduled] == ["high", "mid"]
+    assert [r.request_id for r, _ in plan.scheduled] == ["high", "mid"], \
+        'priority policy: lowest priority value first (high 0, mid 1), then arrival'
 
 
 @hole("Scheduler.schedule")
@@ -657,7 +690,7 @@ def test_schedule_starts_a_request_after_its_cached_prefix():
     (rb, n), = [(r, n) for r, n in plan.scheduled if r is b]
     assert (b.num_computed_tokens, n, b.num_cached_tokens) == (12, 3, 12), \
         "3 cached blocks: b starts at token 12 and computes the 3 after them"
-    assert s.blocks.req_blocks["b"][:3] == s.blocks.req_blocks["a"][:3]
+    assert s.blocks.req_blocks["b"][:3] == s.blocks.req_blocks["a"][:3], "b adopts a's first 3 blocks"
 
 
 @hole("Scheduler.schedule")
@@ -670,7 +703,8 @@ def test_schedule_shares_blocks_published_at_allocation_in_the_same_step():
     plan = s.schedule()
     assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 20), ("b", 1)], \
         "a's blocks are published when allocated, so b (admitted later in the same step) adopts 4 of them"
-    assert s.blocks.req_blocks["b"][:4] == s.blocks.req_blocks["a"][:4]
+    assert s.blocks.req_blocks["b"][:4] == s.blocks.req_blocks["a"][:4], \
+        "b adopts a's 4 blocks published in this same step"
 
 
 @hole("Scheduler.schedule")
@@ -703,7 +737,7 @@ def test_schedule_admits_nothing_in_a_step_that_preempted():
     c.priority, c.arrival_time = 1, 2.0
     s.add(c)
     plan = s.schedule()  # a's 9th token needs a block: b is preempted, which frees 2
-    assert plan.preempted == [b]
+    assert plan.preempted == [b], "the running request that doesn't fit is b, the last; it preempts itself"
     assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 1)], \
         "a step that preempted admits no one, even a request that would fit in the freed blocks"
 
@@ -729,7 +763,8 @@ def test_schedule_inserts_an_admitted_request_into_running_in_order():
     advance(s.schedule())  # low decodes, high is admitted
     assert s.running == [high, low], \
         "running stays sorted by order_key: insert an admitted request at its place (_insert_sorted), don't append"
-    assert high.status is Status.RUNNING and high.admitted and high.num_cached_tokens == 0
+    assert high.status is Status.RUNNING and high.admitted and high.num_cached_tokens == 0, \
+        'on admission: status RUNNING, admitted set, num_cached_tokens recorded (0 here)'
     assert [r.request_id for r, _ in s.schedule().scheduled] == ["high", "low"], "running requests go in rank order"
 
 
@@ -746,14 +781,16 @@ def test_schedule_readmits_a_swapped_request_into_the_first_blocks_of_its_new_ta
         if plan.preempted:
             break
         advance(plan)
-    assert plan.preempted == [b] and b.swapped_out and b.num_computed_tokens == 4
+    assert plan.preempted == [b] and b.swapped_out and b.num_computed_tokens == 4, \
+        'the pool is full: swap mode preempts b with its 4 computed tokens kept'
     s.finish(a, Status.FINISHED_LENGTH)
     plan = s.schedule()
     assert plan.swap_in == [(b, s.blocks.req_blocks["b"][:1])], \
         "the saved K/V of its 4 computed tokens go into the FIRST block of its new table"
     assert not b.swapped_out and b.status is Status.RUNNING and b.num_computed_tokens == 4, \
         "on readmission a swapped request keeps its computed tokens; clear swapped_out and set RUNNING"
-    assert [(r.request_id, n) for r, n in plan.scheduled] == [("b", 1)] and s.running == [b]
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("b", 1)] and s.running == [b], \
+        'b resumes with its one pending token and is the only running request'
 
 
 @hole("Scheduler.schedule")
@@ -762,7 +799,7 @@ def test_schedule_asks_nothing_of_a_request_at_max_tokens():
     a = req("a", range(5), max_tokens=1)
     s.add(a)
     advance(s.schedule())
-    assert a.num_output_tokens == 1
+    assert a.num_output_tokens == 1, 'the whole prompt ran: one token sampled'
     assert s.schedule().scheduled == [], "a request whose output reached max_tokens asks for 0 tokens"
 
 
@@ -780,9 +817,11 @@ def test_preempt_recompute_forgets_kv_and_requeues_at_the_front():
             break
         advance(plan)
     assert plan.preempted == [b], "the LAST running request is the victim"
-    assert b.status is Status.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
-    assert "b" not in s.blocks.req_blocks and s.waiting[0] is b and b not in s.running
-    assert plan.swap_out == []
+    assert b.status is Status.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1, \
+        'recompute: PREEMPTED, nothing computed, one preemption counted on the request'
+    assert "b" not in s.blocks.req_blocks and s.waiting[0] is b and b not in s.running, \
+        'a preempted request holds no blocks, waits at the FRONT, and is no longer running'
+    assert plan.swap_out == [], 'recompute mode copies nothing to the host'
 
 
 @hole("Scheduler._preempt")
@@ -800,12 +839,14 @@ def test_preempt_swap_keeps_computed_tokens_and_lists_the_blocks():
             break
         advance(plan)
     assert plan.swap_out == [(b, b_blocks)], "swap lists the victim's blocks covering its computed tokens"
-    assert b.swapped_out and b.num_computed_tokens == 4 and "b" not in s.blocks.req_blocks
+    assert b.swapped_out and b.num_computed_tokens == 4 and "b" not in s.blocks.req_blocks, \
+        'swap: swapped_out set, computed tokens kept, blocks freed'
     s.finish(a, Status.FINISHED_LENGTH)
     plan = s.schedule()
     assert plan.swap_in and plan.swap_in[0][0] is b and plan.swap_in[0][1] == s.blocks.req_blocks["b"][:1], \
         "on readmission the saved K/V go into the first blocks of its NEW table"
-    assert [(r.request_id, n) for r, n in plan.scheduled] == [("b", 1)] and not b.swapped_out
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("b", 1)] and not b.swapped_out, \
+        'b resumes with its pending token; swapped_out cleared on readmission'
 
 
 @hole("Scheduler._preempt")
@@ -822,7 +863,7 @@ def test_preempt_puts_the_victim_ahead_of_requests_already_waiting():
         if plan.preempted:
             break
         advance(plan)
-    assert plan.preempted == [b]
+    assert plan.preempted == [b], 'the last running request, b, is the victim'
     assert s.waiting == [b, c], "a preempted request goes back to the FRONT of the waiting queue"
 
 
@@ -842,7 +883,7 @@ def test_preempt_priority_policy_picks_the_lowest_priority_and_requeues_by_prior
     plan = s.schedule()  # b's 9th token needs a third block: the pool is full
     assert plan.preempted == [a], \
         "the victim is the LOWEST-priority running request (a, priority 2), not the newest arrival (b)"
-    assert [(r.request_id, n) for r, n in plan.scheduled] == [("b", 1)]
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("b", 1)], 'b, the highest priority, keeps running'
     assert [r.request_id for r in s.waiting] == ["mid", "a", "low"], \
         "under the priority policy the victim is requeued at its (priority, arrival) place"
 
@@ -874,13 +915,16 @@ def test_check_stop_rules():
         r.eos_token_id = eos
         status = e.check_stop(r)
         return status, r.stop_reason
-    assert stop([1, 2, 3, 4, 9], eos=9) == (Status.FINISHED_STOPPED, None)
+    assert stop([1, 2, 3, 4, 9], eos=9) == (Status.FINISHED_STOPPED, None), \
+        'EOS stops a request (with no stop_reason)'
     assert stop([1, 2, 3, 4, 9], eos=9, min_tokens=2) == (None, None), "EOS doesn't count before min_tokens"
-    assert stop([1, 2, 3, 4, 9], eos=9, ignore_eos=True) == (None, None)
+    assert stop([1, 2, 3, 4, 9], eos=9, ignore_eos=True) == (None, None), 'ignore_eos: EOS is just a token'
     assert stop([1, 2, 3, 4, 5, 7], stop_token_ids=[7]) == (Status.FINISHED_STOPPED, 7), "stop_reason = the stop token"
-    assert stop([1, 2, 3, 4, 7], stop_token_ids=[7], min_tokens=2) == (None, None)
-    assert stop([1, 2, 3, 4, 5, 6], max_tokens=2) == (Status.FINISHED_LENGTH, None)
-    assert stop([1, 2, 3, 4, 5], max_tokens=2) == (None, None)
+    assert stop([1, 2, 3, 4, 7], stop_token_ids=[7], min_tokens=2) == (None, None), \
+        "a stop token doesn't count before min_tokens"
+    assert stop([1, 2, 3, 4, 5, 6], max_tokens=2) == (Status.FINISHED_LENGTH, None), \
+        'max_tokens outputs -> FINISHED_LENGTH'
+    assert stop([1, 2, 3, 4, 5], max_tokens=2) == (None, None), 'fewer than max_tokens outputs: not finished'
     assert stop(list(range(12)), prompt_len=10, max_tokens=50) == (Status.FINISHED_LENGTH, None), \
         "the context limit (max_model_len) ends a request too"
 
@@ -895,11 +939,12 @@ def test_step_runs_one_forward_per_step_and_reports_only_produced_tokens():
     e.add_request("a", p, SamplingParams(max_tokens=3, ignore_eos=True))
     first = e.step()
     assert first == [], "a mid-prompt chunk reports nothing"
-    assert calls == [16]
+    assert calls == [16], "the first step runs one forward over the step's 16 tokens"
     e.step()
     out = e.step()
     assert len(calls) == 3, "one forward pass per step, whatever it holds"
-    assert [o.request_id for o in out] == ["a"] and len(out[0].new_token_ids) == 1
+    assert [o.request_id for o in out] == ["a"] and len(out[0].new_token_ids) == 1, \
+        "the step that reaches the prompt's last token reports exactly one new token"
     done = e.run_until_done()
     assert_same_tokens(done["a"], oracle(tuple(p), 3), "a", 30, 4)
 
@@ -916,7 +961,8 @@ def test_step_outputs_and_frees_finished_requests_at_once():
     last = outs[-1]
     assert (last.finished, last.finish_reason, last.output_token_ids) == (True, "stop", want[:2]), \
         "EOS ends the request (EOS included in the output)"
-    assert last.num_cached_tokens == 0 and e.blocks.num_free == e.blocks.num_blocks
+    assert last.num_cached_tokens == 0 and e.blocks.num_free == e.blocks.num_blocks, \
+        'nothing came from the cache, and every block is free once the request finished'
 
 
 @hole("EngineCore.step")
@@ -924,11 +970,11 @@ def test_step_n_children_share_the_prompt_blocks():
     p = prompts([40], seed=10)[0]
     e = core(EngineConfig(block_size=16))
     ids = e.add_request("p", p, SamplingParams(n=3, max_tokens=4, ignore_eos=True))
-    assert ids == ["p:0", "p:1", "p:2"]
+    assert ids == ["p:0", "p:1", "p:2"], 'n=3 becomes children p:0, p:1, p:2'
     e.step()
     tables = [e.blocks.req_blocks[i] for i in ids]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2], "children share the prompt's full blocks"
-    assert e.blocks.ref_count[tables[0][0]] == 3
+    assert e.blocks.ref_count[tables[0][0]] == 3, 'the three children hold the shared prompt block: ref_count 3'
     done = e.run_until_done()
     for i in ids:
         assert_same_tokens(done[i], oracle(tuple(p), 4), i, 40)
@@ -953,9 +999,11 @@ def test_step_abort_frees_everything():
     e.step()
     e.abort_request("a")
     e.abort_request("nobody")  # harmless
-    assert "a" not in e.blocks.req_blocks and "a" not in e.generators
+    assert "a" not in e.blocks.req_blocks and "a" not in e.generators, \
+        "an aborted request's blocks and generator are dropped at once"
     e.run_until_done()
-    assert e.blocks.num_free == e.blocks.num_blocks and not e.scheduler.requests
+    assert e.blocks.num_free == e.blocks.num_blocks and not e.scheduler.requests, \
+        'at idle every block is free and no request is left'
 
 
 @hole("EngineCore.step")
@@ -967,9 +1015,10 @@ def test_step_prompt_logprobs_match_the_model():
     lp = outs[-1].prompt_logprobs
     with torch.no_grad():
         want = torch.log_softmax(model64()(torch.tensor(p)), -1)
-    assert len(lp) == 11
+    assert len(lp) == 11, 'a 12-token prompt has 11 prompt logprobs (one per token after the first)'
     for i, entry in enumerate(lp):
-        assert math.isclose(entry[p[i + 1]], float(want[i, p[i + 1]]), abs_tol=1e-9)
+        assert math.isclose(entry[p[i + 1]], float(want[i, p[i + 1]]), abs_tol=1e-9), \
+            'entry i is the log-probability of prompt token i + 1'
 
 
 GREEDY = dict(ignore_eos=True, temperature=0.0)
@@ -1130,7 +1179,7 @@ def test_record_lookup_counts_each_admission_once():
     published(bm, req("a", range(12)), 12)  # 3 of 4 blocks held
     b = req("b", list(range(8)) + list(range(50, 60)))  # 18 tokens: 2 cached blocks + 3 new blocks
     for _ in range(3):  # the pool is too full: b is looked up again every step
-        assert not bm.allocate_slots(b, 10, bm.find_cached_prefix(b))
+        assert not bm.allocate_slots(b, 10, bm.find_cached_prefix(b)), 'the pool is too full for b'
     assert (bm.num_queries, bm.num_hits) == (18, 8), "a waiting request's repeated lookups count once"
     bm.free(b)
-    assert not bm.pending_lookups
+    assert not bm.pending_lookups, 'free() drops the pending lookup of a request that was never admitted'

@@ -16,6 +16,8 @@ repository with chosen chapter files, ``tools.testrun.workspace``):
 (f) ``make skeleton`` keeps a file with filled holes or helpers (or, forced, backs it up first);
 (g) an edit outside the holes is reported, and the tests run it (one engine everywhere);
 (h) a learner file that does not import fails only its own holes' tests (and the milestone);
+(j) grading uses the instructor's tests whatever the checkout's tests/ say, and a hung hole costs
+    only its own tests;
 (i) holes written from their docstrings alone (tests/learner_fill.py) pass the chapter's tests and
     the engine checks: no test checks what no docstring says.
 """
@@ -233,3 +235,26 @@ def test_holes_written_from_their_docstrings_pass(tmp_path):
                      per_test_timeout=120)
     failed = [f"{t.name}: {t.message}" for t in run.tests if not t.passed]
     assert run.tests and not failed, "holes filled from their docstrings alone fail:\n" + "\n".join(failed)
+
+
+# ---------------------------------------------------------------------------------------- (j)
+def test_grading_ignores_the_checkouts_tests_and_survives_a_hung_hole(tmp_path):
+    import shutil
+
+    from tools.grade import grade
+
+    files = reference_files()
+    body = "        p = request.params\n        num_output = request.num_output_tokens\n"
+    assert files["serve/engine.py"].count(body) == 1
+    files["serve/engine.py"] = files["serve/engine.py"].replace(body, "        while True:  # hangs\n            pass\n")
+    checkout = workspace(tmp_path / "learner", files)
+    shutil.rmtree(checkout / "tests")
+    (checkout / "tests").mkdir()
+    (checkout / "tests" / "conftest.py").write_text("")
+    (checkout / "tests" / "test_ch31_engine_v2.py").write_text("def test_everything():\n    assert True\n")
+    doc = grade(checkout, per_test_timeout=5, keyword="check_stop or worked_example")
+    rows = {r["name"]: r for r in doc["holes"]}
+    stop = rows["EngineCore.check_stop"]
+    assert stop["status"] == "fail" and "Timeout" in stop["failures"][0]["message"], stop
+    assert rows["build_batch"]["status"] == "pass" and rows["build_batch"]["total"] >= 1, rows["build_batch"]
+    assert doc["score"] < doc["max_score"] and not doc["problems"], doc["problems"]

@@ -70,9 +70,13 @@ def status_of(name: str, tests: list[TestRecord]) -> str:
     return NOT_STARTED if unfilled else FAIL
 
 
+def _first_line(t: TestRecord) -> str:
+    line = t.message.splitlines()[0] if t.message else ""
+    return line + " (an endless loop in your code?)" if "Timeout >" in line else line
+
+
 def make_row(name: str, file: str, tests: list[TestRecord]) -> Row:
-    failures = [{"test": t.name, "outcome": t.outcome, "message": t.message.splitlines()[0] if t.message else ""}
-                for t in tests if not t.passed]
+    failures = [{"test": t.name, "outcome": t.outcome, "message": _first_line(t)} for t in tests if not t.passed]
     weight = WEIGHTS.get(name, 1)
     passed = sum(t.passed for t in tests)
     score = round(weight * passed / len(tests), 2) if tests else 0.0
@@ -96,8 +100,9 @@ def run_surviving_crashes(args: list[str], cwd: Path, per_test_timeout: float, t
     return run
 
 
-def grade(checkout: Path, per_test_timeout: float = 60, timeout: float = 1800) -> dict:
-    """Grade one checkout's chapter files with this repository's tests (the JSON document)."""
+def grade(checkout: Path, per_test_timeout: float = 60, timeout: float = 1800, keyword: str = "") -> dict:
+    """Grade one checkout's chapter files with this repository's tests (the JSON document);
+    ``keyword`` (pytest ``-k``) grades only some tests (for trying the grader out)."""
     problems: list[str] = []
     files = {}
     for rel in chapter_files():
@@ -110,7 +115,8 @@ def grade(checkout: Path, per_test_timeout: float = 60, timeout: float = 1800) -
     with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
         bed = workspace(Path(tmp) / "repo", files)
         edits = outside_hole_edits(bed / "engine")
-        run = run_surviving_crashes(["-q", "--tb=line", "--impl", "engine", CHAPTER_TESTS, *ENGINE_CHECKS],
+        select = ["-k", keyword] if keyword else []
+        run = run_surviving_crashes(["-q", "--tb=line", "--impl", "engine", CHAPTER_TESTS, *ENGINE_CHECKS, *select],
                                     bed, per_test_timeout, timeout)
         if run.engine_file and not Path(run.engine_file).resolve().is_relative_to((bed / "engine").resolve()):
             problems.append(f"the tests imported {run.engine_file}, not the graded engine/")
@@ -205,6 +211,7 @@ def grade_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "grades", help="where to write (default: grades/)")
     ap.add_argument("--per-test-timeout", type=float, default=60, help="seconds before one test counts as hung")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for one checkout's whole test run")
+    ap.add_argument("-k", dest="keyword", default="", help="grade only the tests matching this pytest -k expression")
     args = ap.parse_args(argv)
     paths = [Path(p).resolve() for p in args.paths]
     if args.folder:
@@ -217,7 +224,7 @@ def grade_main(argv: list[str] | None = None) -> int:
     docs = []
     for checkout in paths:
         print(f"grading {checkout} (its chapter files, this repository's tests) ...", flush=True)
-        doc = grade(checkout, args.per_test_timeout, args.timeout)
+        doc = grade(checkout, args.per_test_timeout, args.timeout, args.keyword)
         docs.append(doc)
         out = args.out / checkout.name
         out.mkdir(parents=True, exist_ok=True)
