@@ -118,7 +118,7 @@ def learner_work(text: str, rel: str) -> list[str]:
     """What in this ``engine/<rel>`` text is a learner's own work: filled holes and added helpers.
     A file that does not parse counts as work (it is being edited)."""
     reference = _defs(ast.parse((SOLUTIONS / rel).read_text()))
-    holes = {h.qualname for h in holes_in(SOLUTIONS / rel)}
+    holes = [h.qualname for h in holes_in(SOLUTIONS / rel)]
     try:
         mine = _defs(ast.parse(text))
     except SyntaxError as exc:
