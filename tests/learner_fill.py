@@ -98,22 +98,22 @@ if blocks:
     },
     "serve/scheduler.py": {
         "Scheduler._preempt": """
-self.running.remove(request)
-if self.config.preemption_mode == "swap" and request.num_computed_tokens > 0:
-    held = self.blocks.req_blocks[request.request_id]
-    out.swap_out.append((request, held[:self.blocks.blocks_for(request.num_computed_tokens)]))
+rid = request.request_id
+if self.config.preemption_mode == "swap" and request.num_computed_tokens:
+    keep = self.blocks.blocks_for(request.num_computed_tokens)
+    out.swap_out.append((request, list(self.blocks.req_blocks[rid][:keep])))
     request.swapped_out = True
 else:
     request.num_computed_tokens = 0
+self.running = [r for r in self.running if r is not request]
 self.blocks.free(request)
-request.status = Status.PREEMPTED
-request.num_preemptions += 1
+request.status, request.num_preemptions = Status.PREEMPTED, request.num_preemptions + 1
 self.num_preemptions += 1
 out.preempted.append(request)
-if self.config.policy == "priority":
-    self._insert_sorted(self.waiting, request)
-else:
+if self.config.policy == "fcfs":
     self.waiting.insert(0, request)
+else:
+    self._insert_sorted(self.waiting, request)
 """,
     },
     "serve/engine.py": {

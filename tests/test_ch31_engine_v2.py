@@ -615,6 +615,23 @@ def advance(plan, sample_token: int = 1) -> None:
             r.append(sample_token)
 
 
+def preempt_b(mode: str = "recompute", extra: tuple = (), **cfg):
+    """a (6 tokens: 2 blocks) and b (4 tokens: 1 block) fill a 3-block pool; a's growth then preempts
+    b, the last running request. Returns (scheduler, a, b, the plan that preempted, b's table before)."""
+    s = sched(num_blocks=3, block_size=4, preemption_mode=mode, **cfg)
+    a, b = req("a", range(6), max_tokens=6), req("b", range(10, 14), max_tokens=8)
+    for r in (a, b, *extra):
+        s.add(r)
+    advance(s.schedule())
+    b_blocks = list(s.blocks.req_blocks["b"])
+    for _ in range(3):
+        plan = s.schedule()
+        if plan.preempted:
+            break
+        advance(plan)
+    return s, a, b, plan, b_blocks
+
+
 @hole("Scheduler.schedule")
 def test_schedule_chunks_a_long_prompt_under_the_budget():
     s = sched(num_blocks=400, max_num_batched_tokens=2048)
@@ -771,17 +788,7 @@ def test_schedule_inserts_an_admitted_request_into_running_in_order():
 
 @hole("Scheduler.schedule")
 def test_schedule_readmits_a_swapped_request_into_the_first_blocks_of_its_new_table():
-    s = sched(num_blocks=3, block_size=4, preemption_mode="swap")
-    a = req("a", range(6), max_tokens=6)
-    b = req("b", range(10, 14), max_tokens=8)
-    s.add(a)
-    s.add(b)
-    advance(s.schedule())
-    for _ in range(3):
-        plan = s.schedule()
-        if plan.preempted:
-            break
-        advance(plan)
+    s, a, b, plan, _ = preempt_b("swap")
     assert plan.preempted == [b] and b.swapped_out and b.num_computed_tokens == 4, \
         'the pool is full: swap mode preempts b with its 4 computed tokens kept'
     s.finish(a, Status.FINISHED_LENGTH)
@@ -806,17 +813,7 @@ def test_schedule_asks_nothing_of_a_request_at_max_tokens():
 
 @hole("Scheduler._preempt")
 def test_preempt_recompute_forgets_kv_and_requeues_at_the_front():
-    s = sched(num_blocks=3, block_size=4)
-    a = req("a", range(6), max_tokens=6)
-    b = req("b", range(10, 14), max_tokens=8)
-    s.add(a)
-    s.add(b)
-    advance(s.schedule())  # a: 2 blocks, b: 1 block, pool full
-    for _ in range(3):
-        plan = s.schedule()
-        if plan.preempted:
-            break
-        advance(plan)
+    s, a, b, plan, _ = preempt_b()
     assert plan.preempted == [b], "the LAST running request is the victim"
     assert b.status is Status.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1, \
         'recompute: PREEMPTED, nothing computed, one preemption counted on the request'
@@ -827,18 +824,7 @@ def test_preempt_recompute_forgets_kv_and_requeues_at_the_front():
 
 @hole("Scheduler._preempt")
 def test_preempt_swap_keeps_computed_tokens_and_lists_the_blocks():
-    s = sched(num_blocks=3, block_size=4, preemption_mode="swap")
-    a = req("a", range(6), max_tokens=6)
-    b = req("b", range(10, 14), max_tokens=8)
-    s.add(a)
-    s.add(b)
-    advance(s.schedule())
-    b_blocks = list(s.blocks.req_blocks["b"])
-    for _ in range(3):
-        plan = s.schedule()
-        if plan.preempted:
-            break
-        advance(plan)
+    s, a, b, plan, b_blocks = preempt_b("swap")
     assert plan.swap_out == [(b, b_blocks)], "swap lists the victim's blocks covering its computed tokens"
     assert b.swapped_out and b.num_computed_tokens == 4 and "b" not in s.blocks.req_blocks, \
         'swap: swapped_out set, computed tokens kept, blocks freed'
@@ -852,18 +838,8 @@ def test_preempt_swap_keeps_computed_tokens_and_lists_the_blocks():
 
 @hole("Scheduler._preempt")
 def test_preempt_puts_the_victim_ahead_of_requests_already_waiting():
-    s = sched(num_blocks=3, block_size=4, max_num_seqs=2)
-    a = req("a", range(6), max_tokens=6)
-    b = req("b", range(10, 14), max_tokens=8)
     c = req("c", range(20, 23), max_tokens=2)  # waits: max_num_seqs is 2
-    for r in (a, b, c):
-        s.add(r)
-    advance(s.schedule())
-    for _ in range(3):
-        plan = s.schedule()
-        if plan.preempted:
-            break
-        advance(plan)
+    s, a, b, plan, _ = preempt_b(extra=(c,), max_num_seqs=2)
     assert plan.preempted == [b], 'the last running request, b, is the victim'
     assert s.waiting == [b, c], "a preempted request goes back to the FRONT of the waiting queue"
 
