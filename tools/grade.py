@@ -85,9 +85,9 @@ def make_row(name: str, file: str, tests: list[TestRecord]) -> Row:
 
 def run_surviving_crashes(args: list[str], cwd: Path, per_test_timeout: float, timeout: float) -> TestRun:
     """Run the tests; if the test process dies mid-run (a crash, os._exit), count the test it was
-    running as failed and run the rest again, up to five times."""
+    running as failed and run the rest again, up to ten times."""
     run = run_pytest(args, cwd=cwd, timeout=timeout, per_test_timeout=per_test_timeout)
-    for _ in range(5):
+    for _ in range(10):
         left = [t for t in run.tests if t.outcome == "not run"]
         if run.timed_out or not left or run.returncode in (0, 1):
             break
