@@ -119,15 +119,20 @@ class Isolation:
             for qualname in names:
                 rel = self.file_of(qualname)
                 mine, ref = importlib.import_module(_module_name(rel)), self.reference_module(rel)
+                ref_value = getattr(ref, qualname) if "." not in qualname else \
+                    getattr(ref, qualname.split(".")[0]).__dict__[qualname.split(".", 1)[1]]
+                for name in _global_names(ref_value):  # e.g. an import the learner's file no longer has
+                    if name in vars(ref) and name not in vars(mine):
+                        self._set(mine, name, vars(ref)[name])
                 if "." in qualname:
                     cls_name, attr = qualname.split(".", 1)
                     my_cls, ref_cls = getattr(mine, cls_name), getattr(ref, cls_name)
                     if qualname not in self._rebound:
-                        self._rebound[qualname] = _rebind(ref_cls.__dict__[attr], ref, mine, ref_cls, my_cls)
+                        self._rebound[qualname] = _rebind(ref_value, ref, mine, ref_cls, my_cls)
                     self._set(my_cls, attr, self._rebound[qualname])
                     continue
                 if qualname not in self._rebound:
-                    self._rebound[qualname] = _rebind(getattr(ref, qualname), ref, mine)
+                    self._rebound[qualname] = _rebind(ref_value, ref, mine)
                 new, old = self._rebound[qualname], getattr(mine, qualname, None)
                 self._set(mine, qualname, new)
                 if old is not None:  # e.g. engine.serve, runner.py and the tests import build_batch by name
@@ -161,6 +166,18 @@ def _binding_sites() -> list[types.ModuleType]:
         if name == "engine" or name.startswith("engine.") or (file.startswith(root) and ".venv" not in file):
             sites.append(module)
     return sites
+
+
+def _global_names(value) -> set[str]:
+    """Every name a function (or property / static / class method) may look up in its globals."""
+    funcs = [getattr(value, a) for a in ("fget", "fset", "fdel", "__func__") if getattr(value, a, None)] or [value]
+    codes = [f.__code__ for f in funcs if isinstance(f, types.FunctionType)]
+    names: set[str] = set()
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return names
 
 
 def _rebind(value, src: types.ModuleType, dst: types.ModuleType, src_cls: type | None = None,

@@ -206,6 +206,24 @@ def test_an_edit_outside_the_holes_is_reported_and_runs_everywhere(tmp_path):
     assert run.tests and not any(t.passed for t in run.tests), "the tests must run the learner's _evict too"
 
 
+def test_a_learner_who_drops_an_unused_import_still_gets_the_reference_elsewhere(tmp_path):
+    from learner_fill import BODIES
+
+    files = reference_files()
+    mine = skeleton_tool().replace_bodies(files["serve/blocks.py"], "serve/blocks.py",
+                                          {"hash_block": BODIES["serve/blocks.py"]["hash_block"]})
+    for line in ("import sys\n", "from array import array\n"):  # unused by this hash_block: an editor drops them
+        assert mine.count(line) == 1
+        mine = mine.replace(line, "")
+    files["serve/blocks.py"] = mine
+    bed = workspace(tmp_path / "repo", files)
+    assert skeleton_tool().outside_hole_edits(bed / "engine") == []
+    run = run_pytest(["-q", "--impl", "engine", CHAPTER_TESTS, "-k", "find_cached_prefix or hash_block"], cwd=bed)
+    failed = [f"{t.name}: {t.message}" for t in run.tests if not t.passed]
+    assert run.tests and not failed, "the reference hash_block, swapped in for other holes' tests, must still " \
+                                     "find the imports it uses:\n" + "\n".join(failed)
+
+
 # ---------------------------------------------------------------------------------------- (h)
 def test_a_learner_file_that_does_not_import_fails_only_its_own_holes(tmp_path):
     files = reference_files()

@@ -153,8 +153,8 @@ def _statements(tree: ast.Module) -> Counter:
         for node in body:
             if isinstance(node, ast.ClassDef):
                 visit(node.body, node.name if scope == "module" else f"{scope}.{node.name}")
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Import, ast.ImportFrom)):
+                continue  # imports: a removed one breaks given code, which the tests then show
             elif not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
                       and isinstance(node.value.value, str)):
                 found[(scope, ast.unparse(node))] += 1
@@ -167,7 +167,7 @@ def outside_hole_edits(engine_dir: Path = ENGINE) -> list[str]:
     """What a learner changed in the chapter files OUTSIDE the holes, one line each (empty: nothing).
 
     Allowed, so not listed: hole bodies, docstrings and comments, helpers (new functions, methods,
-    imports, constants). Listed: a given function or method whose code differs, a hole whose
+    constants), imports added or removed. Listed: a given function or method whose code differs, a hole whose
     signature differs, a given def or statement that was changed or removed.
     """
     edits = []
