@@ -108,7 +108,10 @@ def pytest_runtest_setup(item):
     broken = [isolation.broken[f] for f in sorted(mine) if f in isolation.broken]
     if broken:
         pytest.fail("; ".join(broken), pytrace=False)
-    isolation.use_reference_for(swap)
+    try:
+        isolation.use_reference_for(swap)
+    except RuntimeError as exc:  # a chapter class renamed or removed
+        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.hookimpl(hookwrapper=True)

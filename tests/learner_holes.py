@@ -126,7 +126,9 @@ class Isolation:
                         self._set(mine, name, vars(ref)[name])
                 if "." in qualname:
                     cls_name, attr = qualname.split(".", 1)
-                    my_cls, ref_cls = getattr(mine, cls_name), getattr(ref, cls_name)
+                    my_cls, ref_cls = getattr(mine, cls_name, None), getattr(ref, cls_name)
+                    if not isinstance(my_cls, type):
+                        raise RuntimeError(f"your engine/{rel} has no class {cls_name}: keep the chapter's names")
                     if qualname not in self._rebound:
                         self._rebound[qualname] = _rebind(ref_value, ref, mine, ref_cls, my_cls)
                     self._set(my_cls, attr, self._rebound[qualname])
