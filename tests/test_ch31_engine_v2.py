@@ -585,7 +585,7 @@ def test_free_drops_the_requests_entries_even_without_blocks():
         "free() must drop pending_lookups even for a request that holds no blocks (a waiting request aborted)"
     bm.free(a)
     assert "a" not in bm.req_blocks and "a" not in bm.num_published, \
-        "free() must drop num_published too, or it leaks (and a reused request id would skip publishing)"
+        "free() must drop num_published too, or the entry outlives the request (the invariant checker flags it)"
     again = req("a", range(100, 112))
     published(bm, again, 12)
     assert len(bm.cached) >= 3 and bm.block_hash[bm.req_blocks["a"][0]] == again.block_hashes[0], \
