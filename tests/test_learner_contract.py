@@ -93,7 +93,11 @@ def test_skeleton_and_reference_have_the_same_signatures(rel):
 def test_engine_never_imports_solutions():
     offenders = []
     for path in sorted((ROOT / "engine").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        try:
+            tree = ast.parse(path.read_text())
+        except SyntaxError:
+            continue  # a file being edited; the tests of its holes say so
+        for node in ast.walk(tree):
             names = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
