@@ -238,7 +238,8 @@ def grade_main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / "grades.csv", "w", newline="") as f:
             csv.writer(f).writerows([header, *body])
-        short = [h.split(".")[-1][:10] for h in header]
+        short = [h if len(h) <= 12 or "." not in h else
+                 "".join(c for c in h.split(".")[0] if c.isupper()) + "." + h.split(".")[1][:10] for h in header]
         widths = [max(len(x) for x in col) for col in zip(short, *body)]
         for row in [short, *body]:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
