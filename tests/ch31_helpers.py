@@ -52,12 +52,10 @@ def assert_same_tokens(got: list[int], want: list[int], request_id: str, prompt_
     if got and i < len(got) and (pos % block_size == 0 or (pos + 1) % block_size == 0):
         hint.append(f"position {pos} is at a block boundary (block_size {block_size}): check the slot "
                     "mapping table[p // block_size] * block_size + p % block_size")
-    hint.append("if it happens only after a preemption, check num_computed_tokens on resume and the "
-                "blocks swapped back in")
     raise AssertionError(
         f"{context}request {request_id!r}: output token {i} differs from generate() "
         f"(got {got[i] if i < len(got) else 'nothing'}, want {want[i] if i < len(want) else 'nothing'}; "
-        f"got {len(got)} tokens, want {len(want)}). Likely cause: " + "; ".join(hint))
+        f"got {len(got)} tokens, want {len(want)})." + (" Likely cause: " + "; ".join(hint) if hint else ""))
 
 
 def run_checked(core, after_step=None, max_steps: int = 5000) -> dict[str, list[int]]:

@@ -1058,6 +1058,7 @@ MILESTONE_CONFIGS = {
 def milestone_requests():
     ps = prompts([9, 40, 57, 70, 23], seed=21)
     ps[3][:32] = ps[1][:32]  # request 3 shares its first two blocks with request 1
+    ps[4] = ps[1][:32]  # request 4 is exactly those two blocks: its last token must still run
     return ps, [14, 30, 20, 26, 18]
 
 
