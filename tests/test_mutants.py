@@ -9,7 +9,7 @@ tests cannot see that bug: strengthen tests/test_ch31_engine_v2.py (keep the mar
 from __future__ import annotations
 
 from learner_holes import all_holes
-from tools.mutants import MUTANTS, format_table, run_all
+from tools.mutants import MILESTONE_MUST_CATCH, MUTANTS, format_table, run_all
 
 
 # Bugs that once passed every chapter test (issue 11): each must stay a named mutant.
@@ -31,3 +31,11 @@ def test_every_mutant_is_killed_by_the_chapter_tests():
     assert not bad, (f"{len(bad)} of {len(results)} mutants were not killed "
                      f"(SURVIVED: strengthen the tests; stale: update the mutant's text; broken: see detail):\n"
                      + format_table(results))
+
+
+def test_the_milestone_alone_exposes_the_bugs_the_chapter_names():
+    chosen = [m for m in MUTANTS if m.name in MILESTONE_MUST_CATCH]
+    assert len(chosen) == len(MILESTONE_MUST_CATCH)
+    results = run_all(chosen, workers=2, milestone_only=True)
+    bad = [r for r in results if r.status != "killed"]
+    assert not bad, "the milestone alone must catch these bugs (the chapter promises it):\n" + format_table(results)
