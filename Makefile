@@ -4,8 +4,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST := $(PY) -m pytest
+IMPL   ?= solution
+# The chapter's tests plus the engine checks that run YOUR engine alone (isolation, state machines).
+LEARNER_TESTS := tests/test_ch31_engine_v2.py tests/test_isolation.py tests/test_reliability.py
 
-.PHONY: setup run test test-learner check skeleton grade mutants soak notebooks test-triton gpu-check solutions-branch bench clean
+.PHONY: setup run test test-learner check skeleton grade mutants soak notebooks test-triton gpu-check bench clean
 
 setup: $(STAMP)
 
@@ -23,17 +26,17 @@ run: $(STAMP)                ## the chapter benchmark on the reference engine
 test: $(STAMP)               ## the whole suite against the reference, plus the learner-layer contract checks
 	$(PYTEST) -q --impl solution tests
 
-test-learner: $(STAMP)       ## the chapter's tests against YOUR engine (red until the holes are filled)
-	$(PYTEST) -q tests/test_ch31_engine_v2.py
+test-learner: $(STAMP)       ## the chapter's tests and engine checks against YOUR engine (red until the holes are filled)
+	$(PYTEST) -q --impl engine --timeout 120 $(LEARNER_TESTS)
 
 check: $(STAMP)              ## is engine/ exactly the skeleton generated from solutions/?
 	$(PY) -m tools.skeleton --check
 
-skeleton: $(STAMP)           ## regenerate engine/'s chapter files from solutions/
-	$(PY) -m tools.skeleton
+skeleton: $(STAMP)           ## regenerate engine/'s chapter files from solutions/ (keeps files with your work; FORCE=1: back up, then overwrite)
+	$(PY) -m tools.skeleton $(if $(FORCE),--force,)
 
-grade: $(STAMP)              ## grade a checkout hole by hole: make grade [CHECKOUT=path] (default: this one)
-	$(PY) run.py grade $(CHECKOUT)
+grade: $(STAMP)              ## grade checkouts hole by hole: make grade [CHECKOUT="path ..."] [FOLDER=dir]
+	$(PY) run.py grade $(CHECKOUT) $(if $(FOLDER),--folder $(FOLDER),)
 
 mutants: $(STAMP)            ## apply each named bug to the reference; the tests must kill every one
 	$(PY) -m tools.mutants
@@ -41,8 +44,8 @@ mutants: $(STAMP)            ## apply each named bug to the reference; the tests
 soak: $(STAMP)               ## 20,000 random engine operations with invariant checks after each
 	$(PY) scripts/soak.py --operations 20000
 
-notebooks: $(STAMP)          ## execute the chapter notebook against the reference
-	ENGINE_IMPL=solution $(PY) -m tools.notebooks
+notebooks: $(STAMP)          ## execute the chapter notebook: make notebooks [IMPL=engine] (default: the reference)
+	$(PY) -m tools.notebooks --impl $(IMPL)
 
 bench: $(STAMP)              ## engines side by side (chapter 24, core, fast backend, HF transformers)
 	$(PY) run.py bench
@@ -52,9 +55,6 @@ test-triton: $(STAMP)        ## the Triton backend's full tests under the CPU in
 
 gpu-check: $(STAMP)          ## Triton backend tests and the bench on a CUDA device
 	$(PY) scripts/gpu_check.py
-
-solutions-branch:            ## a local branch `solutions` whose engine/ has the reference filled in
-	$(PY) -m tools.solutions_branch
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

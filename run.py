@@ -63,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command != "grade":
         _set_impl(rest)
+        if os.environ["ENGINE_IMPL"] == "engine":
+            from tools.skeleton import outside_hole_edits
+
+            for edit in outside_hole_edits():  # they run here as in the tests; no hole asks for them
+                print(f"note: your edit outside the holes: {edit}", file=sys.stderr)
     import importlib
 
     module_name, fn_name = commands[command].split(":")

@@ -1,11 +1,10 @@
 """The ``--impl`` switch: one package name, two implementations of the chapter's files.
 
-Tests and ``run.py`` always ``import engine``. When the environment variable ``ENGINE_IMPL`` is
-``solution`` at import time, a meta-path finder serves every module ``engine.X.Y`` for which
-``solutions/X/Y.py`` exists from that file instead of ``engine/X/Y.py``. Modules without a
-reference copy (earlier chapters, files without holes) are always the ones in ``engine/``.
-The default, ``engine``, is the learner's code. ``ENGINE_SOLUTIONS_DIR`` (tools only) replaces
-``solutions/`` with another directory of the same layout.
+Tests, ``run.py`` and the notebook always ``import engine``. With ``ENGINE_IMPL=solution`` in the
+environment at import time, a meta-path finder serves every module ``engine.X.Y`` for which
+``solutions/X/Y.py`` exists from that file instead of ``engine/X/Y.py``; every other module (earlier
+chapters, files without holes) is always the one in ``engine/``. ``ENGINE_IMPL=engine`` (or unset)
+imports the learner's files as they are. docs/learner-layer.md explains the whole layer.
 """
 from __future__ import annotations
 
@@ -13,14 +12,13 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 ENV_VAR = "ENGINE_IMPL"
 IMPLS = ("engine", "solution")
 ROOT = Path(__file__).resolve().parent.parent
-# ENGINE_SOLUTIONS_DIR points the switch at another copy of solutions/ (tools/mutants.py patches a
-# temporary copy one bug at a time, never the working tree).
-SOLUTIONS_DIR = Path(os.environ.get("ENGINE_SOLUTIONS_DIR") or ROOT / "solutions").resolve()
+SOLUTIONS_DIR = ROOT / "solutions"
 
 
 def current_impl() -> str:
@@ -41,24 +39,22 @@ def solution_path(module_name: str) -> Path | None:
 
 
 class _SolutionFinder(importlib.abc.MetaPathFinder):
-    """Serves ``engine.*`` modules from ``solutions/`` when a reference copy exists."""
+    """Serves ``engine.*`` modules from ``solutions/`` (all of them, or only the named ones)."""
+
+    def __init__(self, only: set[str] | None = None) -> None:
+        self.only = only
 
     def find_spec(self, fullname, path=None, target=None):
-        src = solution_path(fullname)
-        if src is None:
+        if self.only is not None and fullname not in self.only:
             return None
-        return importlib.util.spec_from_file_location(fullname, src)
+        src = solution_path(fullname)
+        return None if src is None else importlib.util.spec_from_file_location(fullname, src)
 
 
-def install_reference_finder() -> None:
-    """Serve the chapter's files from ``solutions/`` in this process, whatever ``ENGINE_IMPL`` says.
-
-    The test suite's per-hole isolation (tests/learner_holes.py) uses this: it loads the reference
-    as ``engine`` and patches the learner's hole functions into it, while subprocesses still see
-    ``ENGINE_IMPL=engine``.
-    """
-    if not any(isinstance(f, _SolutionFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _SolutionFinder())
+def install_reference_finder(only: Iterable[str] | None = None) -> None:
+    """Serve the chapter's files from ``solutions/`` in this process (``only``: just these modules;
+    the test session uses that for a learner file that does not import)."""
+    sys.meta_path.insert(0, _SolutionFinder(None if only is None else set(only)))
 
 
 def install_impl_switch() -> None:

@@ -41,31 +41,37 @@ def assert_same_tokens(got: list[int], want: list[int], request_id: str, prompt_
         return
     pos = prompt_len + i - 1  # the position whose logits chose output token i
     hint = []
-    if i == 0:
+    if not got:
+        hint.append("it produced no token at all: did its prompt's last chunk get a sample row, and does "
+                    "step() append each request's own sampled token (and report the request)?")
+    elif i == len(got):
+        hint.append("it stopped early: check_stop, or a step that computed a token without appending its sample")
+    elif i == 0:
         hint.append("the very first token is wrong: are the logits taken from the prompt's LAST row "
                     "(not a mid-prompt row), and was at least one prompt token computed?")
-    if pos % block_size == 0 or (pos + 1) % block_size == 0:
+    if got and i < len(got) and (pos % block_size == 0 or (pos + 1) % block_size == 0):
         hint.append(f"position {pos} is at a block boundary (block_size {block_size}): check the slot "
                     "mapping table[p // block_size] * block_size + p % block_size")
-    hint.append("if it happens only after a preemption, check num_computed_tokens on resume and the "
-                "blocks swapped back in")
     raise AssertionError(
         f"{context}request {request_id!r}: output token {i} differs from generate() "
         f"(got {got[i] if i < len(got) else 'nothing'}, want {want[i] if i < len(want) else 'nothing'}; "
-        f"got {len(got)} tokens, want {len(want)}). Likely cause: " + "; ".join(hint))
+        f"got {len(got)} tokens, want {len(want)})." + (" Likely cause: " + "; ".join(hint) if hint else ""))
 
 
-def run_checked(core, after_step=None) -> dict[str, list[int]]:
+def run_checked(core, after_step=None, max_steps: int = 5000) -> dict[str, list[int]]:
     """Step ``core`` until idle, checking every engine invariant after each step (and calling
     ``after_step(core)`` if given); returns the finished requests' output tokens by id."""
     from engine.serve.invariants import check_engine_invariants
 
     out: dict[str, list[int]] = {}
-    while core.has_unfinished():
+    for _ in range(max_steps):
+        if not core.has_unfinished():
+            return out
         for o in core.step():
             if o.finished:
                 out[o.request_id] = o.output_token_ids
         check_engine_invariants(core)
         if after_step is not None:
             after_step(core)
-    return out
+    raise AssertionError(f"the engine is still busy after {max_steps} steps: a request stopped making progress "
+                         "(asks for 0 tokens forever, or never fits)")

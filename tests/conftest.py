@@ -1,13 +1,13 @@
-"""Test-session set-up: the ``--impl`` switch and per-hole isolation.
+"""Test-session set-up: the ``--impl`` switch, per-hole isolation, and what the header reports.
 
 ``--impl solution`` runs the tests against the reference in ``solutions/``. The default,
-``--impl engine``, tests YOUR engine hole by hole (see ``tests/learner_holes.py``): the session
-loads the reference as ``engine`` and, for each test, patches in your version of
-- only hole X, for a test marked ``hole("X")`` (so one bug doesn't fail every later hole);
-- none of your holes, for a test marked ``given`` (code the chapter hands you complete);
-- all of your holes, for the ``milestone`` and for tests without a marker: your engine alone.
-Write code only inside hole bodies (helpers are fine); that is all the tests see.
-Subprocesses a test starts still see ``ENGINE_IMPL=engine``: your own files, unpatched.
+``--impl engine``, tests YOUR engine: the session imports your ``engine/`` as it is, and for each
+test swaps in the reference for the holes that test is not about (see ``tests/learner_holes.py``
+and docs/learner-layer.md):
+- a test marked ``hole("X")``: your X, the reference for every other hole;
+- a test marked ``given`` (code the chapter hands you complete): the reference for every hole;
+- the ``milestone`` and tests without a marker: your engine alone, exactly as run.py runs it.
+The session header says how many holes you filled and lists any edit outside the holes.
 
 The switch must take effect before anything imports a chapter module, so this file imports
 ``engine`` only inside hooks.
@@ -37,16 +37,42 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "given: tests of code the chapter gives complete (none of your holes)")
     config.addinivalue_line("markers", "slow: longer tests")
     if impl == "engine":
-        from learner_holes import LearnerHoles  # tests/ is on sys.path next to this conftest
+        from learner_holes import Isolation, import_learner_engine  # tests/ is on sys.path
 
-        import engine._impl
+        config.stash[_ISOLATION_KEY] = Isolation(import_learner_engine())
 
-        early = sorted(m for m in sys.modules if m.startswith("engine.") and engine._impl.solution_path(m))
-        if early:
-            raise pytest.UsageError(f"{early} were imported before the test session set up --impl engine; "
-                                    "a plugin must not import chapter 31's modules")
-        engine._impl.install_reference_finder()
-        config.stash[_ISOLATION_KEY] = LearnerHoles()
+
+def _warnings(isolation) -> list[str]:
+    from learner_holes import skeleton_tool
+
+    lines = [f"NOT IMPORTED: {why}" for why in isolation.broken.values()]
+    edits = skeleton_tool().outside_hole_edits()
+    if edits:
+        lines.append(f"{len(edits)} edit(s) OUTSIDE the holes (your engine runs them, and so does every "
+                     "test; no hole's contract asks for them):")
+        lines += [f"  {e}" for e in edits]
+    return lines
+
+
+def pytest_report_header(config):
+    isolation = config.stash.get(_ISOLATION_KEY, None)
+    if isolation is None:
+        return [f"chapter 31: testing the reference (--impl {os.environ.get('ENGINE_IMPL')})"]
+    from learner_holes import skeleton_tool
+
+    left = len(skeleton_tool().unfilled_holes())
+    return [f"chapter 31: testing YOUR engine (engine/): {len(isolation.holes) - left} of "
+            f"{len(isolation.holes)} holes filled; a hole's tests use the reference for the other holes",
+            *("  " + line for line in _warnings(isolation))]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    isolation = config.stash.get(_ISOLATION_KEY, None)
+    lines = _warnings(isolation) if isolation is not None else []
+    if lines:
+        terminalreporter.section("chapter 31: your engine/")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(autouse=True)
@@ -61,28 +87,31 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def _holes_for(item) -> list[str] | None:
-    """The holes whose learner version this test runs with; None means all of them."""
-    names = [m.args[0] for m in item.iter_markers("hole")]
+def _reference_holes(item, isolation) -> list[str]:
+    """The holes this test runs with the reference version of (raises on a bad marker)."""
+    names = isolation.check_names(m.args[0] for m in item.iter_markers("hole"))
     given = item.get_closest_marker("given") is not None
     if given and names:
         raise pytest.UsageError(f"{item.nodeid}: a test is either given or of a hole, not both")
     if given:
-        return []
-    return names or None
+        return list(isolation.holes)
+    return [h for h in isolation.holes if h not in names] if names else []
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     isolation = item.config.stash.get(_ISOLATION_KEY, None)
-    if isolation is not None:
-        problem = None
-        try:
-            isolation.patch(isolation.names_for(_holes_for(item)))
-        except (RuntimeError, ValueError) as exc:  # your file doesn't load, or a hole is missing
-            problem = str(exc)
-        if problem:
-            pytest.fail(problem, pytrace=False)
+    if isolation is None:
+        return
+    swap = _reference_holes(item, isolation)
+    mine = {isolation.file_of(h) for h in isolation.holes if h not in swap}
+    broken = [isolation.broken[f] for f in sorted(mine) if f in isolation.broken]
+    if broken:
+        pytest.fail("; ".join(broken), pytrace=False)
+    try:
+        isolation.use_reference_for(swap)
+    except RuntimeError as exc:  # a chapter class renamed or removed
+        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -91,3 +120,27 @@ def pytest_runtest_teardown(item, nextitem):
     isolation = item.config.stash.get(_ISOLATION_KEY, None)
     if isolation is not None:
         isolation.restore()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A hole's test that crashes (not an assert, not the skeleton's NotImplementedError) fails with
+    what the test checks and where in engine/ it crashed, instead of a bare traceback line."""
+    try:
+        return (yield)
+    except (AssertionError, NotImplementedError):
+        raise
+    except Exception as exc:
+        holes = [m.args[0] for m in item.iter_markers("hole")]
+        if not holes and item.get_closest_marker("milestone") is None:
+            raise
+        import traceback
+
+        where = [f"{f.filename.split(os.sep + 'engine' + os.sep, 1)[-1]}:{f.lineno} in {f.name}"
+                 for f in traceback.extract_tb(exc.__traceback__)
+                 if os.sep + "engine" + os.sep in f.filename and os.sep + "tests" + os.sep not in f.filename]
+        purpose = (item.function.__doc__ or "").strip().splitlines()[:1] or \
+            [item.originalname.removeprefix("test_").replace("_", " ")]
+        raise AssertionError(
+            f"{holes[0] if holes else 'your engine'} crashed with {type(exc).__name__}: {exc}"
+            + (f" (at engine/{where[-1]})" if where else "") + f". This test checks: {purpose[0]}") from exc

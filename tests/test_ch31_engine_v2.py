@@ -9,22 +9,29 @@ spec's worked example, a plain PyTorch computation, or ``generate()`` on one pro
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from ch31_helpers import assert_same_tokens, model64, oracle, prompts
+from ch31_helpers import assert_same_tokens, model64, oracle, prompts, run_checked
 from engine.attention import causal_attention
 from engine.rope import apply_rope, rope_cos_sin
 from engine.serve import (BlockManager, EngineConfig, EngineCore, FlatModel, ReferenceBackend, Request,
                           SamplingParams, Scheduler, SchedulerConfig, Status, build_batch, hash_block,
                           write_kv)
 from engine.serve.batch import PAD_SLOT
+from engine.serve.invariants import InvariantError, check_idle
 
 hole = pytest.mark.hole
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def req(rid: str, tokens, computed: int = 0, prompt_len: int | None = None, **params) -> Request:
@@ -58,18 +65,23 @@ def test_build_batch_worked_example():
         "rows must be each request's tokens [c:c+n], requests in schedule order"
     assert batch.positions.tolist() == [6, 7, 8, 41, 9, 0, 1, 2, 3], "positions are c .. c+n-1"
     m = batch.meta
-    assert m.query_start_loc.tolist() == [0, 3, 4, 5, 9]
+    assert m.query_start_loc.tolist() == [0, 3, 4, 5, 9], \
+        "query_start_loc[r] is where request r's rows start: 0, then the running sum of the n's"
     assert m.seq_lens.tolist() == [9, 42, 10, 4], "seq_len is c + n (the context after this step)"
     want_slots = [5 * 16 + 6, 5 * 16 + 7, 5 * 16 + 8, 9 * 16 + 9, 1 * 16 + 9, 64, 65, 66, 67]
     assert m.slot_mapping.tolist() == want_slots, "slot = table[p // block_size] * block_size + p % block_size"
     assert m.block_table.tolist() == [[5, 0, 0], [7, 8, 9], [1, 0, 0], [4, 0, 0]], "tables zero padded"
     assert (m.query_start_loc.dtype, m.seq_lens.dtype, m.block_table.dtype, m.slot_mapping.dtype) == \
-        (torch.int32, torch.int32, torch.int32, torch.int64)
-    assert m.query_start_loc_cpu.tolist() == [0, 3, 4, 5, 9] and m.seq_lens_cpu.tolist() == [9, 42, 10, 4]
-    assert (m.max_query_len, m.max_seq_len, m.num_reqs, m.decode_only) == (4, 42, 4, False)
+        (torch.int32, torch.int32, torch.int32, torch.int64), \
+            'dtypes: query_start_loc, seq_lens, block_table int32; slot_mapping int64'
+    assert m.query_start_loc_cpu.tolist() == [0, 3, 4, 5, 9] and m.seq_lens_cpu.tolist() == [9, 42, 10, 4], \
+        'the *_cpu host copies hold the same values'
+    assert (m.max_query_len, m.max_seq_len, m.num_reqs, m.decode_only) == (4, 42, 4, False), \
+        'max_query_len = the largest n, max_seq_len = the largest c + n, num_reqs = R, decode_only = all n == 1'
     assert batch.sample_counts == [0, 1, 1, 1], "a stops mid-prompt (0 rows); b, c decode; d reaches its last token"
     assert batch.logits_indices.tolist() == [3, 4, 8], "sample rows are the LAST rows of each span"
-    assert batch.request_ids == ["a", "b", "c", "d"] and batch.num_sample_rows == 3
+    assert batch.request_ids == ["a", "b", "c", "d"] and batch.num_sample_rows == 3, \
+        'request_ids in schedule order; num_sample_rows = sum(sample_counts)'
 
 
 @hole("build_batch")
@@ -89,8 +101,10 @@ def test_build_batch_decodes_on_both_sides_of_a_block_boundary():
     batch = build_batch([(last, 1), (first, 1), (third, 1)], [[7, 3], [5, 2], [9, 4, 6]], 16)
     assert batch.meta.slot_mapping.tolist() == [7 * 16 + 15, 2 * 16 + 0, 6 * 16 + 0], \
         "a decode at position 16 (32) writes the first slot of the table's second (third) block"
-    assert batch.positions.tolist() == [15, 16, 32] and batch.input_ids.tolist() == [15, 16, 32]
-    assert batch.logits_indices.tolist() == [0, 1, 2] and batch.meta.decode_only
+    assert batch.positions.tolist() == [15, 16, 32] and batch.input_ids.tolist() == [15, 16, 32], \
+        'one row per decode, at position c, its token token_ids[c]'
+    assert batch.logits_indices.tolist() == [0, 1, 2] and batch.meta.decode_only, \
+        'a decode samples its only row; a batch of decodes only is decode_only'
 
 
 @hole("build_batch")
@@ -102,7 +116,8 @@ def test_build_batch_sample_rows_for_each_kind_of_span():
     spec.spec_token_ids = [5, 6, 7]  # verification span: 1 + 3 drafts
     tables = {"mid": [0, 1], "last": [2, 3], "dec": [4], "spec": [5]}
     batch = build_batch([(mid, 20), (last, 10), (decode, 1), (spec, 4)], tables, 16)
-    assert batch.sample_counts == [0, 1, 1, 4]
+    assert batch.sample_counts == [0, 1, 1, 4], \
+        'sample rows: 0 mid-prompt, 1 for the chunk reaching the last token, 1 per decode, 1 + drafts for a verification span'
     assert batch.logits_indices.tolist() == [29, 30, 31, 32, 33, 34], \
         "a mid-prompt chunk must not sample; the others sample from the end of their span"
     assert batch.input_ids[-4:].tolist() == [11, 5, 6, 7], "a verification span feeds the drafts after the last token"
@@ -113,11 +128,25 @@ def test_build_batch_prompt_logprob_rows_come_after_all_sample_rows():
     a = req("a", range(10), computed=0, prompt_logprobs=0)  # whole prompt: rows 0..8 predict tokens 1..9
     b = req("b", list(range(6)) + [9], computed=6, prompt_len=6)
     batch = build_batch([(a, 10), (b, 1)], [[0], [1]], 16)
-    assert batch.sample_counts == [1, 1]
+    assert batch.sample_counts == [1, 1], 'both spans reach their last known token: one sample row each'
     assert batch.logits_indices.tolist()[:2] == [9, 10], "sample rows first, in request order"
     assert batch.logits_indices.tolist()[2:] == list(range(0, 9)), "then the prompt-logprob rows"
     (r, c, targets), = batch.prompt_spans
-    assert r is a and c == 0 and targets == list(range(1, 10))
+    assert r is a and c == 0 and targets == list(range(1, 10)), \
+        'a whole-prompt span: prompt_spans entry (request, c=0, prompt tokens 1..P-1)'
+
+
+@hole("build_batch")
+def test_build_batch_prompt_logprob_targets_of_later_chunks():
+    mid = req("mid", range(100, 110), computed=4, prompt_logprobs=0)  # 2nd chunk: positions 4..7
+    last = req("last", range(200, 210), computed=8, prompt_logprobs=0)  # last chunk: positions 8, 9
+    batch = build_batch([(mid, 4), (last, 2)], [[0, 1, 2], [3, 4, 5]], 4)
+    assert batch.sample_counts == [0, 1] and batch.logits_indices.tolist() == [5, 0, 1, 2, 3, 4], \
+        "sample rows (last's final row, 5) first, then the prompt-logprob rows 0..3 and 4"
+    (r1, c1, t1), (r2, c2, t2) = batch.prompt_spans
+    assert (r1, c1, t1) == (mid, 4, [105, 106, 107, 108]), \
+        "the row at position p predicts prompt token p + 1: a chunk starting at c predicts tokens c+1.., not 1.."
+    assert (r2, c2, t2) == (last, 8, [209]), "the prompt's last row predicts no prompt token (it samples)"
 
 
 @hole("build_batch")
@@ -125,17 +154,20 @@ def test_build_batch_pad_to_adds_inert_dummy_requests():
     r = req("r", range(5), computed=4)
     batch = build_batch([(r, 1)], [[3]], 16, pad_to=3)
     m = batch.meta
-    assert batch.input_ids.tolist() == [4, 0, 0] and batch.positions.tolist() == [4, 0, 0]
-    assert m.slot_mapping.tolist() == [3 * 16 + 4, PAD_SLOT, PAD_SLOT]
-    assert m.seq_lens.tolist() == [5, 0, 0] and m.query_start_loc.tolist() == [0, 1, 2, 3]
-    assert m.block_table.tolist() == [[3], [0], [0]]
-    assert batch.sample_counts == [1, 0, 0] and batch.logits_indices.tolist() == [0]
+    assert batch.input_ids.tolist() == [4, 0, 0] and batch.positions.tolist() == [4, 0, 0], \
+        'padding rows: token 0 at position 0'
+    assert m.slot_mapping.tolist() == [3 * 16 + 4, PAD_SLOT, PAD_SLOT], 'padding rows write to PAD_SLOT'
+    assert m.seq_lens.tolist() == [5, 0, 0] and m.query_start_loc.tolist() == [0, 1, 2, 3], \
+        'padding requests have seq_len 0 and one row each'
+    assert m.block_table.tolist() == [[3], [0], [0]], 'padding requests have empty (zero-padded) tables'
+    assert batch.sample_counts == [1, 0, 0] and batch.logits_indices.tolist() == [0], \
+        'padding requests sample nothing'
 
 
 @hole("build_batch")
 def test_build_batch_rejects_more_tokens_than_exist():
     r = req("r", range(5), computed=3)
-    with pytest.raises(ValueError, match="only 2"):
+    with pytest.raises(ValueError):
         build_batch([(r, 4)], [[0]], 16)
 
 
@@ -208,7 +240,7 @@ def test_reference_forward_leaves_padding_rows_zero():
     q = torch.randn(4, 4, 8, dtype=torch.float64)
     out = backend.forward(q, cache, batch.meta)
     assert not out[2:].any(), "rows of seq_len 0 are padding and must stay zero"
-    assert out[:2].abs().sum() > 0
+    assert out[:2].abs().sum() > 0, 'real rows attend to something'
 
 
 # ===================================================================== FlatModel
@@ -249,10 +281,11 @@ def test_flat_attention_writes_rotated_k_and_matches_plain_attention():
     k = apply_rope(attn.k_norm(attn.k_proj(x).view(6, hkv, d)), cos, sin)
     v = attn.v_proj(x).view(6, hkv, d)
     want = attn.o_proj(causal_attention(q, k, v, pos, pos).reshape(6, -1))
-    assert torch.allclose(out, want, atol=1e-10)
+    assert torch.allclose(out, want, atol=1e-10), \
+        'FlatModel.attention must equal q/k-norm, RoPE, causal attention and o_proj computed by hand'
     assert torch.allclose(cache[0][2], k[:4]) and torch.allclose(cache[0][0, :2], k[4:]), \
         "the pool must hold k AFTER q/k-norm and RoPE, at the slots of the block table"
-    assert torch.allclose(cache[1][2], v[:4])
+    assert torch.allclose(cache[1][2], v[:4]), 'the V pool holds v at the slots of the block table'
 
 
 @hole("FlatModel.forward")
@@ -288,19 +321,41 @@ def test_hash_block_is_blake2b_over_parent_and_int64_tokens():
 @hole("hash_block")
 def test_hash_block_depends_on_parent_tokens_and_extra():
     base = hash_block(None, [1, 2, 3, 4])
-    assert isinstance(base, bytes) and len(base) == 16
+    assert isinstance(base, bytes) and len(base) == 16, 'a 16-byte digest (bytes)'
     assert hash_block(None, [1, 2, 3, 4]) == base, "must be deterministic"
-    assert hash_block(None, [1, 2, 3, 5]) != base
+    assert hash_block(None, [1, 2, 3, 5]) != base, 'changing a token changes the digest'
     assert hash_block(base, [1, 2, 3, 4]) != base, "the parent is part of the name"
-    assert hash_block(None, [1, 2, 3, 4], ("tenant-a",)) != base
-    assert hash_block(None, [1, 2, 3, 4], ("tenant-a",)) != hash_block(None, [1, 2, 3, 4], ("tenant-b",))
+    assert hash_block(None, [1, 2, 3, 4], ("tenant-a",)) != base, 'a non-empty extra (cache_key) changes the digest'
+    assert hash_block(None, [1, 2, 3, 4], ("tenant-a",)) != hash_block(None, [1, 2, 3, 4], ("tenant-b",)), \
+        'different cache keys give different digests'
     assert hash_block(None, [1, 2, 3, 4], ()) == base, "empty extra changes nothing"
+
+
+_HASH_IN_A_CHILD = """import sys
+from engine.serve.blocks import hash_block
+print(" ".join(hash_block(p, t, e).hex() for p, t, e in eval(sys.argv[1])))
+"""
+
+
+@hole("hash_block")
+def test_hash_block_is_the_same_in_every_process():
+    cases = [(None, [1, 2, 3, 4], ("tenant-a",)), (bytes(range(16)), [5, 6], ("adapter", 7, b"img"))]
+    here = " ".join(hash_block(p, t, e).hex() for p, t, e in cases)
+    # Python's hash() of a str differs between this process and a child with another PYTHONHASHSEED
+    for seed in ["2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"]:
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)}
+        res = subprocess.run([sys.executable, "-c", _HASH_IN_A_CHILD, repr(cases)], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert res.stdout.strip() == here, (
+            f"hash_block gives another digest in a process with PYTHONHASHSEED={seed}: a cache_key must be "
+            "encoded with repr() (or bytes), never Python's hash(), which changes from process to process")
 
 
 # ===================================================================== BlockManager
 def published(bm: BlockManager, r: Request, n: int) -> list[int]:
     """Allocate n tokens for r, mark them computed and published; returns its table."""
-    assert bm.allocate_slots(r, n)
+    assert bm.allocate_slots(r, n), 'helper: the allocation must succeed here'
     r.num_computed_tokens += n
     bm.cache_full_blocks(r)
     return bm.req_blocks[r.request_id]
@@ -312,9 +367,20 @@ def test_find_cached_prefix_stops_at_first_miss():
     a = req("a", range(12))
     published(bm, a, 12)
     b = req("b", list(range(8)) + [99, 99, 99, 99, 5])
-    assert bm.find_cached_prefix(b) == bm.req_blocks["a"][:2]
+    assert bm.find_cached_prefix(b) == bm.req_blocks["a"][:2], \
+        "a's first two blocks match b's; b's third block differs: stop there"
     c = req("c", [7, 7, 7, 7] + list(range(4, 13)))
     assert bm.find_cached_prefix(c) == [], "block 1 matches a's tokens but its parent differs: no match"
+
+
+@hole("BlockManager.find_cached_prefix")
+def test_find_cached_prefix_stops_at_a_miss_even_when_later_blocks_are_cached():
+    bm = BlockManager(16, 4)
+    ta = published(bm, req("a", range(12)), 12)
+    bm._evict(ta[1])  # block 1 lost its hash (what allocate_slots does to a block it hands out again)
+    assert bm.find_cached_prefix(req("b", list(range(12)) + [5])) == [ta[0]], \
+        "block 1 is a miss, so the prefix ends there although block 2's hash is still cached: going on past " \
+        "a miss (continue instead of break) adopts block 2 without the K/V of block 1 in front of it"
 
 
 @hole("BlockManager.find_cached_prefix")
@@ -324,7 +390,8 @@ def test_find_cached_prefix_never_matches_the_block_of_the_last_token():
     b = req("b", range(8))  # two full blocks, both cached
     assert bm.find_cached_prefix(b) == bm.req_blocks["a"][:1], \
         "the block holding the prompt's last token must run: its logits choose the first output"
-    assert bm.find_cached_prefix(req("c", range(9))) == bm.req_blocks["a"][:2]
+    assert bm.find_cached_prefix(req("c", range(9))) == bm.req_blocks["a"][:2], \
+        '9 tokens: the last token is in block 2, so blocks 0 and 1 can match'
 
 
 @hole("BlockManager.find_cached_prefix")
@@ -332,20 +399,22 @@ def test_find_cached_prefix_counts_queries_and_hits_and_respects_switches():
     bm = BlockManager(16, 4)
     published(bm, req("a", range(12)), 12)
     bm.num_queries = bm.num_hits = 0
-    assert len(bm.find_cached_prefix(req("b", range(10)))) == 2
-    assert (bm.num_queries, bm.num_hits) == (10, 8) and bm.hit_rate == 0.8
+    assert len(bm.find_cached_prefix(req("b", range(10)))) == 2, \
+        '10 tokens: blocks 0 and 1 cached (block 2 holds the last token)'
+    assert (bm.num_queries, bm.num_hits) == (10, 8) and bm.hit_rate == 0.8, \
+        "queries count the request's tokens (10), hits the matched tokens (8)"
     assert bm.find_cached_prefix(req("c", range(10), prompt_logprobs=0)) == [], \
         "prompt logprobs need every prompt row computed"
     off = BlockManager(16, 4, enable_prefix_caching=False)
     published(off, req("a", range(12)), 12)
-    assert off.find_cached_prefix(req("b", range(10))) == []
+    assert off.find_cached_prefix(req("b", range(10))) == [], 'with prefix caching off nothing is ever found'
 
 
 @hole("BlockManager.allocate_slots")
 def test_allocate_slots_is_all_or_nothing():
     bm = BlockManager(4, 4)
     a = req("a", range(10))
-    assert bm.allocate_slots(a, 10) and len(bm.req_blocks["a"]) == 3
+    assert bm.allocate_slots(a, 10) and len(bm.req_blocks["a"]) == 3, '10 tokens in blocks of 4 need 3 blocks'
     b = req("b", range(8))
     before = (bm.num_free, list(bm.free_queue), dict(bm.req_blocks), list(bm.ref_count))
     assert bm.allocate_slots(b, 8) is False, "b needs 2 blocks but 1 is free"
@@ -357,7 +426,7 @@ def test_allocate_slots_is_all_or_nothing():
 def test_allocate_slots_grows_only_when_a_block_fills():
     bm = BlockManager(8, 4)
     r = req("r", range(6))
-    assert bm.allocate_slots(r, 6) and len(bm.req_blocks["r"]) == 2
+    assert bm.allocate_slots(r, 6) and len(bm.req_blocks["r"]) == 2, '6 tokens in blocks of 4 need 2 blocks'
     r.num_computed_tokens = 6
     assert bm.allocate_slots(r, 2) and len(bm.req_blocks["r"]) == 2, "tokens 6, 7 fit in block 1"
     r.num_computed_tokens = 8
@@ -371,19 +440,39 @@ def test_allocate_slots_counts_adopted_cached_free_blocks():
     a = req("a", range(9))
     published(bm, a, 9)  # blocks 0, 1 full and cached, block 2 partial
     bm.free(a)
-    assert bm.num_free == 4
+    assert bm.num_free == 4, 'after free every block is free (cached-free counts as free)'
     b = req("b", list(range(8)) + list(range(50, 62)))  # 20 tokens: 2 cached blocks + 12 new tokens
     cached = bm.find_cached_prefix(b)
-    assert cached == [0, 1]
+    assert cached == [0, 1], "b's first two blocks are a's cached (now free) blocks 0 and 1"
     # 2 adopted (cached-free, so they leave the free queue) + 3 new = 5 > 4 blocks
     assert bm.allocate_slots(b, 12, cached) is False, \
         "adopting a cached-FREE block takes it out of the free queue: it counts against what is left"
-    assert bm.num_free == 4 and "b" not in bm.req_blocks
+    assert bm.num_free == 4 and "b" not in bm.req_blocks, 'a failed allocation changes nothing'
     c = req("c", list(range(8)) + list(range(50, 58)))  # 16 tokens: 2 cached + 2 new = 4 blocks
     cached = bm.find_cached_prefix(c)
-    assert bm.allocate_slots(c, 8, cached)
-    assert bm.req_blocks["c"][:2] == [0, 1] and bm.num_free == 0
-    assert bm.ref_count[0] == bm.ref_count[1] == 1
+    assert bm.allocate_slots(c, 8, cached), '2 adopted + 2 new = 4 blocks: it fits exactly'
+    assert bm.req_blocks["c"][:2] == [0, 1] and bm.num_free == 0, \
+        'the adopted blocks come first in the table, and leave the free queue'
+    assert bm.ref_count[0] == bm.ref_count[1] == 1, "an adopted block's ref_count goes from 0 to 1"
+
+
+@hole("BlockManager.allocate_slots")
+def test_allocate_slots_bookkeeping_on_success():
+    bm = BlockManager(8, 4)
+    published(bm, req("a", range(12)), 12)
+    b = req("b", list(range(8)) + [50, 51])
+    cached = bm.find_cached_prefix(b)
+    assert len(cached) == 2 and "b" in bm.pending_lookups, \
+        "find_cached_prefix finds a's two full blocks and records a pending lookup"
+    assert bm.allocate_slots(b, 2, cached) and bm.req_blocks["b"][:2] == cached, \
+        'b adopts the 2 cached blocks first, then gets a new one'
+    assert bm.num_published.get("b") == 2, \
+        "adopted blocks are published already: a first allocation sets num_published[rid] to their count"
+    assert "b" not in bm.pending_lookups, \
+        "an allocation that succeeds admits the request: drop its pending_lookups entry (its lookup stays counted)"
+    c = req("c", range(100, 105))
+    assert bm.allocate_slots(c, 5) and bm.num_published.get("c") == 0, \
+        "a first allocation without adopted blocks sets num_published[rid] = 0"
 
 
 @hole("BlockManager.allocate_slots")
@@ -392,31 +481,34 @@ def test_allocate_slots_evicts_the_old_hash_of_a_reused_block():
     a = req("a", range(5))
     published(bm, a, 5)
     h0 = a.block_hashes[0]
-    assert bm.cached[h0] == 0
+    assert bm.cached[h0] == 0, "a's first block was published under its hash"
     bm.free(a)  # tail first: queue = [1, 0]
     b = req("b", range(100, 108))
-    assert bm.allocate_slots(b, 8) and bm.req_blocks["b"] == [1, 0]
+    assert bm.allocate_slots(b, 8) and bm.req_blocks["b"] == [1, 0], \
+        "b takes the queue's front: a's blocks freed tail first, so [1, 0]"
     assert h0 not in bm.cached and bm.block_hash[0] is None, \
         "a block handed out again loses its old hash, or a later request would adopt b's K/V as a's"
-    assert bm.find_cached_prefix(req("c", range(9))) == []
+    assert bm.find_cached_prefix(req("c", range(9))) == [], \
+        "the old hash is gone: nothing matches a's tokens any more"
 
 
 @hole("BlockManager.cache_full_blocks")
 def test_cache_full_blocks_publishes_only_full_blocks():
     bm = BlockManager(8, 4)
     r = req("r", range(10))
-    assert bm.allocate_slots(r, 10)
+    assert bm.allocate_slots(r, 10), '10 tokens need 3 blocks out of 8'
     bm.cache_full_blocks(r, 10)
     t = bm.req_blocks["r"]
     assert set(bm.cached.values()) == {t[0], t[1]}, "10 tokens: blocks 0 and 1 are full, block 2 is not"
-    assert bm.block_hash[t[0]] == r.block_hashes[0] and bm.block_hash[t[2]] is None
+    assert bm.block_hash[t[0]] == r.block_hashes[0] and bm.block_hash[t[2]] is None, \
+        "block_hash of a published block is the request's hash of that position; the partial block has none"
 
 
 @hole("BlockManager.cache_full_blocks")
 def test_cache_full_blocks_defaults_to_computed_tokens_and_first_writer_wins():
     bm = BlockManager(8, 4)
     a, b = req("a", range(8)), req("b", range(8))
-    assert bm.allocate_slots(a, 8) and bm.allocate_slots(b, 8)
+    assert bm.allocate_slots(a, 8) and bm.allocate_slots(b, 8), 'both fit (4 of 8 blocks)'
     a.num_computed_tokens = 5
     bm.cache_full_blocks(a)
     assert list(bm.cached.values()) == [bm.req_blocks["a"][0]], "default: only the computed tokens count"
@@ -424,7 +516,8 @@ def test_cache_full_blocks_defaults_to_computed_tokens_and_first_writer_wins():
     bm.cache_full_blocks(b)
     assert bm.cached[b.block_hashes[0]] == bm.req_blocks["a"][0], "first writer wins"
     assert bm.block_hash[bm.req_blocks["b"][0]] is None, "the duplicate stays private"
-    assert bm.cached[b.block_hashes[1]] == bm.req_blocks["b"][1]
+    assert bm.cached[b.block_hashes[1]] == bm.req_blocks["b"][1], \
+        "b's second block is new to the cache: b publishes it"
 
 
 @hole("BlockManager.free")
@@ -437,8 +530,8 @@ def test_free_returns_blocks_tail_first_so_shared_heads_are_evicted_last():
     assert list(bm.free_queue)[-3:] == ta[::-1], \
         "freed blocks join the BACK of the queue tail first: the last block is evicted before the first"
     b = req("b", range(100, 120))  # 5 blocks: the 3 never-used ones, then a's LAST two
-    assert bm.allocate_slots(b, 20)
-    assert bm.req_blocks["b"][3:] == [ta[2], ta[1]]
+    assert bm.allocate_slots(b, 20), 'b needs 5 blocks and 6 are free'
+    assert bm.req_blocks["b"][3:] == [ta[2], ta[1]], "after the 3 never-used blocks come a's blocks, LAST first"
     assert bm.find_cached_prefix(req("c", range(12))) == [ta[0]], "a's first block (shared prefix) survives"
 
 
@@ -449,13 +542,14 @@ def test_free_keeps_shared_blocks_and_rejects_double_free():
     published(bm, a, 9)
     b = req("b", range(9))
     cached = bm.find_cached_prefix(b)
-    assert bm.allocate_slots(b, 1, cached)
+    assert bm.allocate_slots(b, 1, cached), "b adopts a's 2 blocks and needs one more"
     shared = bm.req_blocks["a"][:2]
     bm.free(a)
     assert all(bm.ref_count[x] == 1 for x in shared) and not any(x in bm.free_queue for x in shared), \
         "a block another request still holds must stay in use"
     bm.free(b)
-    assert bm.num_free == 8 and all(c == 0 for c in bm.ref_count)
+    assert bm.num_free == 8 and all(c == 0 for c in bm.ref_count), \
+        'after both frees every block is free with ref_count 0'
     bm.req_blocks["b"] = shared  # simulate a stale table
     with pytest.raises(RuntimeError):
         bm.free(b)
@@ -467,13 +561,35 @@ def test_trim_and_reset_prefix_cache():
     r = req("r", range(14))
     published(bm, r, 14)
     bm.trim(r, 5)
-    assert len(bm.req_blocks["r"]) == 2 and bm.num_free == 6
+    assert len(bm.req_blocks["r"]) == 2 and bm.num_free == 6, \
+        'trim to 5 tokens keeps 2 blocks (of 4 tokens), releasing the rest'
     bm.free(r)
-    assert bm.cached and bm.reset_prefix_cache() == 3 and not bm.cached
+    assert bm.cached and bm.reset_prefix_cache() == 3 and not bm.cached, \
+        "reset_prefix_cache forgets the 3 cached-free blocks' hashes"
     with pytest.raises(ValueError):
         BlockManager(0, 4)
     with pytest.raises(ValueError):
         BlockManager(4, 0)
+
+
+@hole("BlockManager.free")
+def test_free_drops_the_requests_entries_even_without_blocks():
+    bm = BlockManager(4, 4)
+    a = req("a", range(12))
+    published(bm, a, 12)  # 3 of 4 blocks held
+    b = req("b", list(range(8)) + list(range(50, 60)))  # 2 cached blocks + 3 new: does not fit
+    assert not bm.allocate_slots(b, 10, bm.find_cached_prefix(b)) and "b" in bm.pending_lookups, \
+        "b doesn't fit; its lookup is pending"
+    bm.free(b)  # b is aborted while it waits: it holds no blocks
+    assert "b" not in bm.pending_lookups, \
+        "free() must drop pending_lookups even for a request that holds no blocks (a waiting request aborted)"
+    bm.free(a)
+    assert "a" not in bm.req_blocks and "a" not in bm.num_published, \
+        "free() must drop num_published too, or the entry outlives the request (the invariant checker flags it)"
+    again = req("a", range(100, 112))
+    published(bm, again, 12)
+    assert len(bm.cached) >= 3 and bm.block_hash[bm.req_blocks["a"][0]] == again.block_hashes[0], \
+        'the id reused after free publishes its own blocks again'
 
 
 # ===================================================================== Scheduler
@@ -499,13 +615,30 @@ def advance(plan, sample_token: int = 1) -> None:
             r.append(sample_token)
 
 
+def preempt_b(mode: str = "recompute", extra: tuple = (), **cfg):
+    """a (6 tokens: 2 blocks) and b (4 tokens: 1 block) fill a 3-block pool; a's growth then preempts
+    b, the last running request. Returns (scheduler, a, b, the plan that preempted, b's table before)."""
+    s = sched(num_blocks=3, block_size=4, preemption_mode=mode, **cfg)
+    a, b = req("a", range(6), max_tokens=6), req("b", range(10, 14), max_tokens=8)
+    for r in (a, b, *extra):
+        s.add(r)
+    advance(s.schedule())
+    b_blocks = list(s.blocks.req_blocks["b"])
+    for _ in range(3):
+        plan = s.schedule()
+        if plan.preempted:
+            break
+        advance(plan)
+    return s, a, b, plan, b_blocks
+
+
 @hole("Scheduler.schedule")
 def test_schedule_chunks_a_long_prompt_under_the_budget():
     s = sched(num_blocks=400, max_num_batched_tokens=2048)
     long = req("long", [3] * 5000, max_tokens=4)
     s.add(long)
     assert first_chunk_sizes(s, 3) == [2048, 2048, 904], "chunked prefill falls out of the budget: 2,048 + 2,048 + 904"
-    assert long.num_output_tokens == 1
+    assert long.num_output_tokens == 1, 'after 5,000 prompt tokens the request has sampled its first token'
 
 
 @hole("Scheduler.schedule")
@@ -527,7 +660,8 @@ def test_schedule_caps_chunks_at_the_threshold():
     s.add(req("a", range(40), max_tokens=2))
     s.add(req("b", range(50, 90), max_tokens=2))
     plan = s.schedule()
-    assert [n for _, n in plan.scheduled] == [16, 16]
+    assert [n for _, n in plan.scheduled] == [16, 16], \
+        "both newcomers' chunks are capped at long_prefill_token_threshold=16"
 
 
 @hole("Scheduler.schedule")
@@ -547,7 +681,7 @@ def test_schedule_respects_max_num_seqs():
     for i in range(3):
         s.add(req(f"r{i}", range(i * 10, i * 10 + 5), max_tokens=3))
     plan = s.schedule()
-    assert [r.request_id for r, _ in plan.scheduled] == ["r0", "r1"]
+    assert [r.request_id for r, _ in plan.scheduled] == ["r0", "r1"], 'max_num_seqs=2: only two requests run'
 
 
 @hole("Scheduler.schedule")
@@ -558,7 +692,8 @@ def test_schedule_priority_policy_admits_lowest_value_first():
         r.priority, r.arrival_time = prio, t
         s.add(r)
     plan = s.schedule()
-    assert [r.request_id for r, _ in plan.scheduled] == ["high", "mid"]
+    assert [r.request_id for r, _ in plan.scheduled] == ["high", "mid"], \
+        'priority policy: lowest priority value first (high 0, mid 1), then arrival'
 
 
 @hole("Scheduler.schedule")
@@ -573,7 +708,7 @@ def test_schedule_starts_a_request_after_its_cached_prefix():
     (rb, n), = [(r, n) for r, n in plan.scheduled if r is b]
     assert (b.num_computed_tokens, n, b.num_cached_tokens) == (12, 3, 12), \
         "3 cached blocks: b starts at token 12 and computes the 3 after them"
-    assert s.blocks.req_blocks["b"][:3] == s.blocks.req_blocks["a"][:3]
+    assert s.blocks.req_blocks["b"][:3] == s.blocks.req_blocks["a"][:3], "b adopts a's first 3 blocks"
 
 
 @hole("Scheduler.schedule")
@@ -586,7 +721,8 @@ def test_schedule_shares_blocks_published_at_allocation_in_the_same_step():
     plan = s.schedule()
     assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 20), ("b", 1)], \
         "a's blocks are published when allocated, so b (admitted later in the same step) adopts 4 of them"
-    assert s.blocks.req_blocks["b"][:4] == s.blocks.req_blocks["a"][:4]
+    assert s.blocks.req_blocks["b"][:4] == s.blocks.req_blocks["a"][:4], \
+        "b adopts a's 4 blocks published in this same step"
 
 
 @hole("Scheduler.schedule")
@@ -619,7 +755,7 @@ def test_schedule_admits_nothing_in_a_step_that_preempted():
     c.priority, c.arrival_time = 1, 2.0
     s.add(c)
     plan = s.schedule()  # a's 9th token needs a block: b is preempted, which frees 2
-    assert plan.preempted == [b]
+    assert plan.preempted == [b], "the running request that doesn't fit is b, the last; it preempts itself"
     assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 1)], \
         "a step that preempted admits no one, even a request that would fit in the freed blocks"
 
@@ -633,72 +769,78 @@ def test_schedule_caps_a_running_prefill_at_the_threshold_every_step():
 
 
 @hole("Scheduler.schedule")
+def test_schedule_inserts_an_admitted_request_into_running_in_order():
+    s = sched(policy="priority", block_size=4)
+    low = req("low", range(5), max_tokens=8)
+    low.priority, low.arrival_time = 5, 0.0
+    s.add(low)
+    advance(s.schedule())
+    high = req("high", range(100, 105), max_tokens=8)
+    high.priority, high.arrival_time = 0, 1.0
+    s.add(high)
+    advance(s.schedule())  # low decodes, high is admitted
+    assert s.running == [high, low], \
+        "running stays sorted by order_key: insert an admitted request at its place (_insert_sorted), don't append"
+    assert high.status is Status.RUNNING and high.admitted and high.num_cached_tokens == 0, \
+        'on admission: status RUNNING, admitted set, num_cached_tokens recorded (0 here)'
+    assert [r.request_id for r, _ in s.schedule().scheduled] == ["high", "low"], "running requests go in rank order"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_readmits_a_swapped_request_into_the_first_blocks_of_its_new_table():
+    s, a, b, plan, _ = preempt_b("swap")
+    assert plan.preempted == [b] and b.swapped_out and b.num_computed_tokens == 4, \
+        'the pool is full: swap mode preempts b with its 4 computed tokens kept'
+    s.finish(a, Status.FINISHED_LENGTH)
+    plan = s.schedule()
+    assert plan.swap_in == [(b, s.blocks.req_blocks["b"][:1])], \
+        "the saved K/V of its 4 computed tokens go into the FIRST block of its new table"
+    assert not b.swapped_out and b.status is Status.RUNNING and b.num_computed_tokens == 4, \
+        "on readmission a swapped request keeps its computed tokens; clear swapped_out and set RUNNING"
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("b", 1)] and s.running == [b], \
+        'b resumes with its one pending token and is the only running request'
+
+
+@hole("Scheduler.schedule")
 def test_schedule_asks_nothing_of_a_request_at_max_tokens():
     s = sched()
     a = req("a", range(5), max_tokens=1)
     s.add(a)
     advance(s.schedule())
-    assert a.num_output_tokens == 1
+    assert a.num_output_tokens == 1, 'the whole prompt ran: one token sampled'
     assert s.schedule().scheduled == [], "a request whose output reached max_tokens asks for 0 tokens"
 
 
 @hole("Scheduler._preempt")
 def test_preempt_recompute_forgets_kv_and_requeues_at_the_front():
-    s = sched(num_blocks=3, block_size=4)
-    a = req("a", range(6), max_tokens=6)
-    b = req("b", range(10, 14), max_tokens=8)
-    s.add(a)
-    s.add(b)
-    advance(s.schedule())  # a: 2 blocks, b: 1 block, pool full
-    for _ in range(3):
-        plan = s.schedule()
-        if plan.preempted:
-            break
-        advance(plan)
+    s, a, b, plan, _ = preempt_b()
     assert plan.preempted == [b], "the LAST running request is the victim"
-    assert b.status is Status.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
-    assert "b" not in s.blocks.req_blocks and s.waiting[0] is b and b not in s.running
-    assert plan.swap_out == []
+    assert b.status is Status.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1, \
+        'recompute: PREEMPTED, nothing computed, one preemption counted on the request'
+    assert "b" not in s.blocks.req_blocks and s.waiting[0] is b and b not in s.running, \
+        'a preempted request holds no blocks, waits at the FRONT, and is no longer running'
+    assert plan.swap_out == [], 'recompute mode copies nothing to the host'
 
 
 @hole("Scheduler._preempt")
 def test_preempt_swap_keeps_computed_tokens_and_lists_the_blocks():
-    s = sched(num_blocks=3, block_size=4, preemption_mode="swap")
-    a = req("a", range(6), max_tokens=6)
-    b = req("b", range(10, 14), max_tokens=8)
-    s.add(a)
-    s.add(b)
-    advance(s.schedule())
-    b_blocks = list(s.blocks.req_blocks["b"])
-    for _ in range(3):
-        plan = s.schedule()
-        if plan.preempted:
-            break
-        advance(plan)
+    s, a, b, plan, b_blocks = preempt_b("swap")
     assert plan.swap_out == [(b, b_blocks)], "swap lists the victim's blocks covering its computed tokens"
-    assert b.swapped_out and b.num_computed_tokens == 4 and "b" not in s.blocks.req_blocks
+    assert b.swapped_out and b.num_computed_tokens == 4 and "b" not in s.blocks.req_blocks, \
+        'swap: swapped_out set, computed tokens kept, blocks freed'
     s.finish(a, Status.FINISHED_LENGTH)
     plan = s.schedule()
     assert plan.swap_in and plan.swap_in[0][0] is b and plan.swap_in[0][1] == s.blocks.req_blocks["b"][:1], \
         "on readmission the saved K/V go into the first blocks of its NEW table"
-    assert [(r.request_id, n) for r, n in plan.scheduled] == [("b", 1)] and not b.swapped_out
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("b", 1)] and not b.swapped_out, \
+        'b resumes with its pending token; swapped_out cleared on readmission'
 
 
 @hole("Scheduler._preempt")
 def test_preempt_puts_the_victim_ahead_of_requests_already_waiting():
-    s = sched(num_blocks=3, block_size=4, max_num_seqs=2)
-    a = req("a", range(6), max_tokens=6)
-    b = req("b", range(10, 14), max_tokens=8)
     c = req("c", range(20, 23), max_tokens=2)  # waits: max_num_seqs is 2
-    for r in (a, b, c):
-        s.add(r)
-    advance(s.schedule())
-    for _ in range(3):
-        plan = s.schedule()
-        if plan.preempted:
-            break
-        advance(plan)
-    assert plan.preempted == [b]
+    s, a, b, plan, _ = preempt_b(extra=(c,), max_num_seqs=2)
+    assert plan.preempted == [b], 'the last running request, b, is the victim'
     assert s.waiting == [b, c], "a preempted request goes back to the FRONT of the waiting queue"
 
 
@@ -718,7 +860,7 @@ def test_preempt_priority_policy_picks_the_lowest_priority_and_requeues_by_prior
     plan = s.schedule()  # b's 9th token needs a third block: the pool is full
     assert plan.preempted == [a], \
         "the victim is the LOWEST-priority running request (a, priority 2), not the newest arrival (b)"
-    assert [(r.request_id, n) for r, n in plan.scheduled] == [("b", 1)]
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("b", 1)], 'b, the highest priority, keeps running'
     assert [r.request_id for r in s.waiting] == ["mid", "a", "low"], \
         "under the priority policy the victim is requeued at its (priority, arrival) place"
 
@@ -750,13 +892,16 @@ def test_check_stop_rules():
         r.eos_token_id = eos
         status = e.check_stop(r)
         return status, r.stop_reason
-    assert stop([1, 2, 3, 4, 9], eos=9) == (Status.FINISHED_STOPPED, None)
+    assert stop([1, 2, 3, 4, 9], eos=9) == (Status.FINISHED_STOPPED, None), \
+        'EOS stops a request (with no stop_reason)'
     assert stop([1, 2, 3, 4, 9], eos=9, min_tokens=2) == (None, None), "EOS doesn't count before min_tokens"
-    assert stop([1, 2, 3, 4, 9], eos=9, ignore_eos=True) == (None, None)
+    assert stop([1, 2, 3, 4, 9], eos=9, ignore_eos=True) == (None, None), 'ignore_eos: EOS is just a token'
     assert stop([1, 2, 3, 4, 5, 7], stop_token_ids=[7]) == (Status.FINISHED_STOPPED, 7), "stop_reason = the stop token"
-    assert stop([1, 2, 3, 4, 7], stop_token_ids=[7], min_tokens=2) == (None, None)
-    assert stop([1, 2, 3, 4, 5, 6], max_tokens=2) == (Status.FINISHED_LENGTH, None)
-    assert stop([1, 2, 3, 4, 5], max_tokens=2) == (None, None)
+    assert stop([1, 2, 3, 4, 7], stop_token_ids=[7], min_tokens=2) == (None, None), \
+        "a stop token doesn't count before min_tokens"
+    assert stop([1, 2, 3, 4, 5, 6], max_tokens=2) == (Status.FINISHED_LENGTH, None), \
+        'max_tokens outputs -> FINISHED_LENGTH'
+    assert stop([1, 2, 3, 4, 5], max_tokens=2) == (None, None), 'fewer than max_tokens outputs: not finished'
     assert stop(list(range(12)), prompt_len=10, max_tokens=50) == (Status.FINISHED_LENGTH, None), \
         "the context limit (max_model_len) ends a request too"
 
@@ -771,11 +916,12 @@ def test_step_runs_one_forward_per_step_and_reports_only_produced_tokens():
     e.add_request("a", p, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
     first = e.step()
     assert first == [], "a mid-prompt chunk reports nothing"
-    assert calls == [16]
+    assert calls == [16], "the first step runs one forward over the step's 16 tokens"
     e.step()
     out = e.step()
     assert len(calls) == 3, "one forward pass per step, whatever it holds"
-    assert [o.request_id for o in out] == ["a"] and len(out[0].new_token_ids) == 1
+    assert [o.request_id for o in out] == ["a"] and len(out[0].new_token_ids) == 1, \
+        "the step that reaches the prompt's last token reports exactly one new token"
     done = e.run_until_done()
     assert_same_tokens(done["a"], oracle(tuple(p), 3), "a", 30, 4)
 
@@ -792,7 +938,8 @@ def test_step_outputs_and_frees_finished_requests_at_once():
     last = outs[-1]
     assert (last.finished, last.finish_reason, last.output_token_ids) == (True, "stop", want[:2]), \
         "EOS ends the request (EOS included in the output)"
-    assert last.num_cached_tokens == 0 and e.blocks.num_free == e.blocks.num_blocks
+    assert last.num_cached_tokens == 0 and e.blocks.num_free == e.blocks.num_blocks, \
+        'nothing came from the cache, and every block is free once the request finished'
 
 
 @hole("EngineCore.step")
@@ -800,11 +947,11 @@ def test_step_n_children_share_the_prompt_blocks():
     p = prompts([40], seed=10)[0]
     e = core(EngineConfig(block_size=16))
     ids = e.add_request("p", p, SamplingParams(n=3, max_tokens=4, ignore_eos=True, temperature=0.0))
-    assert ids == ["p:0", "p:1", "p:2"]
+    assert ids == ["p:0", "p:1", "p:2"], 'n=3 becomes children p:0, p:1, p:2'
     e.step()
     tables = [e.blocks.req_blocks[i] for i in ids]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2], "children share the prompt's full blocks"
-    assert e.blocks.ref_count[tables[0][0]] == 3
+    assert e.blocks.ref_count[tables[0][0]] == 3, 'the three children hold the shared prompt block: ref_count 3'
     done = e.run_until_done()
     for i in ids:
         assert_same_tokens(done[i], oracle(tuple(p), 4), i, 40)
@@ -829,9 +976,11 @@ def test_step_abort_frees_everything():
     e.step()
     e.abort_request("a")
     e.abort_request("nobody")  # harmless
-    assert "a" not in e.blocks.req_blocks and "a" not in e.generators
+    assert "a" not in e.blocks.req_blocks and "a" not in e.generators, \
+        "an aborted request's blocks and generator are dropped at once"
     e.run_until_done()
-    assert e.blocks.num_free == e.blocks.num_blocks and not e.scheduler.requests
+    assert e.blocks.num_free == e.blocks.num_blocks and not e.scheduler.requests, \
+        'at idle every block is free and no request is left'
 
 
 @hole("EngineCore.step")
@@ -843,9 +992,52 @@ def test_step_prompt_logprobs_match_the_model():
     lp = outs[-1].prompt_logprobs
     with torch.no_grad():
         want = torch.log_softmax(model64()(torch.tensor(p)), -1)
-    assert len(lp) == 11
+    assert len(lp) == 11, 'a 12-token prompt has 11 prompt logprobs (one per token after the first)'
     for i, entry in enumerate(lp):
-        assert math.isclose(entry[p[i + 1]], float(want[i, p[i + 1]]), abs_tol=1e-9)
+        assert math.isclose(entry[p[i + 1]], float(want[i, p[i + 1]]), abs_tol=1e-9), \
+            'entry i is the log-probability of prompt token i + 1'
+
+
+GREEDY = dict(ignore_eos=True, temperature=0.0)
+
+
+@hole("EngineCore.step")
+def test_step_takes_each_requests_tokens_from_its_own_sample_rows():
+    # Step 1 runs a's first chunk (8 of 40 tokens: no sample row) AHEAD of b's and c's whole prompts
+    # (one sample row each): the sampled tokens are [b's, c's] while b and c are requests 1 and 2.
+    e = core(EngineConfig(block_size=4, max_num_batched_tokens=20, long_prefill_token_threshold=8))
+    pa, pb, pc = prompts([40, 5, 6], seed=13)
+    for rid, p, m in (("a", pa, 3), ("b", pb, 6), ("c", pc, 6)):
+        e.add_request(rid, p, SamplingParams(max_tokens=m, **{"temperature": 0.0, **GREEDY}))
+    want = {"a": oracle(tuple(pa), 3), "b": oracle(tuple(pb), 6), "c": oracle(tuple(pc), 6)}
+    first = {o.request_id: o.new_token_ids for o in e.step()}
+    assert first == {"b": want["b"][:1], "c": want["c"][:1]}, (
+        f"step 1 should report b's and c's first tokens {want['b'][:1]}, {want['c'][:1]}; got {first}. The sampler "
+        "returns one token per SAMPLE ROW: request r takes the next sample_counts[r] tokens, not token number r "
+        "(here a, first in the plan, is mid-prompt and has no sample row)")
+    done = run_checked(e, max_steps=60)
+    for rid, p in (("a", pa), ("b", pb), ("c", pc)):
+        assert_same_tokens(done.get(rid, []), want[rid], rid, len(p), 4, "a decode behind a mid-prompt chunk: ")
+
+
+@hole("EngineCore.step")
+def test_step_prompt_logprobs_are_replaced_after_a_recompute_preemption():
+    p = prompts([14], seed=14)[0]
+    e = core(EngineConfig(block_size=4, num_blocks=6, max_num_batched_tokens=6))
+    e.add_request("b", prompts([9], seed=15)[0], SamplingParams(max_tokens=14, **{"temperature": 0.0, **GREEDY}))
+    e.add_request("a", p, SamplingParams(max_tokens=3, prompt_logprobs=0, **{"temperature": 0.0, **GREEDY}))
+    final = {}
+    while e.has_unfinished():
+        final.update({o.request_id: o for o in e.step() if o.finished})
+    assert e.preemptions >= 1, "the 6-block pool was meant to preempt a part-way through its prompt"
+    lp = final["a"].prompt_logprobs
+    assert len(lp) == len(p) - 1, \
+        f"{len(lp)} prompt-logprob entries for a {len(p)}-token prompt: after a recompute preemption the prompt " \
+        "runs again, and its entries must REPLACE the earlier ones (write from index c on), not be appended"
+    with torch.no_grad():
+        want = torch.log_softmax(model64()(torch.tensor(p)), -1)
+    for i, entry in enumerate(lp):
+        assert math.isclose(entry[p[i + 1]], float(want[i, p[i + 1]]), abs_tol=1e-9), f"entry {i} scores prompt token {i + 1}"
 
 
 # ===================================================================== the milestone
@@ -866,27 +1058,97 @@ MILESTONE_CONFIGS = {
 def milestone_requests():
     ps = prompts([9, 40, 57, 70, 23], seed=21)
     ps[3][:32] = ps[1][:32]  # request 3 shares its first two blocks with request 1
+    ps[4] = ps[1][:32]  # request 4 is exactly those two blocks: its last token must still run
     return ps, [14, 30, 20, 26, 18]
+
+
+@functools.lru_cache(maxsize=None)
+def milestone_result(name: str) -> tuple[str, str]:
+    """Serve the milestone's requests under one config, checking every invariant after each step.
+    Returns (kind, message): kind "ok", or what went wrong — "crash", "stuck", "invariant",
+    "missing" (a request never finished), "wrong" (tokens differ from generate()), "setup" (the
+    config did not exercise what it is for), "leak" (something left at idle)."""
+    ps, max_tokens = milestone_requests()
+    e = core(MILESTONE_CONFIGS[name])
+    try:
+        for i, (p, m) in enumerate(zip(ps, max_tokens)):
+            e.add_request(f"r{i}", p, SamplingParams(max_tokens=m, **{"temperature": 0.0, **GREEDY}))
+        done = run_checked(e)
+    except NotImplementedError:
+        raise
+    except InvariantError as exc:
+        return "invariant", f"after step {e.steps}: {exc}"
+    except AssertionError as exc:
+        return "stuck", str(exc)
+    except Exception as exc:
+        import traceback
+
+        where = [f"{f.filename.rsplit(os.sep + 'engine' + os.sep, 1)[-1]}:{f.lineno} in {f.name}"
+                 for f in traceback.extract_tb(exc.__traceback__) if os.sep + "engine" + os.sep in f.filename]
+        return "crash", f"{type(exc).__name__}: {exc}" + (f" (at engine/{where[-1]})" if where else "")
+    for i, (p, m) in enumerate(zip(ps, max_tokens)):
+        if f"r{i}" not in done:
+            return "missing", f"request r{i} never finished (it is not among the finished outputs)"
+        try:
+            assert_same_tokens(done[f"r{i}"], oracle(tuple(p), m), f"r{i}", len(p), 16)
+        except AssertionError as exc:
+            return "wrong", str(exc)
+    if "12-block" in name and e.preemptions < 1:
+        return "setup", "the 12-block pool must force a preemption (else this config tests nothing)"
+    if name == "small chunks, tight budget" and not e.blocks.hit_rate > 0:
+        return "setup", "request 3 should hit request 1's two shared blocks (hit rate 0)"
+    try:
+        check_idle(e)
+    except InvariantError as exc:
+        return "leak", str(exc)
+    return "ok", ""
+
+
+def milestone_hint(name: str, kind: str, kinds: dict[str, str]) -> str:
+    """Where to look, from HOW this config failed and WHICH configs fail."""
+    failing = sorted(n for n, k in kinds.items() if k != "ok")
+    how = {"crash": "your code raised inside the engine; the location above is where",
+           "stuck": "a request stopped making progress: did step() append a token for every request that "
+                    "had a sample row, and does a finished request leave the scheduler?",
+           "invariant": "the checker names the bookkeeping that disagrees; each hole's docstring says who keeps it",
+           "missing": "a request never finished: check_stop, and step() reporting (and finishing) finished requests",
+           "leak": "at idle something is still held: free() on finish, abort and preemption must return "
+                   "every block and drop the request's entries",
+           "setup": "this config did not do what it is for"}.get(kind, "")
+    if len(failing) == len(kinds):
+        where = ("every configuration fails, so the bug is on the path all of them share (build_batch, write_kv, "
+                 "attention, FlatModel, step's use of the samples) rather than preemption or the prefix cache: "
+                 "the hole tests of those narrow it down")
+    elif failing == ["12-block pool, swap"]:
+        where = ("only swap mode fails: swap_out lists the blocks of the computed tokens, and swap_in must "
+                 "fill the FIRST blocks of the new table; num_computed_tokens is kept")
+    elif failing == ["12-block pool, recompute"]:
+        where = "only recompute fails: a preempted request restarts from num_computed_tokens = 0"
+    elif set(failing) == {"12-block pool, recompute", "12-block pool, swap"}:
+        where = ("only the configs that preempt fail: preemption — the victim's blocks, its computed count on "
+                 "resume, its place at the front of the queue")
+    elif failing == ["small chunks, tight budget"]:
+        where = ("only the tight budget with small chunks fails: chunked prefill — a mid-prompt chunk samples "
+                 "nothing, each chunk starts at num_computed_tokens, the chunk cap, a decode behind a chunk")
+    elif failing == ["no prefix cache, 2 seqs"]:
+        where = "only the config without a prefix cache fails: max_num_seqs, and everything with caching off"
+    elif "no prefix cache, 2 seqs" not in failing:
+        where = ("every config with the prefix cache fails and the one without passes: the prefix cache — "
+                 "find_cached_prefix, adopting cached blocks in allocate_slots, publishing in cache_full_blocks")
+    else:
+        where = f"failing: {', '.join(failing)}"
+    return f"{how}. {where}." if how else f"{where}."
 
 
 @pytest.mark.milestone
 @pytest.mark.parametrize("name", list(MILESTONE_CONFIGS))
 def test_milestone_every_config_equals_generate(name):
-    config = MILESTONE_CONFIGS[name]
-    ps, max_tokens = milestone_requests()
-    e = core(config)
-    for i, (p, m) in enumerate(zip(ps, max_tokens)):
-        e.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
-    done = e.run_until_done()
-    for i, (p, m) in enumerate(zip(ps, max_tokens)):
-        assert_same_tokens(done.get(f"r{i}", []), oracle(tuple(p), m), f"r{i}", len(p), 16, f"[{name}] ")
-    if "12-block" in name:
-        assert e.preemptions >= 1, "the 12-block pool must force preemption (else this config tests nothing)"
-    if name == "small chunks, tight budget":
-        assert e.blocks.hit_rate > 0, "request 3 should hit request 1's two shared blocks"
-    assert e.blocks.num_free == e.blocks.num_blocks, "at idle every block is free again (leak?)"
-    assert all(c == 0 for c in e.blocks.ref_count) and not e.blocks.req_blocks
-    assert not e.runner.swapped and not e.scheduler.requests
+    """Five prompts under four set-ups, invariants checked after every step: every request's tokens
+    equal generate() on its prompt alone, and the idle engine holds nothing."""
+    kind, message = milestone_result(name)
+    if kind != "ok":
+        kinds = {n: milestone_result(n)[0] for n in MILESTONE_CONFIGS}
+        pytest.fail(f"[{name}] {message}\nHint: {milestone_hint(name, kind, kinds)}", pytrace=False)
 
 
 @pytest.mark.given  # record_lookup is given complete
@@ -895,7 +1157,7 @@ def test_record_lookup_counts_each_admission_once():
     published(bm, req("a", range(12)), 12)  # 3 of 4 blocks held
     b = req("b", list(range(8)) + list(range(50, 60)))  # 18 tokens: 2 cached blocks + 3 new blocks
     for _ in range(3):  # the pool is too full: b is looked up again every step
-        assert not bm.allocate_slots(b, 10, bm.find_cached_prefix(b))
+        assert not bm.allocate_slots(b, 10, bm.find_cached_prefix(b)), 'the pool is too full for b'
     assert (bm.num_queries, bm.num_hits) == (18, 8), "a waiting request's repeated lookups count once"
     bm.free(b)
-    assert not bm.pending_lookups
+    assert not bm.pending_lookups, 'free() drops the pending lookup of a request that was never admitted'

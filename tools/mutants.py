@@ -1,12 +1,16 @@
 """Mutants: named, realistic bugs applied to the reference one at a time; the tests must catch each.
 
 A test suite that passes the reference says little until it FAILS on the mistakes learners
-actually make. Each mutant below is one exact text replacement in a ``solutions/`` file. It is
-applied to a temporary copy of ``solutions/`` (the working tree is never touched) and the
-chapter's tests run against that copy in a subprocess (``ENGINE_IMPL=solution`` with
-``ENGINE_SOLUTIONS_DIR`` pointing at the copy), restricted to the tests of the holes the bug lives
-in plus the milestone, stopping at the first failure. A mutant is
-- killed: some test failed (the table shows which, and its first line);
+actually make. Each mutant below is one exact text replacement in a ``solutions/`` file. It plays
+a learner who filled every hole exactly as the reference, except for this one bug: a workspace
+(``tools.testrun.workspace``, a temporary copy of the repository; the working tree is never
+touched) gets the reference files in engine/ with the mutant applied, and the chapter's tests run
+there in a subprocess under ``--impl engine`` — the learner's own route — restricted to the tests
+of the holes the bug lives in plus the milestone, hole tests first, stopping at the first failure.
+A mutant is
+- killed: a test of its own hole failed (or, for a mutant marked ``own=False`` whose hole's
+  contract cannot see it alone, any selected test); the table shows which, and its first line;
+- LATE: only the milestone caught a bug its own hole's tests should have caught;
 - SURVIVED: every selected test passed — the tests can't see this bug; strengthen them;
 - stale: its text no longer matches the reference exactly once — update the mutant;
 - broken: the run errored before any test failed (e.g. the mutated file doesn't import).
@@ -18,7 +22,6 @@ in plus the milestone, stopping at the first failure. A mutant is
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import tempfile
 import time
@@ -26,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.testrun import CHAPTER_TESTS, ROOT, run_pytest
+from tools.testrun import CHAPTER_TESTS, ROOT, reference_files, run_pytest, workspace
 
 SOLUTIONS = ROOT / "solutions"
 
@@ -35,7 +38,8 @@ SOLUTIONS = ROOT / "solutions"
 class Mutant:
     """One bug: replace ``old`` (which must occur exactly once) by ``new`` in ``solutions/<file>``.
     ``holes`` names the holes whose tests should catch it (the milestone always runs too);
-    ``keyword``, when set, narrows those tests further (pytest ``-k``) to skip slow ones."""
+    ``keyword``, when set, narrows those tests further (pytest ``-k``) to skip slow ones; ``own``
+    says a test of one of ``holes`` must be the one to catch it."""
 
     name: str
     file: str
@@ -44,6 +48,7 @@ class Mutant:
     new: str
     why: str
     keyword: str = ""
+    own: bool = True
 
 
 MUTANTS: list[Mutant] = [
@@ -174,6 +179,127 @@ MUTANTS: list[Mutant] = [
            "            if new or status is not None:\n                outputs.append(self._output(req, new))",
            "            outputs.append(self._output(req, new))",
            "a chunk that produced no token is reported anyway"),
+    # ---- issue 11's list: bugs that once passed every chapter test -------------------------------
+    Mutant("find-cached-prefix-continues-past-miss", "serve/blocks.py", ("BlockManager.find_cached_prefix",),
+           "            if block is None:\n                break\n            found.append(block)",
+           "            if block is None:\n                continue\n            found.append(block)",
+           "the prefix walk skips a miss and adopts later blocks without the K/V in front of them"),
+    Mutant("admitted-appended-to-running", "serve/scheduler.py", ("Scheduler.schedule",),
+           "            self._insert_sorted(self.running, req)\n",
+           "            self.running.append(req)\n",
+           "an admitted request is appended to running instead of inserted at its (priority, arrival) place"),
+    Mutant("step-samples-indexed-by-request", "serve/engine.py", ("EngineCore.step",),
+           "        row = 0\n        for (req, n), k in zip(plan.scheduled, batch.sample_counts):\n"
+           "            start = req.num_computed_tokens\n            req.num_computed_tokens += n\n"
+           "            new = tokens[row:row + k]\n            row += k\n",
+           "        for i, ((req, n), k) in enumerate(zip(plan.scheduled, batch.sample_counts)):\n"
+           "            start = req.num_computed_tokens\n            req.num_computed_tokens += n\n"
+           "            new = tokens[i:i + k]\n",
+           "request r takes sampled token r instead of its own sample rows (wrong once a mid-prompt chunk precedes)"),
+    Mutant("prompt-logprob-targets-ignore-c", "serve/batch.py", ("build_batch",),
+           "req.prompt_token_ids[c + 1:end + 1]",
+           "req.prompt_token_ids[1:end - c + 1]",
+           "prompt-logprob targets of a later chunk start at the prompt's start instead of after c"),
+    Mutant("hash-extra-with-python-hash", "serve/blocks.py", ("hash_block",),
+           "        h.update(repr(extra).encode())\n",
+           "        h.update(repr(hash(extra)).encode())\n",
+           "the cache key is hashed with Python's hash(), which differs from process to process"),
+    Mutant("free-without-blocks-is-a-no-op", "serve/blocks.py", ("BlockManager.free",),
+           "        table = self.req_blocks.pop(request.request_id, [])\n",
+           "        table = self.req_blocks.pop(request.request_id, None)\n        if table is None:\n"
+           "            return\n",
+           "free() of a request without blocks returns early and leaves its pending_lookups entry"),
+    Mutant("pending-lookup-kept-after-admission", "serve/blocks.py", ("BlockManager.allocate_slots",),
+           "        self.pending_lookups.pop(rid, None)  # admitted: its lookup stays counted\n",
+           "",
+           "a request admitted by allocate_slots keeps its pending_lookups entry"),
+    Mutant("num-published-leaks", "serve/blocks.py", ("BlockManager.free",),
+           "        self.num_published.pop(request.request_id, None)\n",
+           "",
+           "free() keeps the request's num_published entry"),
+    Mutant("num-published-not-set-on-adoption", "serve/blocks.py", ("BlockManager.allocate_slots",),
+           "        if cached_blocks:\n            self.num_published[rid] = len(cached_blocks)\n",
+           "",
+           "adopted blocks are not counted as published in num_published"),
+    Mutant("prompt-logprobs-duplicated-after-recompute", "serve/engine.py", ("EngineCore.step",),
+           "                del lps[start:]\n",
+           "",
+           "after a recompute preemption the re-prefilled prompt's logprobs are appended a second time"),
+    # ---- more bugs a learner may write, reading each docstring ----------------------------------
+    Mutant("seq-len-without-computed", "serve/batch.py", ("build_batch",),
+           "        seq_lens.append(c + n)\n",
+           "        seq_lens.append(n)\n",
+           "seq_len is the step's n instead of c + n (attention would not see earlier K/V)"),
+    Mutant("prompt-logprob-rows-include-last-position", "serve/batch.py", ("build_batch",),
+           "end = min(c + n, req.num_prompt_tokens - 1)",
+           "end = min(c + n, req.num_prompt_tokens)",
+           "the prompt's last row (which predicts no prompt token) gets a prompt-logprob row too"),
+    Mutant("v-pool-gets-k", "serve/attention.py", ("write_kv",),
+           "index_copy_(0, slots, v.to(v_cache.dtype))",
+           "index_copy_(0, slots, k.to(v_cache.dtype))",
+           "K is written into the V pool"),
+    Mutant("attention-ignores-block-table", "serve/attention.py", ("ReferenceBackend.forward",),
+           "slots = tables[r, pos // bs].long() * bs + pos % bs  # [L]",
+           "slots = pos  # [L]",
+           "a request's K/V are read from slots 0..L-1 instead of through its block table"),
+    Mutant("k-norm-skipped", "serve/flat.py", ("FlatModel.attention",),
+           "k = attn.k_norm(attn.k_proj(x).view(n, attn.num_kv_heads, attn.head_dim))",
+           "k = attn.k_proj(x).view(n, attn.num_kv_heads, attn.head_dim)",
+           "Qwen3's per-head RMSNorm is applied to q only"),
+    Mutant("rope-by-row-index", "serve/flat.py", ("FlatModel.forward",),
+           "cos, sin = rope_cos_sin(positions, ",
+           "cos, sin = rope_cos_sin(torch.arange(input_ids.shape[0]), ",
+           "RoPE uses the row number in the batch instead of each row's position"),
+    Mutant("tokens-packed-as-int32", "serve/blocks.py", ("hash_block",),
+           'packed = array("q", tokens)',
+           'packed = array("i", tokens)',
+           "token ids are packed as 32-bit instead of 64-bit integers"),
+    Mutant("hits-counted-in-blocks", "serve/blocks.py", ("BlockManager.find_cached_prefix",),
+           "self.record_lookup(request, len(found) * self.block_size)",
+           "self.record_lookup(request, len(found))",
+           "prefix-cache hits are counted in blocks, queries in tokens"),
+    Mutant("prompt-logprob-requests-use-the-cache", "serve/blocks.py", ("BlockManager.find_cached_prefix",),
+           "if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:",
+           "if not self.enable_prefix_caching:",
+           "a request that wants prompt logprobs adopts cached blocks, so those rows never produce them"),
+    Mutant("publish-ignores-num-tokens", "serve/blocks.py", ("BlockManager.cache_full_blocks",),
+           "        if num_tokens is None:\n            num_tokens = request.num_computed_tokens\n",
+           "        num_tokens = request.num_computed_tokens\n",
+           "cache_full_blocks ignores its num_tokens argument (the scheduler's publish-at-allocation)"),
+    Mutant("admitted-flag-never-set", "serve/scheduler.py", ("Scheduler.schedule",),
+           "                req.admitted = True\n",
+           "",
+           "admitted is never set: num_cached_tokens is overwritten at every readmission"),
+    Mutant("swapped-out-not-cleared", "serve/scheduler.py", ("Scheduler.schedule",),
+           "                req.swapped_out = False\n",
+           "",
+           "a swapped-in request stays marked swapped_out"),
+    Mutant("status-not-set-running", "serve/scheduler.py", ("Scheduler.schedule",),
+           "            req.status = Status.RUNNING\n",
+           "",
+           "an admitted request keeps status WAITING / PREEMPTED"),
+    Mutant("max-num-seqs-off-by-one", "serve/scheduler.py", ("Scheduler.schedule",),
+           "and len(self.running) < cfg.max_num_seqs",
+           "and len(self.running) <= cfg.max_num_seqs",
+           "one request more than max_num_seqs runs"),
+    Mutant("admission-not-charged-to-budget", "serve/scheduler.py", ("Scheduler.schedule",),
+           "            out.scheduled.append((req, n))\n            budget -= n\n        return out\n",
+           "            out.scheduled.append((req, n))\n        return out\n",
+           "admitted requests' tokens are not taken from the step's budget"),
+    Mutant("preemption-not-counted-on-request", "serve/scheduler.py", ("Scheduler._preempt",),
+           "        request.num_preemptions += 1\n",
+           "",
+           "the request's num_preemptions is not counted"),
+    Mutant("stop-token-before-min-tokens", "serve/engine.py", ("EngineCore.check_stop",),
+           "        if num_output >= p.min_tokens:\n            if last in p.stop_token_ids:",
+           "        if last in p.stop_token_ids:\n            request.stop_reason = last\n"
+           "            return Status.FINISHED_STOPPED\n        if num_output >= p.min_tokens:\n"
+           "            if last in p.stop_token_ids:",
+           "a stop token ends a request before it has min_tokens outputs"),
+    Mutant("max-tokens-off-by-one", "serve/engine.py", ("EngineCore.check_stop",),
+           "if num_output >= p.max_tokens or request.num_tokens >= self.max_model_len:",
+           "if num_output > p.max_tokens or request.num_tokens >= self.max_model_len:",
+           "a request produces max_tokens + 1 tokens"),
     # ---- attention and the flat model ---------------------------------------------------------
     Mutant("padding-written-to-slot-zero", "serve/attention.py", ("write_kv",),
            "slots = torch.where(slot_mapping < 0, num_slots - 1, slot_mapping)",
@@ -218,29 +344,31 @@ def check_applies(mutant: Mutant, solutions: Path = SOLUTIONS) -> str | None:
     return None if count == 1 else f"its text occurs {count} times in solutions/{mutant.file} (want exactly 1)"
 
 
-def _copy_solutions(dst: Path) -> Path:
-    shutil.copytree(SOLUTIONS, dst, ignore=shutil.ignore_patterns("__pycache__"))
-    return dst
+# The bugs the chapter's spec says the milestone itself must expose (tests/test_mutants.py checks it).
+MILESTONE_MUST_CATCH = ("slot-off-by-one-at-block-boundary", "recompute-keeps-stale-num-computed",
+                        "cached-prefix-includes-last-token-block", "swap-in-into-wrong-blocks",
+                        "logits-from-first-row-of-span", "preempt-leaks-blocks")
 
 
-def run_mutant(mutant: Mutant, timeout: float = 600) -> Result:
-    """Apply one mutant to a temporary copy of solutions/ and run its selected tests (``-x``)."""
+def run_mutant(mutant: Mutant, timeout: float = 600, milestone_only: bool = False) -> Result:
+    """Apply one mutant to the reference in a workspace's engine/ and run its selected tests (``-x``);
+    ``milestone_only``: the milestone alone."""
     stale = check_applies(mutant)
     if stale:
         return Result(mutant, "stale", detail=stale)
+    files = reference_files()
+    files[mutant.file] = files[mutant.file].replace(mutant.old, mutant.new)
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
-        copy = _copy_solutions(Path(tmp) / "solutions")
-        target = copy / mutant.file
-        target.write_text(target.read_text().replace(mutant.old, mutant.new))
-        select = ",".join([*mutant.holes, "milestone"])
+        bed = workspace(Path(tmp) / "repo", files)
         keyword = ["-k", f"({mutant.keyword}) or milestone"] if mutant.keyword else []
-        run = run_pytest(["-x", "-q", "--tb=line", "--impl", "solution", CHAPTER_TESTS, "--select-holes", select,
-                          *keyword],
-                         env={"ENGINE_IMPL": "solution", "ENGINE_SOLUTIONS_DIR": str(copy)}, timeout=timeout)
+        select = "milestone" if milestone_only else ",".join([*mutant.holes, "milestone"])
+        run = run_pytest(["-x", "-q", "--tb=line", "--impl", "engine", CHAPTER_TESTS, "--select-holes", select,
+                          *([] if milestone_only else keyword)], cwd=bed, timeout=timeout, per_test_timeout=120)
     failed = run.first_failure()
     if failed is not None and failed.outcome == "failed":
-        return Result(mutant, "killed", failed.name, failed.message.splitlines()[0] if failed.message else "",
-                      run.seconds)
+        first = failed.message.splitlines()[0] if failed.message else ""
+        own = milestone_only or not mutant.own or bool(set(failed.holes) & set(mutant.holes))
+        return Result(mutant, "killed" if own else "LATE", failed.name, first, run.seconds)
     if run.returncode == 0 and run.tests and all(t.passed for t in run.tests):
         return Result(mutant, "SURVIVED", detail=f"{len(run.tests)} selected tests passed", seconds=run.seconds)
     why = (failed.message if failed else "") or (run.collect_errors[0]["message"][-300:] if run.collect_errors
@@ -251,10 +379,10 @@ def run_mutant(mutant: Mutant, timeout: float = 600) -> Result:
                   run.seconds)
 
 
-def run_all(mutants: list[Mutant], workers: int = 2, progress=None) -> list[Result]:
+def run_all(mutants: list[Mutant], workers: int = 2, progress=None, milestone_only: bool = False) -> list[Result]:
     """Every mutant, ``workers`` subprocesses at a time; results in the order given."""
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        futures = [pool.submit(run_mutant, m) for m in mutants]
+        futures = [pool.submit(run_mutant, m, 600, milestone_only) for m in mutants]
         results = []
         for f in futures:
             results.append(f.result())
@@ -264,11 +392,10 @@ def run_all(mutants: list[Mutant], workers: int = 2, progress=None) -> list[Resu
 
 
 def baseline() -> str | None:
-    """None if the unmutated copy passes every chapter test through the same machinery, else why."""
+    """None if every hole filled with the reference passes every chapter test the mutants' way, else why."""
     with tempfile.TemporaryDirectory(prefix="mutant-baseline-") as tmp:
-        copy = _copy_solutions(Path(tmp) / "solutions")
-        run = run_pytest(["-x", "-q", "--tb=line", "--impl", "solution", CHAPTER_TESTS],
-                         env={"ENGINE_IMPL": "solution", "ENGINE_SOLUTIONS_DIR": str(copy)})
+        run = run_pytest(["-x", "-q", "--tb=line", "--impl", "engine", CHAPTER_TESTS],
+                         cwd=workspace(Path(tmp) / "repo", reference_files()))
     if run.returncode == 0 and run.tests and all(t.passed for t in run.tests):
         return None
     failed = run.first_failure()

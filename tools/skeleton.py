@@ -4,14 +4,23 @@ A hole is a function whose docstring contains ``HOLE_MARKER``. In the skeleton i
 signature stay and its body becomes one ``raise NotImplementedError(...)`` naming the hole, the
 chapter and the file. Everything else in the file is copied as it is.
 
-    python -m tools.skeleton          # write engine/ from solutions/
+    python -m tools.skeleton          # write engine/ from solutions/ (never over a learner's work)
     python -m tools.skeleton --check  # exit 1 if engine/ differs from what would be generated
+    python -m tools.skeleton --force  # overwrite even filled holes, after a backup in .skeleton-backup/
+
+A file that holds a learner's work (a filled hole or a helper of their own) is never overwritten
+without ``--force``, and then only after a copy is kept under ``.skeleton-backup/<time>/``.
+``outside_hole_edits`` lists what a learner changed outside the holes (the tests and the grader
+report it: such edits are part of the learner's engine, but no hole's contract asks for them).
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import shutil
 import sys
+import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,24 +79,116 @@ def test_selector(qualname: str) -> str:
     return _SELECTORS.get(qualname, qualname.split(".")[-1])
 
 
+def _is_stub(fn: ast.FunctionDef) -> bool:
+    body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
+    return (len(body) == 1 and isinstance(body[0], ast.Raise) and isinstance(body[0].exc, ast.Call)
+            and getattr(body[0].exc.func, "id", "") == "NotImplementedError")
+
+
+def _defs(tree: ast.Module) -> dict[str, ast.AST]:
+    """'Class.method' / 'function' / 'Class' -> its node, for every def and class (not inside functions)."""
+    found: dict[str, ast.AST] = {}
+
+    def visit(body, prefix: str) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found[prefix + node.name] = node
+                if isinstance(node, ast.ClassDef):
+                    visit(node.body, f"{prefix}{node.name}.")
+
+    visit(tree.body, "")
+    return found
+
+
 def unfilled_holes(engine_dir: Path = ENGINE) -> list[Hole]:
     """The holes whose body in ``engine_dir`` is still only the skeleton's ``raise NotImplementedError``."""
     left = []
     for src in solution_files():
         rel = src.relative_to(SOLUTIONS).as_posix()
-        path = engine_dir / rel
-        if not path.exists():
-            continue
         try:
-            tree = ast.parse(path.read_text())
-        except SyntaxError:
+            defs = _defs(ast.parse((engine_dir / rel).read_text()))
+        except (OSError, SyntaxError):
             continue
-        for hole, fn in _holes(tree, rel):
-            body = fn.body[1:]
-            if (len(body) == 1 and isinstance(body[0], ast.Raise) and isinstance(body[0].exc, ast.Call)
-                    and getattr(body[0].exc.func, "id", "") == "NotImplementedError"):
-                left.append(hole)
+        left += [h for h in holes_in(src) if isinstance(defs.get(h.qualname), ast.FunctionDef)
+                 and _is_stub(defs[h.qualname])]
     return left
+
+
+def learner_work(text: str, rel: str) -> list[str]:
+    """What in this ``engine/<rel>`` text is a learner's own work: filled holes and added helpers.
+    A file that does not parse counts as work (it is being edited)."""
+    reference = _defs(ast.parse((SOLUTIONS / rel).read_text()))
+    holes = [h.qualname for h in holes_in(SOLUTIONS / rel)]
+    try:
+        mine = _defs(ast.parse(text))
+    except SyntaxError as exc:
+        return [f"unparsable text (line {exc.lineno})"]
+    work = [f"filled {q}" for q in holes if isinstance(mine.get(q), ast.FunctionDef) and not _is_stub(mine[q])]
+    return work + [f"helper {q}" for q in mine if q not in reference]
+
+
+def is_learner_checkout(engine_dir: Path = ENGINE) -> bool:
+    """True when some chapter file under ``engine_dir`` holds a filled hole or a helper."""
+    for src in solution_files():
+        path = engine_dir / src.relative_to(SOLUTIONS)
+        if path.is_file() and learner_work(path.read_text(), src.relative_to(SOLUTIONS).as_posix()):
+            return True
+    return False
+
+
+def _shape(node: ast.AST, hole: bool) -> str:
+    """A def's comparable text: without its docstring; a hole's is its signature only."""
+    if isinstance(node, ast.ClassDef):
+        return ast.dump(ast.ClassDef(node.name, node.bases, node.keywords, [], node.decorator_list))
+    head = ast.dump(node.args) + "".join(map(ast.dump, node.decorator_list)) + ast.dump(node.returns or ast.Pass())
+    body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+    return head if hole else head + "".join(map(ast.dump, body))
+
+
+def _statements(tree: ast.Module) -> Counter:
+    """Module- and class-level statements other than defs and docstrings, as (scope, unparsed text)."""
+    found: Counter = Counter()
+
+    def visit(body, scope: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                visit(node.body, node.name if scope == "module" else f"{scope}.{node.name}")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Import, ast.ImportFrom)):
+                continue  # imports: a removed one breaks given code, which the tests then show
+            elif not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                      and isinstance(node.value.value, str)):
+                found[(scope, ast.unparse(node))] += 1
+
+    visit(tree.body, "module")
+    return found
+
+
+def outside_hole_edits(engine_dir: Path = ENGINE) -> list[str]:
+    """What a learner changed in the chapter files OUTSIDE the holes, one line each (empty: nothing).
+
+    Allowed, so not listed: hole bodies, docstrings and comments, helpers (new functions, methods,
+    constants), imports added or removed. Listed: a given function or method whose code differs, a hole whose
+    signature differs, a given def or statement that was changed or removed.
+    """
+    edits = []
+    for src in solution_files():
+        rel = src.relative_to(SOLUTIONS).as_posix()
+        try:
+            mine_tree = ast.parse((engine_dir / rel).read_text())
+        except (OSError, SyntaxError):
+            continue  # reported where the file is imported
+        ref_tree = ast.parse(src.read_text())
+        holes = {h.qualname for h in holes_in(src)}
+        mine, ref = _defs(mine_tree), _defs(ref_tree)
+        for q, node in ref.items():
+            if q not in mine:
+                edits.append(f"engine/{rel}: {q} is missing")
+            elif _shape(mine[q], q in holes) != _shape(node, q in holes):
+                edits.append(f"engine/{rel}: " + (f"the signature of hole {q} differs" if q in holes
+                                                   else f"{q} (given code) differs from the chapter's"))
+        for (scope, text), _ in (_statements(ref_tree) - _statements(mine_tree)).items():
+            edits.append(f"engine/{rel}: a given statement in {scope} was changed or removed: {text[:60]}")
+    return edits
 
 
 # The order in which the chapter builds its files (a request's path: batch, pool, model, blocks,
@@ -106,49 +207,82 @@ def solution_files() -> list[Path]:
     return sorted((p for p in SOLUTIONS.rglob("*.py") if "__pycache__" not in p.parts), key=order)
 
 
-def skeleton_of(source: str, rel: str) -> str:
-    """The skeleton text for one reference file."""
+def replace_bodies(source: str, rel: str, bodies: dict[str, str]) -> str:
+    """``source`` with the body (after the docstring) of each hole named in ``bodies`` replaced by
+    that text, given without indentation."""
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
     edits = []
     for hole, fn in _holes(tree, rel):
-        doc_node = fn.body[0]
-        start = doc_node.end_lineno  # body after the docstring starts on the next line
-        end = fn.end_lineno
-        indent = " " * (doc_node.col_offset)
-        msg = f"{hole.qualname} is a hole: fill it in ({CHAPTER}, {hole.file})"
-        edits.append((start, end, f'{indent}raise NotImplementedError("{msg}")\n'))
+        if hole.qualname in bodies:
+            doc_node = fn.body[0]
+            indent = " " * doc_node.col_offset
+            text = "".join(indent + line if line.strip() else line
+                           for line in bodies[hole.qualname].strip("\n").splitlines(keepends=True))
+            edits.append((doc_node.end_lineno, fn.end_lineno, text.rstrip("\n") + "\n"))
     for start, end, text in sorted(edits, reverse=True):
         lines[start:end] = [text]
-    return HEADER.format(rel=rel) + "".join(lines)
+    return "".join(lines)
 
 
-def generate(check: bool = False) -> list[str]:
-    """Write (or, with check, compare) every skeleton file; returns the paths that differ."""
+def skeleton_of(source: str, rel: str) -> str:
+    """The skeleton text for one reference file."""
+    stubs = {h.qualname: f'raise NotImplementedError("{h.qualname} is a hole: fill it in ({CHAPTER}, {h.file})")'
+             for h, _ in _holes(ast.parse(source), rel)}
+    return HEADER.format(rel=rel) + replace_bodies(source, rel, stubs)
+
+
+BACKUP_DIR = ".skeleton-backup"
+
+
+def generate(check: bool = False, force: bool = False, engine_dir: Path = ENGINE,
+             say=print) -> list[str]:
+    """Write (or, with check, compare) every skeleton file; returns the paths that differ.
+
+    A file holding a learner's work (``learner_work``) is kept as it is, with a message, unless
+    ``force``: then it is first copied to ``.skeleton-backup/<time>/`` and the message says where.
+    """
     differ = []
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     for src in solution_files():
         rel = src.relative_to(SOLUTIONS).as_posix()
-        dst = ENGINE / rel
+        dst = engine_dir / rel
         text = skeleton_of(src.read_text(), rel)
-        if not dst.exists() or dst.read_text() != text:
-            differ.append(f"engine/{rel}")
-            if not check:
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                dst.write_text(text)
+        if dst.exists() and dst.read_text() == text:
+            continue
+        differ.append(f"engine/{rel}")
+        if check:
+            continue
+        work = learner_work(dst.read_text(), rel) if dst.exists() else []
+        if work and not force:
+            say(f"kept engine/{rel}: it holds your work ({', '.join(work[:4])}{', ...' if len(work) > 4 else ''}); "
+                "nothing was overwritten. To start that file over: make skeleton FORCE=1 (keeps a backup)")
+            continue
+        if work:
+            backup = engine_dir.parent / BACKUP_DIR / stamp / rel
+            backup.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(dst, backup)
+            say(f"backed up engine/{rel} to {backup}")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(text)
+        say(f"wrote engine/{rel}")
     return differ
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="compare only; exit 1 if engine/ is stale")
+    ap.add_argument("--force", action="store_true", help="also overwrite files with filled holes (backed up first)")
     args = ap.parse_args(argv)
-    differ = generate(check=args.check)
+    differ = generate(check=args.check, force=args.force)
     if args.check:
+        if differ and is_learner_checkout():
+            print("engine/ holds your filled holes, so it differs from the skeleton: that is expected "
+                  "(this check is for maintainers, on a pristine checkout)")
+            return 0
         for path in differ:
             print(f"stale skeleton: {path} (run `make skeleton`)")
         return 1 if differ else 0
-    for path in differ:
-        print(f"wrote {path}")
     print(f"{len(all_holes())} holes in {len(solution_files())} files")
     return 0
 

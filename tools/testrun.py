@@ -4,11 +4,17 @@ The grader (``tools/grade.py``), the mutant runner (``tools/mutants.py``) and th
 all need "which test of which hole passed, and if not, why" from a separate process — a separate
 process so that each run imports its own ``engine``. The records come from the plugin in
 ``tools/pytest_plugins/ch31_report.py``.
+
+``workspace(dst, hole_files)`` makes the one kind of test bed they all use: a copy of THIS
+repository (its tests, conftest, tools, reference and given code) whose chapter files under
+engine/ are replaced by the given texts — a learner's files, the reference (every hole filled), a
+mutated reference, or the fresh skeleton.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -19,8 +25,38 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_DIR = Path(__file__).resolve().parent / "pytest_plugins"
 CHAPTER_TESTS = "tests/test_ch31_engine_v2.py"
-# Variables that redirect what a test session imports; a child gets them only when asked to.
-REDIRECTS = ("ENGINE_IMPL", "ENGINE_SOLUTIONS_DIR", "ENGINE_LEARNER_DIR")
+# The variable that redirects what a test session imports; a child gets it only when asked to.
+REDIRECTS = ("ENGINE_IMPL",)
+# What a workspace leaves out of the copy of this repository.
+_NOT_COPIED = shutil.ignore_patterns(".git", ".venv", "grades", "__pycache__", ".pytest_cache", ".hypothesis",
+                                     "*.egg-info", ".skeleton-backup", "bench_results", "notebooks", "chapters")
+
+
+def chapter_files() -> list[str]:
+    """The chapter's files with holes, relative to engine/ ("serve/blocks.py", ...)."""
+    from tools.skeleton import SOLUTIONS, solution_files
+
+    return [p.relative_to(SOLUTIONS).as_posix() for p in solution_files()]
+
+
+def workspace(dst: Path, hole_files: dict[str, str] | None = None) -> Path:
+    """A copy of this repository at ``dst`` whose ``engine/<rel>`` holds ``hole_files[rel]``."""
+    shutil.copytree(ROOT, dst, ignore=_NOT_COPIED)
+    for rel, text in (hole_files or {}).items():
+        (dst / "engine" / rel).write_text(text)
+    return dst
+
+
+def reference_files() -> dict[str, str]:
+    """Every chapter file as the reference writes it: a learner who filled every hole exactly so."""
+    return {rel: (ROOT / "solutions" / rel).read_text() for rel in chapter_files()}
+
+
+def skeleton_files() -> dict[str, str]:
+    """Every chapter file as the skeleton generator makes it from the reference (a fresh clone)."""
+    from tools.skeleton import skeleton_of
+
+    return {rel: skeleton_of(text, rel) for rel, text in reference_files().items()}
 # The chapter's tests use neither plugin; hypothesis alone costs ~1.5 s of start-up per run.
 LEAN = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:anyio")
 
@@ -63,18 +99,22 @@ class TestRun:
 
 
 def run_pytest(args: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None,
-               python: str = sys.executable, timeout: float | None = None) -> TestRun:
+               python: str = sys.executable, timeout: float | None = None,
+               per_test_timeout: float = 0) -> TestRun:
     """``python -m pytest ARGS`` in ``cwd`` with the report plugin; ``env`` adds variables.
 
-    ``ENGINE_IMPL``, ``ENGINE_SOLUTIONS_DIR`` and ``ENGINE_LEARNER_DIR`` are not inherited from
-    this process: pass them in ``env`` when wanted (``--impl`` in args decides the impl anyway).
+    ``ENGINE_IMPL`` is not inherited from this process (``--impl`` in args decides). With
+    ``per_test_timeout`` a test that runs longer fails alone (pytest-timeout, signal method),
+    so a hole stuck in a loop costs its own test, not the run.
     """
     child_env = {k: v for k, v in os.environ.items() if k not in REDIRECTS}
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGIN_DIR), child_env.get("PYTHONPATH")]))
     child_env.update(env or {})
     with tempfile.TemporaryDirectory(prefix="ch31-report-") as tmp:
         report = Path(tmp) / "report.json"
-        cmd = [python, "-m", "pytest", "-p", "ch31_report", "--report-json", str(report), *LEAN, *args]
+        limit = ["--timeout", str(per_test_timeout), "--timeout-method", "signal"] \
+            if per_test_timeout else []
+        cmd = [python, "-m", "pytest", "-p", "ch31_report", "--report-json", str(report), *LEAN, *limit, *args]
         start = time.monotonic()
         try:
             proc = subprocess.run(cmd, cwd=cwd, env=child_env, capture_output=True, text=True, timeout=timeout)

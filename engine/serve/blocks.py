@@ -177,8 +177,11 @@ class BlockManager:
         then new blocks from the FRONT of the free queue. All or nothing: if the free queue can't
         supply what is needed, return False and change nothing. Adopting a cached-FREE block
         (ref 0) takes it out of the free queue, so it counts against what is left. A new block
-        loses its old hash (and the ``cached`` entry, if that entry pointed at it). Returns True
-        on success.
+        loses its old hash (and the ``cached`` entry, if that entry pointed at it: ``_evict``).
+        Returns True on success, and then also: a request's first allocation creates its
+        ``req_blocks`` entry and sets ``num_published[rid]`` to the number of adopted blocks
+        (they are published already); and its ``pending_lookups`` entry is dropped (admitted: its
+        lookup stays counted, see ``record_lookup``).
         """
         raise NotImplementedError("BlockManager.allocate_slots is a hole: fill it in (Chapter 31, engine/serve/blocks.py)")
 
@@ -201,7 +204,9 @@ class BlockManager:
         adopt them, which is safe because in a flattened batch every layer writes all K/V before
         any attention reads — and if the forward pass fails instead, the engine takes these
         publications back (``unpublish_uncomputed``). The engine calls it again after each step,
-        for generated tokens.
+        for generated tokens. ``num_published[rid]`` counts the request's leading blocks already
+        offered to the cache: start there, and raise it to the number of full blocks. Nothing to do
+        when prefix caching is off or the request holds no blocks.
         """
         raise NotImplementedError("BlockManager.cache_full_blocks is a hole: fill it in (Chapter 31, engine/serve/blocks.py)")
 
@@ -249,7 +254,9 @@ class BlockManager:
         Blocks whose count reaches 0 join the BACK of the free queue in reverse table order (tail
         first): a finished request's private last blocks are then evicted before its first blocks,
         which are the ones most likely shared (a system prompt). Freeing a block whose count is
-        already 0 raises RuntimeError. A request without blocks is a no-op.
+        already 0 raises RuntimeError (``_release`` does both). Always — also for a request that
+        holds no blocks, e.g. one that was looked up but never admitted — drop the request's
+        ``req_blocks``, ``num_published`` and ``pending_lookups`` entries.
         """
         raise NotImplementedError("BlockManager.free is a hole: fill it in (Chapter 31, engine/serve/blocks.py)")
 

@@ -270,14 +270,20 @@ class EngineCore:
         (Your engine: Chapter 31)
 
         Order: ``scheduler.schedule()``; the runner's swap-outs, then swap-ins; one batch from
-        every (request, n) with its block table; one forward; sample the rows that need it.
+        every (request, n) with its block table; one forward; sample the rows that need it — the
+        sampler returns one token per SAMPLE ROW, so request r's tokens are the next
+        ``batch.sample_counts[r]`` of them (a request with 0 sample rows takes none).
         Then each scheduled request advances ``num_computed_tokens`` by n, appends its sample (if
         it had a sample row), publishes its newly full blocks, and is checked for stop — a
-        finished request is finished in the scheduler at once, freeing its blocks. Returns one
-        RequestOutput per request that produced a token or finished (a mid-prompt chunk reports
-        nothing). If anything from the swaps to the sampling raises (the forward pass ran out of
-        memory, Ctrl-C), call ``self.recover_failed_step(plan)`` before letting the exception
-        propagate, and count no step: the engine must be left as if the step never ran.
+        finished request is finished in the scheduler at once, freeing its blocks. A request
+        with ``params.prompt_logprobs`` collects them in ``req.extra["prompt_logprobs"]``, a list
+        whose entry i scores prompt token i + 1: a span starting at c (``_prompt_logprobs`` gives
+        each request's entries of this step) writes entries from index c on, replacing any that a
+        recompute preemption made stale. Returns one RequestOutput per request that produced a
+        token or finished (a mid-prompt chunk reports nothing). If anything from the swaps to the
+        sampling raises (the forward pass ran out of memory, Ctrl-C), call
+        ``self.recover_failed_step(plan)`` before letting the exception propagate, and count no
+        step: the engine must be left as if the step never ran.
         """
         raise NotImplementedError("EngineCore.step is a hole: fill it in (Chapter 31, engine/serve/engine.py)")
 

@@ -159,9 +159,13 @@ class Scheduler:
            its computed tokens and is listed in ``swap_in`` with the first blocks of its new table.
            With chunked prefill off, a request that needs more than the budget left waits (unless
            its history exceeds the whole budget — only a resumed request can — then it is chunked).
-           If its blocks don't fit, admission stops; never preempt to admit. On admission:
-           ``num_computed_tokens += cached tokens``, and on the first admission
-           ``num_cached_tokens`` records them.
+           If its blocks don't fit, admission stops; never preempt to admit. On admission: pop it
+           from ``waiting``; ``num_computed_tokens += cached tokens``; on its first admission
+           (``admitted`` still False) set ``admitted`` and record them in ``num_cached_tokens``;
+           clear ``swapped_out``; set status RUNNING; insert it into ``running`` at its
+           ``order_key`` place (``_insert_sorted``: ``running`` stays sorted, so a late
+           high-priority arrival runs, and is preempted, in its rank); then publish its blocks
+           and schedule it like a running request.
         """
         raise NotImplementedError("Scheduler.schedule is a hole: fill it in (Chapter 31, engine/serve/scheduler.py)")
 
@@ -172,8 +176,8 @@ class Scheduler:
         readmission prefills prompt + output again, often from its own blocks in the prefix
         cache. Swap mode (when it has computed tokens): list (request, its blocks covering the
         computed tokens) in ``out.swap_out`` and set ``swapped_out`` — num_computed_tokens is kept.
-        Either way free its blocks, mark it PREEMPTED, count the preemption, record it in
-        ``out.preempted``, and put it back at the FRONT of ``waiting`` (priority policy: at its
+        Either way free its blocks, mark it PREEMPTED, count the preemption (the request's
+        ``num_preemptions`` and the scheduler's), record it in ``out.preempted``, and put it back at the FRONT of ``waiting`` (priority policy: at its
         (priority, arrival) place, which is ahead of every later arrival of its priority).
         """
         raise NotImplementedError("Scheduler._preempt is a hole: fill it in (Chapter 31, engine/serve/scheduler.py)")

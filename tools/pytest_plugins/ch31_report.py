@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
-import threading
 import time
 
 import pytest
@@ -20,28 +18,6 @@ def pytest_addoption(parser):
     parser.addoption("--report-json", default=None, help="write per-test outcomes and markers to this JSON file")
     parser.addoption("--select-holes", default=None,
                      help="comma-separated hole names (and/or 'milestone'): run only those tests, holes first")
-    parser.addoption("--per-test-timeout", type=float, default=0,
-                     help="fail a test that runs longer than this many seconds (POSIX only; 0 = no limit)")
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    """``--per-test-timeout``: a hole stuck in a loop fails its own test instead of hanging the run."""
-    limit = item.config.getoption("--per-test-timeout")
-    if not limit or not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum, frame):
-        raise TimeoutError(f"test ran longer than {limit:g} s (an endless loop in a hole?)")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, limit)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.hookimpl(trylast=True)

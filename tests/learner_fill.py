@@ -1,0 +1,139 @@
+"""Hole bodies written from their docstrings alone, the way a learner would — not the reference's.
+
+tests/test_learner_contract.py fills these holes (the reference fills the rest) and runs the
+chapter's tests and engine checks the learner's way: if a docstring leaves out something a test
+checks, this fails. Keep them plain and different from solutions/ (they are a second opinion).
+"""
+from __future__ import annotations
+
+BODIES: dict[str, dict[str, str]] = {
+    "serve/attention.py": {
+        "write_kv": """
+flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
+flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
+last = flat_k.shape[0] - 1
+where = slot_mapping.clone()
+where[where == -1] = last
+flat_k.index_copy_(0, where, k.to(flat_k.dtype))
+flat_v.index_copy_(0, where, v.to(flat_v.dtype))
+""",
+    },
+    "serve/blocks.py": {
+        "hash_block": """
+import struct
+digest = hashlib.blake2b(digest_size=16)
+digest.update(parent if parent is not None else ROOT_HASH)
+digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
+if len(extra) > 0:
+    digest.update(repr(extra).encode("utf-8"))
+return digest.digest()
+""",
+        "BlockManager.find_cached_prefix": """
+if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+    return []
+self.update_hashes(request)
+limit = (request.num_tokens - 1) // self.block_size
+result = []
+for i in range(min(limit, len(request.block_hashes))):
+    if request.block_hashes[i] not in self.cached:
+        break
+    result.append(self.cached[request.block_hashes[i]])
+self.record_lookup(request, self.block_size * len(result))
+return result
+""",
+        "BlockManager.allocate_slots": """
+rid = request.request_id
+have = self.req_blocks.get(rid)
+if cached_blocks and have:
+    raise ValueError("cached blocks are only adopted by a request without blocks")
+want_tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + n
+held = len(have or []) + len(cached_blocks)
+new_blocks = max(0, self.blocks_for(want_tokens) - held)
+from_queue = new_blocks + len([b for b in cached_blocks if self.ref_count[b] == 0])
+if from_queue > len(self.free_queue):
+    return False
+table = have if have is not None else []
+for b in cached_blocks:
+    if self.ref_count[b] == 0:
+        self.free_queue.pop(b)
+    self.ref_count[b] += 1
+    table.append(b)
+for _ in range(new_blocks):
+    b = next(iter(self.free_queue))
+    del self.free_queue[b]
+    self._evict(b)
+    self.ref_count[b] += 1
+    table.append(b)
+if have is None:
+    self.req_blocks[rid] = table
+    self.num_published[rid] = len(cached_blocks)
+self.pending_lookups.pop(rid, None)
+return True
+""",
+        "BlockManager.cache_full_blocks": """
+rid = request.request_id
+if not self.enable_prefix_caching or rid not in self.req_blocks:
+    return
+upto = request.num_computed_tokens if num_tokens is None else num_tokens
+self.update_hashes(request)
+table = self.req_blocks[rid]
+full = min(upto // self.block_size, len(request.block_hashes), len(table))
+done = self.num_published[rid]
+while done < full:
+    h, b = request.block_hashes[done], table[done]
+    if h not in self.cached and self.block_hash[b] is None:
+        self.cached[h] = b
+        self.block_hash[b] = h
+    done += 1
+self.num_published[rid] = max(done, self.num_published[rid])
+""",
+        "BlockManager.free": """
+rid = request.request_id
+self.num_published.pop(rid, None)
+self.pending_lookups.pop(rid, None)
+blocks = self.req_blocks.pop(rid, None)
+if blocks:
+    self._release(blocks[::-1])
+""",
+    },
+    "serve/scheduler.py": {
+        "Scheduler._preempt": """
+rid = request.request_id
+if self.config.preemption_mode == "swap" and request.num_computed_tokens:
+    keep = self.blocks.blocks_for(request.num_computed_tokens)
+    out.swap_out.append((request, list(self.blocks.req_blocks[rid][:keep])))
+    request.swapped_out = True
+else:
+    request.num_computed_tokens = 0
+self.running = [r for r in self.running if r is not request]
+self.blocks.free(request)
+request.status, request.num_preemptions = Status.PREEMPTED, request.num_preemptions + 1
+self.num_preemptions += 1
+out.preempted.append(request)
+if self.config.policy == "fcfs":
+    self.waiting.insert(0, request)
+else:
+    self._insert_sorted(self.waiting, request)
+""",
+    },
+    "serve/engine.py": {
+        "EngineCore.check_stop": """
+params = request.params
+produced = request.num_output_tokens
+if produced == 0:
+    return None
+token = request.output_token_ids[-1]
+if produced >= params.min_tokens:
+    if token in params.stop_token_ids:
+        request.stop_reason = token
+        return Status.FINISHED_STOPPED
+    if request.eos_token_id is not None and token == request.eos_token_id and not params.ignore_eos:
+        return Status.FINISHED_STOPPED
+if produced >= params.max_tokens:
+    return Status.FINISHED_LENGTH
+if request.num_tokens >= self.max_model_len:
+    return Status.FINISHED_LENGTH
+return None
+""",
+    },
+}
