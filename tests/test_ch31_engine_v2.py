@@ -349,7 +349,7 @@ def test_hash_block_is_the_same_in_every_process():
         assert res.returncode == 0, res.stderr[-2000:]
         assert res.stdout.strip() == here, (
             f"hash_block gives another digest in a process with PYTHONHASHSEED={seed}: a cache_key must be "
-            "encoded with repr() (or bytes), never Python's hash(), which changes from process to process")
+            "encoded with encode_cache_key() (tags and lengths, no repr), never Python's hash(), which changes from process to process")
 
 
 # ===================================================================== BlockManager

@@ -194,20 +194,20 @@ def test_make_skeleton_never_overwrites_a_learners_work(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- (g)
-EDIT_OUTSIDE = ("                del self.cached[h]\n", "                pass  # keeps the stale hash entry\n")
+EDIT_OUTSIDE = ("            del self.cached[h]\n", "            pass  # keeps the stale hash entry\n")
 
 
 def test_an_edit_outside_the_holes_is_reported_and_runs_everywhere(tmp_path):
     files = reference_files()
     assert files["serve/blocks.py"].count(EDIT_OUTSIDE[0]) == 1
-    files["serve/blocks.py"] = files["serve/blocks.py"].replace(*EDIT_OUTSIDE)  # in BlockManager._evict
+    files["serve/blocks.py"] = files["serve/blocks.py"].replace(*EDIT_OUTSIDE)  # in BlockManager._forget_hash
     files["serve/batch.py"] += "\n\nimport math\n\n\ndef _my_helper():\n    return math.pi\n"  # allowed
     bed = workspace(tmp_path / "repo", files)
     edits = skeleton_tool().outside_hole_edits(bed / "engine")
-    assert edits == ["engine/serve/blocks.py: BlockManager._evict (given code) differs from the chapter's"], edits
+    assert edits == ["engine/serve/blocks.py: BlockManager._forget_hash (given code) differs from the chapter's"], edits
     run = run_pytest(["-q", "--impl", "engine", CHAPTER_TESTS, "-k", "evicts_the_old_hash"], cwd=bed)
-    assert "edit(s) OUTSIDE the holes" in run.output and "BlockManager._evict" in run.output, run.output[-2000:]
-    assert run.tests and not any(t.passed for t in run.tests), "the tests must run the learner's _evict too"
+    assert "edit(s) OUTSIDE the holes" in run.output and "BlockManager._forget_hash" in run.output, run.output[-2000:]
+    assert run.tests and not any(t.passed for t in run.tests), "the tests must run the learner's _forget_hash too"
 
 
 def test_a_learner_who_drops_an_unused_import_still_gets_the_reference_elsewhere(tmp_path):

@@ -201,7 +201,7 @@ MUTANTS: list[Mutant] = [
            "req.prompt_token_ids[1:end - c + 1]",
            "prompt-logprob targets of a later chunk start at the prompt's start instead of after c"),
     Mutant("hash-extra-with-python-hash", "serve/blocks.py", ("hash_block",),
-           "        h.update(repr(extra).encode())\n",
+           "        h.update(encode_cache_key(extra))\n",
            "        h.update(repr(hash(extra)).encode())\n",
            "the cache key is hashed with Python's hash(), which differs from process to process"),
     Mutant("free-without-blocks-is-a-no-op", "serve/blocks.py", ("BlockManager.free",),

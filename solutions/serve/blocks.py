@@ -231,12 +231,19 @@ class BlockManager:
         return True
 
     def _evict(self, block: int) -> None:
-        h = self.block_hash[block]
-        if h is not None:
-            if self.cached.get(h) == block:
-                del self.cached[h]
-            self.block_hash[block] = None
+        if self._forget_hash(block):
             self.num_evicted += 1
+
+    def _forget_hash(self, block: int) -> bool:
+        """Drop ``block``'s hash, and its ``cached`` entry if that entry names this block; True if it
+        had one."""
+        h = self.block_hash[block]
+        if h is None:
+            return False
+        if self.cached.get(h) == block:
+            del self.cached[h]
+        self.block_hash[block] = None
+        return True
 
     def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
         """Publish ``request``'s full blocks among its first ``num_tokens`` tokens.
@@ -290,10 +297,7 @@ class BlockManager:
             table = self.req_blocks.get(req.request_id, [])
             uncomputed.update(b for b in table[req.num_computed_tokens // bs:] if self.block_hash[b] is not None)
         for b in uncomputed:
-            h = self.block_hash[b]
-            if self.cached.get(h) == b:
-                del self.cached[h]
-            self.block_hash[b] = None
+            self._forget_hash(b)
         for req in requests:
             rid = req.request_id
             table = self.req_blocks.get(rid)
