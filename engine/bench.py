@@ -185,8 +185,12 @@ def run_workload(runner, workload: Workload) -> RunResult:
         items = workload.round_items(k, history)
         start, cpu_start = time.perf_counter(), time.process_time()
         got = runner.serve(items)
-        seconds += time.perf_counter() - start
-        cpu_seconds += time.process_time() - cpu_start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        # A runner serving in another process (a peer engine) times its own serve: the pipe's
+        # round trip is not its engine's time, and this process's CPU clock does not see it.
+        wall, cpu = getattr(runner, "timed", None) or (wall, cpu)
+        seconds += wall
+        cpu_seconds += cpu
         prompt_tokens += sum(len(i.prompt_token_ids) for i in items)
         outputs.update(got)
         for entry, item in zip(workload.rounds[k], items):
@@ -217,11 +221,14 @@ def longest_request(workload: Workload) -> int:
 
 
 def compare_engines(model, workload: Workload, fast_backend: str, engines: list[str], hf=None,
-                    hf_batch: int = 64, repeat: int = 1, log: Callable[[str], None] = print) -> list[RunResult]:
+                    hf_batch: int = 64, repeat: int = 1, log: Callable[[str], None] = print,
+                    peers: dict[str, Callable[[], object]] | None = None) -> list[RunResult]:
     """Run ``workload`` through each engine: a fresh engine per run, after a small warm-up of its
     own; with ``repeat`` > 1 each engine keeps its fastest run (timing noise only ever slows down).
     Repeats go round-robin (every engine once, then every engine again), so a slow spell of a
-    shared machine lands on one run of each engine rather than on all runs of one."""
+    shared machine lands on one run of each engine rather than on all runs of one. ``peers`` adds
+    engines by name (``engine.bench_peers``: vLLM in its own process). ``agrees`` compares with
+    core/reference, or core/<fast backend> when the reference does not run."""
     first = workload.rounds[0][0]
     warm = Workload("warm-up", [[WorkItem("warm", first.prompt_token_ids if isinstance(first, WorkItem)
                                           else workload.system + first.message, 4)]])
@@ -232,6 +239,7 @@ def compare_engines(model, workload: Workload, fast_backend: str, engines: list[
         "reference": lambda: CoreRunner(model, "reference", max_num_seqs=256),
         "fast": lambda: CoreRunner(model, fast_backend, max_num_seqs=256),
         "hf": (lambda: HFRunner(hf, hf_batch)) if hf is not None else None,
+        **(peers or {}),
     }
     names = [name for name in engines if factories[name] is not None]
     best: dict[str, RunResult] = {}
@@ -246,7 +254,8 @@ def compare_engines(model, workload: Workload, fast_backend: str, engines: list[
     for res in results:
         log(f"  {res.engine:16s} {res.output_tok_s:9.1f} out tok/s  ({res.seconds:.2f} s wall, "
             f"{res.cpu_seconds:.2f} s CPU)")
-    oracle = next((r for r in results if r.engine == "core/reference"), None)
+    oracle = next((r for r in results if r.engine == "core/reference"),
+                  next((r for r in results if r.engine == f"core/{fast_backend}"), None))
     for r in results:
         peers = [p.output_tok_s for p in results if p is not r]
         r.vs_fastest_peer = round(r.output_tok_s / max(peers), 2) if peers else 1.0
