@@ -4,7 +4,8 @@ Engines, all on the same weights and the same greedy requests (every request dec
 ``max_tokens``, as with ``ignore_eos``):
 - ``ch24 slots``: chapter 24's SlotEngine (one static cache row per request);
 - ``core/reference``: chapter 31's EngineCore with the reference attention backend (a Python loop);
-- ``core/torch`` (``core/triton`` on CUDA): the core with the fast backend;
+- ``core/cpu`` (``core/triton`` on CUDA; ``core/torch`` without a C++ compiler): the core with the
+  fast backend;
 - ``HF generate``: transformers' ``generate`` on static, left-padded batches (skipped, with a
   message, when transformers is not installed).
 Workloads: ``shared`` (the chapter's 16 requests behind one 192-token system prompt), ``random``
@@ -408,15 +409,23 @@ def plot(path: str, by_workload: dict[str, list[RunResult]], points: list[dict])
 
 # ----- entry point ----------------------------------------------------------------------------
 def default_fast_backend(device: torch.device) -> str:
-    """``triton`` on a CUDA device with triton installed, else ``torch``."""
+    """``triton`` on a CUDA device with triton installed; ``cpu`` (decode attention read in place
+    by a C++ kernel) on a CPU whose compiler can build it; else ``torch``."""
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
 
             return "triton"
         except ImportError:
-            pass
-    return "torch"
+            return "torch"
+    try:
+        from engine.serve.cpu_attention import load_kernel
+
+        load_kernel()
+        return "cpu"
+    except ValueError as exc:
+        print(f"the 'cpu' backend is unavailable ({str(exc).splitlines()[0]}); using 'torch'")
+        return "torch"
 
 
 def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str | None = None,
@@ -466,7 +475,8 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {WORKLOADS}")
     ap.add_argument("--engines", default="ch24,reference,fast,hf",
                     help="comma-separated, from ch24, reference, fast, hf (default: all)")
-    ap.add_argument("--backend", default=None, help="the fast attention backend (default: triton on CUDA, else torch)")
+    ap.add_argument("--backend", default=None,
+                    help="the fast attention backend (default: triton on CUDA, else cpu; torch without a C++ compiler)")
     ap.add_argument("--scaling", default=",".join(map(str, SCALING_POINTS)),
                     help="concurrency levels of the scaling table ('' to skip it)")
     ap.add_argument("--scaling-backends", default=None, help="backends of the scaling table (default: reference and the fast one)")

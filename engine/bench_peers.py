@@ -207,7 +207,8 @@ def peers_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {WORKLOADS}")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
-    ap.add_argument("--backend", default="torch", help="the core's attention backend (default torch)")
+    ap.add_argument("--backend", default=None,
+                    help="the core's attention backend (default: the bench's fast one, cpu on a CPU)")
     ap.add_argument("--vllm-block-sizes", default=",".join(map(str, VLLM_BLOCK_SIZES)),
                     help="vLLM configurations to run, by block size (multiples of 32; default 32)")
     ap.add_argument("--repeat", type=int, default=3, help="round-robin rounds per workload (default 3)")
@@ -239,16 +240,19 @@ def peers_main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
+    from engine.bench import default_fast_backend
+
+    backend = args.backend or default_fast_backend(torch.device("cpu"))
     RESULTS.mkdir(exist_ok=True)
     log_path = RESULTS / "vllm-worker.log"
     print(f"vLLM's own log: {log_path}")
     started = time.perf_counter()
-    sittings = [sitting(args.preset, dtype, t, workloads, args.backend, block_sizes, args.repeat, points,
+    sittings = [sitting(args.preset, dtype, t, workloads, backend, block_sizes, args.repeat, points,
                         args.decode_steps, args.scale, log_path) for dtype in dtypes for t in threads]
-    print_summary(sittings, args.backend)
+    print_summary(sittings, backend)
     print(f"\nthe whole sitting took {time.perf_counter() - started:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "backend": args.backend, "sittings": sittings}, f, indent=2)
+            json.dump({"preset": args.preset, "backend": backend, "sittings": sittings}, f, indent=2)
         print(f"wrote {args.json}")
     return 0

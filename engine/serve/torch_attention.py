@@ -84,6 +84,7 @@ class _TileGroup:
     q_pos: torch.Tensor
     kv_rows: torch.Tensor
     identity: bool
+    tables: torch.Tensor | None = None  # int32 [G, W]: each tile's request's block table (W covers the group)
     prefix_rows: torch.Tensor | None = None
     key_offset: int = 0
     _biases: dict = field(default_factory=dict)  # (first tile, window, dtype) -> bias; layers reuse it
@@ -207,7 +208,7 @@ class TorchBackend:
         width = -(-int(seq_lens[reqs].max()) // bs)  # W blocks cover the group's longest context
         tables = meta.block_table[:, :width].index_select(0, tile_req_dev)  # [G, W]
         return _TileGroup(q_rows=q_rows, out_rows=out_rows, q_pos=q_pos,
-                          kv_rows=self._kv_rows(tables, bs, num_kv_heads), identity=identity)
+                          kv_rows=self._kv_rows(tables, bs, num_kv_heads), identity=identity, tables=tables)
 
     def _decode_group(self, meta: BatchMeta, num_kv_heads: int, prefix_blocks: int = 0) -> _TileGroup:
         """A pure-decode step without padding requests: row r is request r's only query, so
@@ -218,12 +219,13 @@ class TorchBackend:
         width = -(-meta.max_seq_len // bs)
         rows = torch.arange(meta.seq_lens.shape[0], device=meta.seq_lens.device)[:, None]  # [R, 1]
         tables = meta.block_table[:, :width]  # [R, W]
+        full_tables = tables
         prefix = None
         if prefix_blocks:
             prefix = self._kv_rows(tables[:1, :prefix_blocks], bs, num_kv_heads)[0]  # [Hkv, P]
             tables = tables[:, prefix_blocks:]  # [R, W - prefix_blocks]
         return _TileGroup(q_rows=rows, out_rows=rows, q_pos=(meta.seq_lens.long() - 1)[:, None],
-                          kv_rows=self._kv_rows(tables, bs, num_kv_heads), identity=True,
+                          kv_rows=self._kv_rows(tables, bs, num_kv_heads), identity=True, tables=full_tables,
                           prefix_rows=prefix, key_offset=prefix_blocks * bs)
 
     def _common_prefix_blocks(self, meta: BatchMeta, window: int) -> int:
