@@ -61,7 +61,7 @@ def test_scaling_point_keeps_every_request_running():
     from engine.models import tiny_model
 
     # Wide K/V per token (16 kv heads of 64), as a bigger model has: the memory-sized default pool
-    # (64 MiB) would hold far fewer than 300 requests' tokens.
+    # (128 MiB) would hold far fewer than 300 requests' tokens.
     model = tiny_model(seed=0, num_attention_heads=16, num_key_value_heads=16, head_dim=64)
     point = scaling_point(model, "torch", 300, steps=1, prompt_len=64)
     assert point["requests"] == 300 and point["step_ms"] > 0

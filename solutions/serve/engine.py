@@ -27,12 +27,13 @@ class EngineConfig:
     ``num_blocks=None`` sizes the pool from memory: ``kv_cache_bytes`` on a CPU, profiling plus
     ``gpu_memory_utilization`` on CUDA. ``max_model_len=None`` means the model's
     ``max_position_embeddings``. ``attention_backend``: "torch" (vectorized, the default),
-    "reference" (the chapter's Python loop, the oracle) or "triton" (chapter 32, GPU).
+    "reference" (the chapter's Python loop, the oracle), "cpu" (decode attention read in place
+    by a C++ kernel) or "triton" (chapter 32, GPU).
     """
 
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_bytes: int = 64 * 2**20
+    kv_cache_bytes: int = 128 * 2**20  # 16,384 tokens of the bench's small model in float32: no bench workload preempts
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
