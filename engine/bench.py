@@ -5,7 +5,7 @@ Engines, all on the same weights and the same greedy requests (every request dec
 - ``ch24 slots``: chapter 24's SlotEngine (one static cache row per request);
 - ``core/reference``: chapter 31's EngineCore with the reference attention backend (a Python loop);
 - ``core/cpu`` (``core/triton`` on CUDA; ``core/torch`` without a C++ compiler): the core with the
-  fast backend;
+  fast backend and ``fuse_ops`` (FusedFlatModel: merged projections, fused elementwise ops);
 - ``HF generate``: transformers' ``generate`` on static, left-padded batches (skipped, with a
   message, when transformers is not installed).
 Workloads: ``shared`` (the chapter's 16 requests behind one 192-token system prompt), ``random``
@@ -238,7 +238,7 @@ def compare_engines(model, workload: Workload, fast_backend: str, engines: list[
     factories = {
         "ch24": lambda: SlotRunner(model, slots, max_len),
         "reference": lambda: CoreRunner(model, "reference", max_num_seqs=256),
-        "fast": lambda: CoreRunner(model, fast_backend, max_num_seqs=256),
+        "fast": lambda: CoreRunner(model, fast_backend, max_num_seqs=256, fuse_ops=True),
         "hf": (lambda: HFRunner(hf, hf_batch)) if hf is not None else None,
         **(peers or {}),
     }
@@ -307,7 +307,7 @@ class _StepClock:
 
 
 def scaling_point(model, backend: str, num_requests: int, steps: int = 20, prompt_len: int = 64,
-                  seed: int = 0) -> dict:
+                  seed: int = 0, fuse_ops: bool = False) -> dict:
     """``num_requests`` distinct prompts decoding together: median step time, its split, tok/s."""
     rng = random.Random(seed)
     vocab = model.cfg.vocab_size
@@ -317,7 +317,8 @@ def scaling_point(model, backend: str, num_requests: int, steps: int = 20, promp
     bs = EngineConfig.block_size
     num_blocks = num_requests * -(-(prompt_len + steps + 8) // bs) + 1
     core = EngineCore(model, EngineConfig(attention_backend=backend, max_num_seqs=max(256, num_requests),
-                                          max_num_batched_tokens=max(2048, num_requests), num_blocks=num_blocks))
+                                          max_num_batched_tokens=max(2048, num_requests), num_blocks=num_blocks,
+                                          fuse_ops=fuse_ops))
     for i in range(num_requests):
         core.add_request(f"s{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
                          SamplingParams(max_tokens=steps + 64, ignore_eos=True))
@@ -458,7 +459,8 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
     points = []
     for backend in scaling_backends or ("reference", fast_backend):
         for r in scaling:
-            points.append(scaling_point(model, backend, r, steps=scaling_steps, seed=seed))
+            points.append(scaling_point(model, backend, r, steps=scaling_steps, seed=seed,
+                                        fuse_ops=backend == fast_backend))
             print(f"  scaling {backend} R={r}: {points[-1]['step_ms']:.2f} ms/step", flush=True)
     if points:
         print_scaling(points)

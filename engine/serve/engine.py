@@ -47,6 +47,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     sampler: str = "simple"
+    fuse_ops: bool = False  # run the model through FusedFlatModel (merged projections, fused elementwise ops)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -58,7 +59,7 @@ class EngineConfig:
         positive("kv_cache_bytes")
         positive("max_num_batched_tokens")
         positive("max_num_seqs")
-        for flag in ("enable_chunked_prefill", "enable_prefix_caching"):
+        for flag in ("enable_chunked_prefill", "enable_prefix_caching", "fuse_ops"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"EngineConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
@@ -108,7 +109,12 @@ class EngineCore:
         self.config = config = config or EngineConfig()
         self.model = model
         self.eos_token_id = eos_token_id
-        self.flat = FlatModel(model)
+        if config.fuse_ops:
+            from engine.serve.fused import FusedFlatModel
+
+            self.flat = FusedFlatModel(model)
+        else:
+            self.flat = FlatModel(model)
         cfg = model.cfg
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
