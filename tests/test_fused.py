@@ -57,7 +57,7 @@ def test_fused_float32_linears_for_a_16bit_model():
     model16 = tiny_model(seed=3, dtype=torch.bfloat16)
     model32 = tiny_model(seed=3, dtype=torch.bfloat16).to(torch.float32)  # the same values, widened
     fused = FusedFlatModel(model16, linear_dtype=torch.float32)
-    assert fused.linear_dtype == torch.float32 and fused.layers[0]["qkv"].dtype == torch.float32
+    assert fused.linear_dtype == torch.float32 and fused.layers[0]["qkv"].weight.dtype == torch.float32
     prompt = prompts_for(model16)[0]
     core16 = EngineCore(model16, EngineConfig(attention_backend="cpu", fuse_ops=True))
     core16.flat = core16.runner.flat = fused
@@ -73,3 +73,17 @@ def test_fused_float32_linears_for_a_16bit_model():
 def test_fuse_ops_must_be_a_bool():
     with pytest.raises(ValueError, match="fuse_ops must be True or False"):
         EngineConfig(fuse_ops=1)
+
+
+def test_fused_float32_prepacked_matches_generate():
+    """Float32 on a CPU: oneDNN-prepacked weights (a different summation order than generate()'s
+    matmuls) still give generate()'s greedy tokens on the test model's well-separated logits."""
+    model = tiny_model(seed=3)
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", fuse_ops=True))
+    assert core.flat.pack == torch.backends.mkldnn.is_available()
+    prompts = prompts_for(model)
+    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
+    out = core.run_until_done()
+    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+        assert out[f"r{i}"] == generate(model, p, m), f"prepacked float32: request r{i} differs from generate()"
