@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import math
 import os
 import shutil
 import subprocess
@@ -34,7 +33,6 @@ from pathlib import Path
 import torch
 
 from engine.serve.attention import KVCache
-from engine.serve.batch import BatchMeta
 from engine.serve.torch_attention import TorchBackend, _TileGroup
 
 SOURCE = Path(__file__).with_name("cpu_paged_kernel.cpp")
@@ -101,32 +99,16 @@ class CPUBackend(TorchBackend):
                              f"not {dtype} on {device}; use attention_backend='torch'")
         return super().allocate(shape, dtype, device)
 
-    def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
-                window: int = 0) -> torch.Tensor:
-        """q: [N, Hq, D] -> [N, Hq, D]; the same contract as ``ReferenceBackend.forward``."""
-        k_pool, v_pool = cache  # [blocks + 1, bs, Hkv, D]
-        n, hq, d = q.shape
-        hkv = k_pool.shape[2]
-        if hq % hkv != 0:
-            raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
-        if scale is None:
-            scale = 1.0 / math.sqrt(d)
-        groups = self.plan(meta, hkv, window)
-        if len(groups) == 1 and groups[0].identity:
-            return self._decode(q, cache, groups[0], scale, window)  # row i is tile i
-        out = q.new_zeros((n + 1, hq, d))  # row N is scratch for the tiles' padding rows
-        for group in groups:
-            if group.q_rows.shape[1] == 1:
-                o = self._decode(q.index_select(0, group.q_rows[:, 0]), cache, group, scale, window)
-                out.index_copy_(0, group.out_rows[:, 0], o)
-                continue
-            chunk = max(1, self.max_chunk_elems // (group.num_keys * hkv * d))
-            for start in range(0, group.num_tiles, chunk):
-                tiles = slice(start, start + chunk)
-                o = self._attend(q.index_select(0, group.q_rows[tiles].flatten()), k_pool, v_pool, group, tiles,
-                                 scale, window)
-                out.index_copy_(0, group.out_rows[tiles].flatten(), o)
-        return out[:n]
+    def _forward_identity(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float,
+                          window: int) -> torch.Tensor:
+        return self._decode(q, cache, group, scale, window)  # no chunking: nothing is gathered
+
+    def _forward_group(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float, window: int,
+                       out: torch.Tensor) -> None:
+        if group.q_rows.shape[1] > 1:  # tiles of several rows: gather and SDPA
+            return super()._forward_group(q, cache, group, scale, window, out)
+        out.index_copy_(0, group.out_rows[:, 0], self._decode(q.index_select(0, group.q_rows[:, 0]), cache, group,
+                                                               scale, window))
 
     def _decode(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float, window: int) -> torch.Tensor:
         """One query row per tile: q [G, Hq, D] -> [G, Hq, D], keys read through ``group.tables``."""

@@ -281,19 +281,35 @@ class TorchBackend:
         if scale is None:
             scale = 1.0 / math.sqrt(d)
         groups = self.plan(meta, hkv, window)
-        if len(groups) == 1 and groups[0].identity and groups[0].num_keys * hkv * d * n <= self.max_chunk_elems:
+        if len(groups) == 1 and groups[0].identity:
             # Pure decode: row i is tile i, so no gather of q rows and no scatter of results.
-            return self._attend(q, k_pool, v_pool, groups[0], slice(0, n), scale, window).view(n, hq, d)
+            o = self._forward_identity(q, cache, groups[0], scale, window)
+            if o is not None:
+                return o
         out = q.new_zeros((n + 1, hq, d))  # row N is scratch for the tiles' padding rows
         for group in groups:
-            chunk = max(1, self.max_chunk_elems // (group.num_keys * hkv * d))
-            for start in range(0, group.num_tiles, chunk):
-                tiles = slice(start, start + chunk)
-                o = self._attend(q.index_select(0, group.q_rows[tiles].flatten()), k_pool, v_pool, group, tiles,
-                                 scale, window)
-                # Real rows are distinct; only padding rows share the scratch row (dropped below).
-                out.index_copy_(0, group.out_rows[tiles].flatten(), o)
+            self._forward_group(q, cache, group, scale, window, out)
         return out[:n]
+
+    def _forward_identity(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float,
+                          window: int) -> torch.Tensor | None:
+        """A pure-decode batch in one chunk, when its K/V fit ``max_chunk_elems`` (else None)."""
+        n, hq, d = q.shape
+        if group.num_keys * cache[0].shape[2] * d * n > self.max_chunk_elems:
+            return None
+        return self._attend(q, cache[0], cache[1], group, slice(0, n), scale, window).view(n, hq, d)
+
+    def _forward_group(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float, window: int,
+                       out: torch.Tensor) -> None:
+        """One tile group, in chunks of tiles whose gathered K/V fit ``max_chunk_elems``, into ``out``."""
+        d, hkv = q.shape[-1], cache[0].shape[2]
+        chunk = max(1, self.max_chunk_elems // (group.num_keys * hkv * d))
+        for start in range(0, group.num_tiles, chunk):
+            tiles = slice(start, start + chunk)
+            o = self._attend(q.index_select(0, group.q_rows[tiles].flatten()), cache[0], cache[1], group, tiles,
+                             scale, window)
+            # Real rows are distinct; only padding rows share the scratch row (dropped by the caller).
+            out.index_copy_(0, group.out_rows[tiles].flatten(), o)
 
     def _attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: _TileGroup,
                 tiles: slice, scale: float, window: int) -> torch.Tensor:
