@@ -51,7 +51,6 @@ void decode_rows(const T* q, const T* k_pool, const T* v_pool, T* out, const int
                  int64_t hq, int64_t hkv, int64_t d, int64_t bs, double scale, int64_t window) {
   const int64_t group = hq / hkv;
   std::vector<W> qv(group * d), acc(group * d), scores, maxes(group), sums(group);
-  std::vector<W> kv_row(d);
   for (int64_t r = row_begin; r < row_end; ++r) {
     const int64_t last = q_pos[r];
     const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
@@ -68,12 +67,11 @@ void decode_rows(const T* q, const T* k_pool, const T* v_pool, T* out, const int
       for (int64_t p = first; p <= last; ++p) {
         const int64_t slot = static_cast<int64_t>(table[p / bs]) * bs + p % bs;
         const T* krow = k_pool + (slot * hkv + h) * d;
-        for (int64_t i = 0; i < d; ++i) kv_row[i] = widen(krow[i]);
         for (int64_t g = 0; g < group; ++g) {
           const W* qg = qv.data() + g * d;
           W dot = 0;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < d; ++i) dot += qg[i] * kv_row[i];
+          for (int64_t i = 0; i < d; ++i) dot += qg[i] * widen(krow[i]);
           const W s = dot * static_cast<W>(scale);
           scores[(p - first) * group + g] = s;
           if (s > maxes[g]) maxes[g] = s;
@@ -85,13 +83,12 @@ void decode_rows(const T* q, const T* k_pool, const T* v_pool, T* out, const int
       for (int64_t p = first; p <= last; ++p) {
         const int64_t slot = static_cast<int64_t>(table[p / bs]) * bs + p % bs;
         const T* vrow = v_pool + (slot * hkv + h) * d;
-        for (int64_t i = 0; i < d; ++i) kv_row[i] = widen(vrow[i]);
         for (int64_t g = 0; g < group; ++g) {
           const W w = std::exp(scores[(p - first) * group + g] - maxes[g]);
           sums[g] += w;
           W* a = acc.data() + g * d;
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) a[i] += w * kv_row[i];
+          for (int64_t i = 0; i < d; ++i) a[i] += w * widen(vrow[i]);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
