@@ -105,7 +105,7 @@ class CoreRunner:
     def serve(self, items: list[WorkItem]) -> dict[str, list[int]]:
         for item in items:
             self.core.add_request(item.request_id, item.prompt_token_ids,
-                                  SamplingParams(max_tokens=item.max_tokens, ignore_eos=True))
+                                  SamplingParams(max_tokens=item.max_tokens, ignore_eos=True, temperature=0.0))
         return self.core.run_until_done()
 
     def stats(self) -> dict:
@@ -321,7 +321,7 @@ def scaling_point(model, backend: str, num_requests: int, steps: int = 20, promp
                                           fuse_ops=fuse_ops))
     for i in range(num_requests):
         core.add_request(f"s{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
-                         SamplingParams(max_tokens=steps + 64, ignore_eos=True))
+                         SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=0.0))
     while any(r.num_computed_tokens < r.num_prompt_tokens - 1 for r in core.scheduler.requests.values()):
         core.step()  # prefill
     for _ in range(3):
