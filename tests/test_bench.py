@@ -44,7 +44,7 @@ def test_bench_runs_and_engines_agree(tmp_path, capsys):
     report = json.loads(out_json.read_text())
     for name, rows in report["workloads"].items():
         engines = {r["engine"] for r in rows}
-        assert engines == {"ch24 slots", "core/reference", "core/torch", "HF generate"}, engines
+        assert engines == {"ch24 slots", "core/reference", "core/cpu", "HF generate"}, engines
         for r in rows:
             assert r["agrees"] == 1.0, f"{r['engine']} on {name!r} gave different greedy tokens than core/reference"
             assert r["output_tokens"] > 0 and r["output_tok_s"] > 0
@@ -61,8 +61,47 @@ def test_scaling_point_keeps_every_request_running():
     from engine.models import tiny_model
 
     # Wide K/V per token (16 kv heads of 64), as a bigger model has: the memory-sized default pool
-    # (64 MiB) would hold far fewer than 300 requests' tokens.
+    # (128 MiB) would hold far fewer than 300 requests' tokens.
     model = tiny_model(seed=0, num_attention_heads=16, num_key_value_heads=16, head_dim=64)
     point = scaling_point(model, "torch", 300, steps=1, prompt_len=64)
     assert point["requests"] == 300 and point["step_ms"] > 0
     assert set(MODEL_PRESETS) == {"test", "small"} and MODEL_PRESETS["test"] == {}
+
+
+def test_peer_runner_time_and_agreement(capsys):
+    """A peer engine (another process) reports its own serve time, which the bench uses; the
+    agreement column falls back to the fast core when core/reference does not run."""
+    from engine.bench import compare_engines, make_workload
+    from engine.models import tiny_model
+
+    model = tiny_model(seed=0)
+    wl = make_workload("shared", model.cfg.vocab_size, scale=0.15)
+    answers = compare_engines(model, wl, "torch", ["fast"], log=lambda s: None)[0].outputs
+
+    class Peer:  # a stand-in for VLLMRunner: the core's own answers, one wrong, a fixed time
+        label, timed = "peer", (2.0, 1.5)
+
+        def serve(self, items):  # (the bench's warm-up request is not among the answers)
+            out = {i.request_id: list(answers.get(i.request_id, [0])) for i in items}
+            out[items[0].request_id] = [0]
+            return out
+
+        def stats(self):
+            return {"steps": 0, "hit_rate": None, "preemptions": None, "kv_slots": None}
+
+    peer = Peer()
+    res = compare_engines(model, wl, "torch", ["fast", "peer"], peers={"peer": lambda: peer}, log=lambda s: None)
+    mine, theirs = res
+    assert mine.agrees == 1.0 and theirs.agrees == round(1 - 1 / len(answers), 3)
+    assert theirs.seconds == 2.0 and theirs.cpu_seconds == 1.5, "the peer's own timing must be used"
+
+
+def test_bench_peers_without_its_environment(tmp_path, monkeypatch, capsys):
+    """bench-peers is optional: without .venv-peers it says how to make it and exits 2."""
+    import engine.bench_peers as bp
+
+    monkeypatch.setattr(bp, "PEERS_VENV", tmp_path / "missing")
+    assert bp.peers_main(["--dtypes", "float32", "--threads", "1"]) == 2
+    assert "make bench-peers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bp.peers_main(["--vllm-block-sizes", "16"])

@@ -124,5 +124,7 @@ class Qwen3ForCausalLM(nn.Module):
             h = h + attn.o_proj(o.reshape(o.shape[0], -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.model.norm(h)
+        # The LM head runs in the model's dtype and only its output is widened: upcasting the
+        # [V, D] weight instead would copy the model's largest matrix on every call.
         work = torch.float64 if h.dtype == torch.float64 else torch.float32
-        return F.linear(h.to(work), self.lm_head.weight.to(work))
+        return self.lm_head(h).to(work)

@@ -77,6 +77,7 @@ BACKENDS: dict[str, str] = {
     "reference": "engine.serve.attention:ReferenceBackend",
     "torch": "engine.serve.torch_attention:TorchBackend",
     "triton": "engine.serve.triton_attention:TritonBackend",
+    "cpu": "engine.serve.cpu_attention:CPUBackend",
 }
 
 

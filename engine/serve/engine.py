@@ -29,12 +29,13 @@ class EngineConfig:
     ``num_blocks=None`` sizes the pool from memory: ``kv_cache_bytes`` on a CPU, profiling plus
     ``gpu_memory_utilization`` on CUDA. ``max_model_len=None`` means the model's
     ``max_position_embeddings``. ``attention_backend``: "torch" (vectorized, the default),
-    "reference" (the chapter's Python loop, the oracle) or "triton" (chapter 32, GPU).
+    "reference" (the chapter's Python loop, the oracle), "cpu" (decode attention read in place
+    by a C++ kernel) or "triton" (chapter 32, GPU).
     """
 
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_bytes: int = 64 * 2**20
+    kv_cache_bytes: int = 128 * 2**20  # 16,384 tokens of the bench's small model in float32: no bench workload preempts
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -47,6 +48,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     sampler: str = "simple"
+    fuse_ops: bool = False  # run the model through FusedFlatModel (merged projections, fused elementwise ops)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -58,7 +60,7 @@ class EngineConfig:
         positive("kv_cache_bytes")
         positive("max_num_batched_tokens")
         positive("max_num_seqs")
-        for flag in ("enable_chunked_prefill", "enable_prefix_caching"):
+        for flag in ("enable_chunked_prefill", "enable_prefix_caching", "fuse_ops"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"EngineConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < SEED_LIMIT:
@@ -108,7 +110,12 @@ class EngineCore:
         self.config = config = config or EngineConfig()
         self.model = model
         self.eos_token_id = eos_token_id
-        self.flat = FlatModel(model)
+        if config.fuse_ops:
+            from engine.serve.fused import FusedFlatModel
+
+            self.flat = FusedFlatModel(model)
+        else:
+            self.flat = FlatModel(model)
         cfg = model.cfg
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:

@@ -8,7 +8,6 @@ looks at request boundaries, through ``BatchMeta`` and an attention backend.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.rope import apply_rope, rope_cos_sin
@@ -75,6 +74,8 @@ class FlatModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on the rows the sampler needs only: hidden [M, D] -> logits [M, V], in float32
-        (float64 for a float64 model). A 2,000-token prefill sends one row through here, not 2,000."""
+        (float64 for a float64 model). A 2,000-token prefill sends one row through here, not 2,000.
+        The matmul runs in the model's dtype and only the logits are widened (upcasting the [V, D]
+        weight instead would copy the model's largest matrix every step)."""
         work = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        return F.linear(hidden.to(work), self.model.lm_head.weight.to(work))
+        return self.model.lm_head(hidden).to(work)

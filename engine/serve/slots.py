@@ -32,7 +32,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention import causal_attention
 from engine.rope import rope_cos_sin
@@ -352,7 +351,7 @@ class SlotEngine:
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """LM head on the rows that sample, in float32 (float64 models stay float64): [R, V]."""
         work = torch.float64 if h.dtype == torch.float64 else torch.float32
-        return F.linear(h.to(work), self.model.lm_head.weight.to(work))
+        return self.model.lm_head(h).to(work)  # the head in the model's dtype; only logits widened
 
     def _prefill(self, req: _SlotRequest, c: int, n: int) -> torch.Tensor | None:
         """Compute prompt positions c..c+n-1 of one request in its own pass. Returns the logits

@@ -84,6 +84,7 @@ class _TileGroup:
     q_pos: torch.Tensor
     kv_rows: torch.Tensor
     identity: bool
+    tables: torch.Tensor | None = None  # int32 [G, W]: each tile's request's block table (W covers the group)
     prefix_rows: torch.Tensor | None = None
     key_offset: int = 0
     _biases: dict = field(default_factory=dict)  # (first tile, window, dtype) -> bias; layers reuse it
@@ -207,7 +208,7 @@ class TorchBackend:
         width = -(-int(seq_lens[reqs].max()) // bs)  # W blocks cover the group's longest context
         tables = meta.block_table[:, :width].index_select(0, tile_req_dev)  # [G, W]
         return _TileGroup(q_rows=q_rows, out_rows=out_rows, q_pos=q_pos,
-                          kv_rows=self._kv_rows(tables, bs, num_kv_heads), identity=identity)
+                          kv_rows=self._kv_rows(tables, bs, num_kv_heads), identity=identity, tables=tables)
 
     def _decode_group(self, meta: BatchMeta, num_kv_heads: int, prefix_blocks: int = 0) -> _TileGroup:
         """A pure-decode step without padding requests: row r is request r's only query, so
@@ -218,12 +219,13 @@ class TorchBackend:
         width = -(-meta.max_seq_len // bs)
         rows = torch.arange(meta.seq_lens.shape[0], device=meta.seq_lens.device)[:, None]  # [R, 1]
         tables = meta.block_table[:, :width]  # [R, W]
+        full_tables = tables
         prefix = None
         if prefix_blocks:
             prefix = self._kv_rows(tables[:1, :prefix_blocks], bs, num_kv_heads)[0]  # [Hkv, P]
             tables = tables[:, prefix_blocks:]  # [R, W - prefix_blocks]
         return _TileGroup(q_rows=rows, out_rows=rows, q_pos=(meta.seq_lens.long() - 1)[:, None],
-                          kv_rows=self._kv_rows(tables, bs, num_kv_heads), identity=True,
+                          kv_rows=self._kv_rows(tables, bs, num_kv_heads), identity=True, tables=full_tables,
                           prefix_rows=prefix, key_offset=prefix_blocks * bs)
 
     def _common_prefix_blocks(self, meta: BatchMeta, window: int) -> int:
@@ -279,19 +281,35 @@ class TorchBackend:
         if scale is None:
             scale = 1.0 / math.sqrt(d)
         groups = self.plan(meta, hkv, window)
-        if len(groups) == 1 and groups[0].identity and groups[0].num_keys * hkv * d * n <= self.max_chunk_elems:
+        if len(groups) == 1 and groups[0].identity:
             # Pure decode: row i is tile i, so no gather of q rows and no scatter of results.
-            return self._attend(q, k_pool, v_pool, groups[0], slice(0, n), scale, window).view(n, hq, d)
+            o = self._forward_identity(q, cache, groups[0], scale, window)
+            if o is not None:
+                return o
         out = q.new_zeros((n + 1, hq, d))  # row N is scratch for the tiles' padding rows
         for group in groups:
-            chunk = max(1, self.max_chunk_elems // (group.num_keys * hkv * d))
-            for start in range(0, group.num_tiles, chunk):
-                tiles = slice(start, start + chunk)
-                o = self._attend(q.index_select(0, group.q_rows[tiles].flatten()), k_pool, v_pool, group, tiles,
-                                 scale, window)
-                # Real rows are distinct; only padding rows share the scratch row (dropped below).
-                out.index_copy_(0, group.out_rows[tiles].flatten(), o)
+            self._forward_group(q, cache, group, scale, window, out)
         return out[:n]
+
+    def _forward_identity(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float,
+                          window: int) -> torch.Tensor | None:
+        """A pure-decode batch in one chunk, when its K/V fit ``max_chunk_elems`` (else None)."""
+        n, hq, d = q.shape
+        if group.num_keys * cache[0].shape[2] * d * n > self.max_chunk_elems:
+            return None
+        return self._attend(q, cache[0], cache[1], group, slice(0, n), scale, window).view(n, hq, d)
+
+    def _forward_group(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float, window: int,
+                       out: torch.Tensor) -> None:
+        """One tile group, in chunks of tiles whose gathered K/V fit ``max_chunk_elems``, into ``out``."""
+        d, hkv = q.shape[-1], cache[0].shape[2]
+        chunk = max(1, self.max_chunk_elems // (group.num_keys * hkv * d))
+        for start in range(0, group.num_tiles, chunk):
+            tiles = slice(start, start + chunk)
+            o = self._attend(q.index_select(0, group.q_rows[tiles].flatten()), cache[0], cache[1], group, tiles,
+                             scale, window)
+            # Real rows are distinct; only padding rows share the scratch row (dropped by the caller).
+            out.index_copy_(0, group.out_rows[tiles].flatten(), o)
 
     def _attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: _TileGroup,
                 tiles: slice, scale: float, window: int) -> torch.Tensor:

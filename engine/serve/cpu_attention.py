@@ -1,0 +1,138 @@
+"""CPUBackend: decode attention that reads K/V where they lie in the pool (a small C++ kernel).
+
+``TorchBackend`` copies every decode request's whole context out of the pool (``index_select``)
+in every layer of every step, then multiplies the copy; at a few hundred tokens of context that
+copy is the largest part of a CPU decode step. This backend's decode rows go through
+``cpu_paged_kernel.cpp`` instead: for each row and kv head it walks the request's block table,
+reads each key's K and V row from the pool in place (in the pool's own dtype: bfloat16 stays
+bfloat16 in memory and is widened in registers) and computes softmax(q k^T * scale) v in float
+(double for float64 pools). Requests with several query rows (prefill chunks, resumed histories)
+keep ``TorchBackend``'s tile path: one gather there serves a whole 32-row tile, and
+``scaled_dot_product_attention`` does the arithmetic at matmul speed.
+
+Measured before writing a kernel (docs/performance.md): the same gather-free decode attention
+written as tensor indexing and compiled by TorchInductor (dynamic shapes) ran no faster than the
+gather plus ``bmm`` it replaces; the copy's cost moved into poorly vectorised indirect loads.
+
+The kernel is compiled on first use with the host's C++ compiler (``$CXX``, else ``c++``; the
+same compiler TorchInductor needs) into a cache directory, and loaded with ctypes: no extension
+build, no torch headers, about a second. With ``torch.get_num_threads()`` > 1 the step's rows
+are split over that many threads (ctypes releases the GIL during the call).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from engine.serve.attention import KVCache
+from engine.serve.torch_attention import TorchBackend, _TileGroup
+
+SOURCE = Path(__file__).with_name("cpu_paged_kernel.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17")
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float64: "float64"}
+MIN_ROWS_PER_THREAD = 4  # fewer decode rows than this per thread: one thread does them all
+_library: ctypes.CDLL | None = None
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$ENGINE_KERNEL_CACHE``, else a per-user temp directory."""
+    root = os.environ.get("ENGINE_KERNEL_CACHE")
+    return Path(root) if root else Path(tempfile.gettempdir()) / f"engine-kernels-{os.getuid()}"
+
+
+def load_kernel() -> ctypes.CDLL:
+    """The compiled kernel library (built once per source, compiler and flags; then reused)."""
+    global _library
+    if _library is not None:
+        return _library
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        raise ValueError("the 'cpu' attention backend compiles a small C++ kernel and found no C++ compiler "
+                         "(set CXX, or install g++); attention_backend='torch' needs none")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    lib = cache_dir() / f"cpu_paged_kernel-{key}.so"
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ValueError(f"building the 'cpu' attention kernel failed ({compiler}):\n{done.stderr[-2000:]}")
+        os.replace(tmp, lib)  # atomic: a concurrent build never loads a half-written file
+    _library = ctypes.CDLL(str(lib))
+    for name in DTYPES.values():
+        fn = getattr(_library, f"paged_decode_{name}")
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 \
+            + [ctypes.c_double, ctypes.c_int64]
+    return _library
+
+
+class CPUBackend(TorchBackend):
+    """TorchBackend whose decode rows read the pool in place through a C++ kernel (name "cpu");
+    same contract and results as the reference. Cascade attention is off: with no per-request
+    copy there is nothing for a shared prefix to save.
+
+    Invariant: decode tiles (one query row) never copy K/V out of the pool; tiles of several rows
+    take ``TorchBackend``'s gather-and-SDPA path.
+    """
+
+    name = "cpu"
+
+    def __init__(self, **options) -> None:
+        options.setdefault("cascade_min_reqs", 0)
+        super().__init__(**options)
+        self._lib = load_kernel()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
+        if torch.device(device).type != "cpu" or dtype not in DTYPES:
+            raise ValueError(f"the 'cpu' attention backend serves CPU pools of {sorted(map(str, DTYPES))}, "
+                             f"not {dtype} on {device}; use attention_backend='torch'")
+        return super().allocate(shape, dtype, device)
+
+    def _forward_identity(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float,
+                          window: int) -> torch.Tensor:
+        return self._decode(q, cache, group, scale, window)  # no chunking: nothing is gathered
+
+    def _forward_group(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float, window: int,
+                       out: torch.Tensor) -> None:
+        if group.q_rows.shape[1] > 1:  # tiles of several rows: gather and SDPA
+            return super()._forward_group(q, cache, group, scale, window, out)
+        out.index_copy_(0, group.out_rows[:, 0], self._decode(q.index_select(0, group.q_rows[:, 0]), cache, group,
+                                                               scale, window))
+
+    def _decode(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float, window: int) -> torch.Tensor:
+        """One query row per tile: q [G, Hq, D] -> [G, Hq, D], keys read through ``group.tables``."""
+        k_pool, v_pool = cache
+        if q.dtype != k_pool.dtype:
+            raise ValueError(f"queries ({q.dtype}) and pool ({k_pool.dtype}) must share a dtype")
+        q = q.contiguous()
+        tables = group.tables
+        if tables.stride(1) != 1 or tables.dtype != torch.int32:
+            tables = tables.to(torch.int32).contiguous()
+        q_pos = group.q_pos[:, 0].contiguous()  # int64 [G]
+        out = torch.empty_like(q)
+        g, hq, d = q.shape
+        _, bs, hkv, _ = k_pool.shape
+        fn = getattr(self._lib, f"paged_decode_{DTYPES[q.dtype]}")
+        args = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(),
+                tables.stride(0), q_pos.data_ptr())
+        tail = (hq, hkv, d, bs, float(scale), int(window))
+        threads = min(torch.get_num_threads(), g // MIN_ROWS_PER_THREAD)
+        if threads <= 1:
+            fn(*args, 0, g, *tail)
+            return out
+        if self._pool is None or self._pool._max_workers != threads:
+            self._pool = ThreadPoolExecutor(threads)
+        cuts = [g * i // threads for i in range(threads + 1)]
+        list(self._pool.map(lambda i: fn(*args, cuts[i], cuts[i + 1], *tail), range(threads)))
+        return out

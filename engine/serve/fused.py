@@ -1,0 +1,158 @@
+"""FusedFlatModel: the flat forward pass in fewer, larger operations (``EngineConfig(fuse_ops=True)``).
+
+``FlatModel`` drives the model's own modules one by one: three projections for q, k and v, two
+for gate and up, a norm and a RoPE for q and another for k. Each is a separate pass over memory
+and, on a CPU, a few microseconds of dispatch. This class serves the same computation with:
+
+- one ``[D, (Hq + 2 Hkv) Dh]`` matmul for q, k and v, and one for gate and up (merged weights,
+  built once at start-up);
+- q and k normalised and rotated together, as one ``[N, Hq + Hkv, Dh]`` tensor;
+- SiLU and the gate product done in place on the merged output;
+- on a CPU, the weights prepacked for oneDNN's matmul (float32, or bfloat16 with bf16 units).
+
+Float64 results are those of ``FlatModel`` up to summation order (tests check the engine against
+``generate()`` token for token); float32 ones differ from it by summation order too (oneDNN's
+blocking), which the bench's agreement column checks on every workload. Its ``linear_dtype`` is the dtype the matmuls run in:
+the model's own, except for a 16-bit model on a CPU without bfloat16/float16 matmul units (no
+AVX512-BF16 / AMX), where PyTorch's 16-bit matmul is several times slower than float32's: there
+the merged weights are float32 copies of the 16-bit values and activations stay float32 between
+the matmuls, while the K/V pool keeps the model's dtype. That path computes more precisely than
+a native 16-bit one (so its greedy tokens drift less from float32), at twice the weights' memory.
+MoE layers run their own block unchanged.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.qwen3 import Qwen3MLP
+from engine.rope import rope_cos_sin
+from engine.serve.attention import AttentionBackend, KVCache
+from engine.serve.batch import BatchMeta
+from engine.serve.flat import FlatModel
+
+
+PACK_BATCH = 256  # the row count oneDNN lays packed weights out for (a hint; any row count works)
+
+
+def packable(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether oneDNN can prepack a linear weight of this dtype here (CPU float32, or bfloat16 on
+    a CPU with bf16 units): the layout vLLM's CPU backend also uses."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and fast_16bit_matmul(dtype, device))
+
+
+class Linear:
+    """A weight [out, in] and the fastest way to apply it: oneDNN's prepacked matmul where
+    ``packable``, else ``F.linear``. (Packing reorders the weight once into the blocked layout the
+    matmul kernel reads, instead of on every call.)"""
+
+    def __init__(self, weight: torch.Tensor, pack: bool) -> None:
+        self.weight = weight
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=PACK_BATCH) if pack else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+def fast_16bit_matmul(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether 16-bit matmuls in ``dtype`` run on native units here (any CUDA device; on a CPU,
+    oneDNN's bfloat16 / float16 support, i.e. AVX512-BF16, AVX512-FP16 or AMX)."""
+    if device.type != "cpu":
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
+
+
+class FusedFlatModel(FlatModel):
+    """FlatModel with merged projections and fused elementwise work; same contract.
+
+    Invariant: ``layers[i]`` holds layer i's merged weights, built from the model's modules at
+    construction; the model is not modified (weights changed later are not seen).
+    """
+
+    def __init__(self, model: nn.Module, linear_dtype: torch.dtype | None = None, pack: bool | None = None) -> None:
+        super().__init__(model)
+        dtype, device = self.dtype, self.device
+        if linear_dtype is None:
+            linear_dtype = dtype if fast_16bit_matmul(dtype, device) else torch.float32
+        self.linear_dtype = linear_dtype
+        self.pack = packable(linear_dtype, device) if pack is None else pack
+        cast = lambda w: Linear(w.detach().to(linear_dtype), self.pack)  # noqa: E731 - no copy when no cast
+        self.layers = []
+        for layer in model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            entry = {
+                "qkv": cast(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                "o": cast(a.o_proj.weight),
+                # One norm weight per head of the joint [Hq + Hkv] q/k tensor.
+                "qk_norm": torch.cat([a.q_norm.weight.expand(a.num_heads, -1),
+                                      a.k_norm.weight.expand(a.num_kv_heads, -1)]).detach().to(linear_dtype),
+            }
+            if isinstance(mlp, Qwen3MLP):
+                entry["gate_up"] = cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+                entry["down"] = cast(mlp.down_proj.weight)
+            self.layers.append(entry)
+        self.lm_head = cast(model.lm_head.weight)
+        self._norm_weights: dict[int, torch.Tensor] = {}
+
+    def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """RMSNorm of ``x`` (in ``linear_dtype``): the module itself when that is the model's dtype."""
+        if x.dtype == self.dtype:
+            return norm(x)
+        key = id(norm)
+        if key not in self._norm_weights:  # the float32 copy of a 16-bit norm weight, made once
+            self._norm_weights[key] = norm.weight.detach().to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self._norm_weights[key], norm.eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions [N] -> final hidden [N, D] in ``linear_dtype``."""
+        m, cfg = self.model.model, self.cfg
+        work = self.linear_dtype
+        hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        hidden = m.embed_tokens(input_ids).to(work)  # [N, D]
+        n = hidden.shape[0]
+        cos, sin = rope_cos_sin(positions, dh, cfg.rope_theta, work)  # [N, Dh]
+        cos, sin, half = cos[:, None, :], sin[:, None, :], dh // 2
+        residual = None
+        for layer, weights, kv_cache in zip(m.layers, self.layers, kv_caches):
+            if residual is not None:
+                hidden = hidden + residual
+            residual = hidden
+            x = self._norm(hidden, layer.input_layernorm)
+            qkv = weights["qkv"](x)  # [N, (Hq + 2 Hkv) Dh]
+            qk = qkv[:, :(hq + hkv) * dh].view(n, hq + hkv, dh)
+            qk = F.rms_norm(qk, (dh,), None, layer.self_attn.q_norm.eps) * weights["qk_norm"]  # [N, Hq + Hkv, Dh]
+            rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+            qk = qk * cos + rotated * sin  # RoPE on q and k at once
+            pool_dtype = kv_cache[0].dtype
+            q = qk[:, :hq].to(pool_dtype).contiguous()  # [N, Hq, Dh]
+            k = qk[:, hq:]
+            v = qkv[:, (hq + hkv) * dh:].view(n, hkv, dh)
+            backend.write(kv_cache, k, v, meta)
+            o = backend.forward(q, kv_cache, meta, scale=layer.self_attn.scale, window=cfg.sliding_window)
+            hidden = weights["o"](o.reshape(n, hq * dh).to(work))  # [N, D]
+            hidden = hidden + residual
+            residual = hidden
+            x = self._norm(hidden, layer.post_attention_layernorm)
+            if "gate_up" in weights:
+                gate_up = weights["gate_up"](x)  # [N, 2I]
+                gate, up = gate_up.chunk(2, dim=-1)
+                hidden = weights["down"](F.silu(gate, inplace=True).mul_(up))
+            else:
+                hidden = layer.mlp(x.to(self.dtype)).to(work)  # MoE: the block itself
+        return self._norm(hidden + residual, m.norm)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, D] -> logits [M, V] in float32 (float64 for float64 models): the LM head in
+        ``linear_dtype``, only the logits widened."""
+        work = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        return self.lm_head(hidden.to(self.linear_dtype)).to(work)

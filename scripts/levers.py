@@ -1,0 +1,174 @@
+"""A/B measurements behind docs/performance.md's "levers" list (interleaved rounds, medians).
+
+    python scripts/levers.py attention [--requests 64] [--context 200]   decode attention, one layer
+    python scripts/levers.py step [--requests 64] [--dtype float32]      one engine decode step
+    python scripts/levers.py elementwise                                  eager vs compiled norms/RoPE/SiLU
+
+``attention`` times one layer's decode attention on the bench's small-model shapes (8 query / 4
+kv heads of 64, blocks of 16): TorchBackend (gather, then bmm), CPUBackend (the C++ kernel reading
+the pool in place) and the same gather-free attention written as tensor indexing and compiled by
+TorchInductor (the lever measured first and not kept). ``step`` times the core's decode step with
+R requests of ~200-token contexts, for the torch backend, the cpu backend, and the cpu backend with
+``fuse_ops``. ``elementwise`` times one layer's residual adds, norms, RoPE and SiLU-mul, eager
+against TorchInductor-compiled, at 16, 64 and 600 rows.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import os  # noqa: E402
+
+os.environ.setdefault("ENGINE_IMPL", "solution")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def interleaved(fns: dict, rounds: int) -> dict[str, float]:
+    """Median ms of each callable, called in turn ``rounds`` times (after one warm-up call each)."""
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            start = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - start)
+    return {k: round(statistics.median(v) * 1000, 3) for k, v in times.items()}
+
+
+def inductor_decode(q, k_pool, v_pool, tables, q_pos, scale):
+    """Gather-free decode attention as indexing + reductions, for TorchInductor to fuse."""
+    g, hq, d = q.shape
+    bs, hkv = k_pool.shape[1], k_pool.shape[2]
+    pos = torch.arange(tables.shape[1] * bs)
+    block, within = tables[:, pos // bs], pos % bs
+    k, v = k_pool[block, within], v_pool[block, within]  # [G, L, Hkv, D], fused loads
+    scores = (q.view(g, 1, hkv, hq // hkv, d) * k[:, :, :, None, :]).sum(-1) * scale
+    scores = scores.masked_fill((pos[None, :] > q_pos[:, None])[:, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1)
+    return (probs[..., None] * v[:, :, :, None, :]).sum(1).reshape(g, hq, d)
+
+
+def attention(args) -> None:
+    from engine.serve.attention import ReferenceBackend
+    from engine.serve.batch import build_batch
+    from engine.serve.cpu_attention import CPUBackend
+    from engine.serve.request import Request
+    from engine.serve.torch_attention import TorchBackend
+
+    r, bs, hq, hkv, d = args.requests, 16, 8, 4, 64
+    width = -(-(args.context + 10) // bs)
+    gen = torch.Generator().manual_seed(0)
+    perm = torch.randperm(r * width + 2, generator=gen).tolist()
+    scheduled, tables = [], []
+    for i in range(r):
+        n = args.context + i % 10
+        req = Request(f"r{i}", [1] * (n + 1))
+        req.num_computed_tokens = n - 1
+        scheduled.append((req, 1))
+        tables.append(perm[i * width:i * width + -(-n // bs)])
+    meta = build_batch(scheduled, tables, bs).meta
+    cache = (torch.randn(r * width + 3, bs, hkv, d, generator=gen), torch.randn(r * width + 3, bs, hkv, d, generator=gen))
+    with torch.inference_mode():
+        q = torch.randn(r, hq, d, generator=gen)
+        torch_b, cpu_b = TorchBackend(cascade_min_reqs=0), CPUBackend()
+        compiled = torch.compile(inductor_decode, dynamic=True)
+        w = -(-meta.max_seq_len // bs)
+        tab, q_pos = meta.block_table[:, :w].long(), meta.seq_lens.long() - 1
+        want = ReferenceBackend().forward(q, cache, meta)
+        for name, got in (("cpu", cpu_b.forward(q, cache, meta)),
+                          ("inductor", compiled(q, *cache, tab, q_pos, d ** -0.5))):
+            assert (got - want).abs().max().item() < 1e-5, name
+        res = interleaved({"torch (gather + bmm)": lambda: torch_b.forward(q, cache, meta),
+                           "cpu (C++ kernel, in place)": lambda: cpu_b.forward(q, cache, meta),
+                           "inductor (compiled, gather-free)": lambda: compiled(q, *cache, tab, q_pos, d ** -0.5)},
+                          args.rounds)
+    print(f"decode attention, one layer, R={r}, context ~{args.context}, {torch.get_num_threads()} thread(s): {res}")
+
+
+def step(args) -> None:
+    from engine.bench import MODEL_PRESETS
+    from engine.models import tiny_model
+    from engine.serve import EngineConfig, EngineCore, SamplingParams
+
+    dtype = getattr(torch, args.dtype)
+    model = tiny_model(seed=0, **MODEL_PRESETS["small"]).to(dtype)
+    cores = {}
+    for name in ("torch", "cpu", "cpu+fused"):
+        rng = random.Random(0)
+        core = EngineCore(model, EngineConfig(attention_backend=name.split("+")[0], fuse_ops=name.endswith("+fused"),
+                                              num_blocks=args.requests * 20 + 1))
+        for i in range(args.requests):
+            core.add_request(f"s{i}", [rng.randrange(512) for _ in range(args.context)],
+                             SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0))
+        while any(r.num_computed_tokens < r.num_prompt_tokens - 1 for r in core.scheduler.requests.values()):
+            core.step()
+        cores[name] = core
+    res = interleaved({k: c.step for k, c in cores.items()}, args.rounds)
+    print(f"decode step, R={args.requests}, context ~{args.context}, {args.dtype}, "
+          f"{torch.get_num_threads()} thread(s): {res}")
+
+
+def elementwise(args) -> None:
+    from torch.fx.experimental import _config as fx_config
+
+    dim, hq, hkv, dh, inter = 512, 8, 4, 64, 1536
+
+    def add_norm(h, r, w):
+        h = h + r
+        return F.rms_norm(h, (dim,), w, 1e-6), h
+
+    def qk_rope(qkv, w, cos, sin):
+        n = qkv.shape[0]
+        x = F.rms_norm(qkv[:, :(hq + hkv) * dh].view(n, hq + hkv, dh), (dh,), None, 1e-6) * w
+        x = x * cos + torch.cat([-x[..., dh // 2:], x[..., :dh // 2]], -1) * sin
+        return x[:, :hq].contiguous(), x[:, hq:]
+
+    def silu_mul(gu):
+        g, u = gu.chunk(2, -1)
+        return F.silu(g) * u
+
+    compiled = [torch.compile(f, dynamic=True) for f in (add_norm, qk_rope, silu_mul)]
+
+    def layer(fns, a):
+        with fx_config.patch(use_duck_shape=False):
+            fns[0](a[0], a[1], a[2]), fns[1](a[3], a[4], a[5], a[6]), fns[2](a[7]), fns[0](a[0], a[1], a[2])
+
+    with torch.inference_mode():
+        start = time.perf_counter()
+        for n in (16, 600):
+            a = (torch.randn(n, dim), torch.randn(n, dim), torch.randn(dim), torch.randn(n, (hq + 2 * hkv) * dh),
+                 torch.randn(hq + hkv, dh), torch.randn(n, 1, dh), torch.randn(n, 1, dh), torch.randn(n, 2 * inter))
+            layer(compiled, a)
+        print(f"compile: {time.perf_counter() - start:.1f} s")
+        for n in (16, 64, 600):
+            a = (torch.randn(n, dim), torch.randn(n, dim), torch.randn(dim), torch.randn(n, (hq + 2 * hkv) * dh),
+                 torch.randn(hq + hkv, dh), torch.randn(n, 1, dh), torch.randn(n, 1, dh), torch.randn(n, 2 * inter))
+            res = interleaved({"eager": lambda: layer((add_norm, qk_rope, silu_mul), a),
+                               "compiled": lambda: layer(compiled, a)}, args.rounds)
+            print(f"norms + RoPE + SiLU-mul of one layer, {n} rows (ms): {res}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("attention", "step", "elementwise"))
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    {"attention": attention, "step": step, "elementwise": elementwise}[args.what](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""FusedFlatModel (``EngineConfig(fuse_ops=True)``): the same tokens as ``generate()``.
+
+Merged q/k/v and gate/up projections, q and k normed and rotated together, SiLU fused in place:
+the engine on it must reproduce ``generate()`` token for token (float64 model: exact arithmetic
+up to summation order), on both fast backends, under chunking and swap preemption, and on
+Qwen3-MoE. The 16-bit path's float32 linears are checked against the float32 FlatModel.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.generate import generate
+from engine.models.tiny import tiny_model
+from engine.serve import EngineConfig, EngineCore, SamplingParams
+from engine.serve.fused import FusedFlatModel, fast_16bit_matmul
+
+pytestmark = pytest.mark.given  # complete code the chapter gives; the reference holes serve as oracle
+
+PROMPT_LENS = (37, 5, 21, 50, 12)
+MAX_TOKENS = (24, 30, 18, 10, 26)
+CONFIGS = {
+    "chunked": dict(max_num_batched_tokens=16, long_prefill_token_threshold=8),
+    "swap": dict(num_blocks=10, preemption_mode="swap"),
+}
+
+
+def prompts_for(model, seed: int = 5) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    prompts[4] = prompts[0][:32] + prompts[4]  # shares two blocks of 16 with the first
+    return prompts
+
+
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fused_engine_matches_generate(name, backend, moe):
+    model = tiny_model(seed=3, moe=moe, dtype=torch.float64)
+    prompts = prompts_for(model)
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend=backend, fuse_ops=True, **CONFIGS[name]))
+    assert isinstance(core.flat, FusedFlatModel) and core.flat.linear_dtype == torch.float64
+    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
+    out = core.run_until_done()
+    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+        want = generate(model, p, m)
+        assert out[f"r{i}"] == want, (f"fused model ({name}, {backend}, moe={moe}): request r{i} gave {out[f'r{i}']}, "
+                                      f"generate() gave {want}")
+    assert core.blocks.num_free == core.blocks.num_blocks
+
+
+def test_fused_float32_linears_for_a_16bit_model():
+    """A bfloat16 model whose linears run in float32 (a CPU without bf16 units) computes what the
+    float32 model with the same (bfloat16-valued) weights computes, except that its K/V pool
+    rounds K and V to bfloat16: on the test model's well-separated logits, the same first token."""
+    model16 = tiny_model(seed=3, dtype=torch.bfloat16)
+    model32 = tiny_model(seed=3, dtype=torch.bfloat16).to(torch.float32)  # the same values, widened
+    fused = FusedFlatModel(model16, linear_dtype=torch.float32)
+    assert fused.linear_dtype == torch.float32 and fused.layers[0]["qkv"].weight.dtype == torch.float32
+    prompt = prompts_for(model16)[0]
+    core16 = EngineCore(model16, EngineConfig(attention_backend="cpu", fuse_ops=True))
+    core16.flat = core16.runner.flat = fused
+    core16.add_request("a", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    core32 = EngineCore(model32, EngineConfig(attention_backend="cpu"))
+    core32.add_request("a", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    (o16,), (o32,) = core16.step(), core32.step()
+    assert o16.new_token_ids == o32.new_token_ids, \
+        f"float32 linears on bfloat16 weights gave {o16.new_token_ids}, the float32 model {o32.new_token_ids}"
+    assert fast_16bit_matmul(torch.float32, torch.device("cpu"))
+
+
+def test_fuse_ops_must_be_a_bool():
+    with pytest.raises(ValueError, match="fuse_ops must be True or False"):
+        EngineConfig(fuse_ops=1)
+
+
+def test_fused_float32_prepacked_matches_generate():
+    """Float32 on a CPU: oneDNN-prepacked weights (a different summation order than generate()'s
+    matmuls) still give generate()'s greedy tokens on the test model's well-separated logits."""
+    model = tiny_model(seed=3)
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", fuse_ops=True))
+    assert core.flat.pack == torch.backends.mkldnn.is_available()
+    prompts = prompts_for(model)
+    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
+    out = core.run_until_done()
+    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+        assert out[f"r{i}"] == generate(model, p, m), f"prepacked float32: request r{i} differs from generate()"
