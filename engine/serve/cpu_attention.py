@@ -60,8 +60,12 @@ def load_kernel() -> ctypes.CDLL:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
     lib = cache_dir() / f"cpu_paged_kernel-{key}.so"
+    lib.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = lib.parent.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise ValueError(f"{lib.parent} is not a directory only you can write to: the 'cpu' backend will not load "
+                         "a kernel from it (set ENGINE_KERNEL_CACHE to a private directory)")
     if not lib.exists():
-        lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
         if done.returncode != 0:
