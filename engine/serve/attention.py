@@ -19,6 +19,12 @@ from engine.serve.batch import BatchMeta
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_pool, v_pool), each [num_blocks + 1, block_size, Hkv, D]
 
 
+def zero_pools(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
+    """One layer's K pool and V pool, both of ``shape`` and filled with zeros."""
+    k_pool = torch.zeros(shape, dtype=dtype, device=device)
+    return k_pool, torch.zeros_like(k_pool)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K and V rows into their pool slots. (Your engine: Chapter 31)
@@ -54,8 +60,7 @@ class ReferenceBackend:
     name = "reference"
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
-        k_pool = torch.zeros(shape, dtype=dtype, device=device)
-        return k_pool, torch.zeros_like(k_pool)
+        return zero_pools(shape, dtype, device)
 
     def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
         k_pool, v_pool = cache

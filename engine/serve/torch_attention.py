@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.serve.attention import KVCache, write_kv
+from engine.serve.attention import KVCache, write_kv, zero_pools
 from engine.serve.batch import BatchMeta
 
 DEFAULT_TILE_ROWS = 32  # query rows per prefill tile: one K/V gather serves this many queries
@@ -150,8 +150,7 @@ class TorchBackend:
         self._offsets: dict[tuple, torch.Tensor] = {}  # _within_block's tables, built once
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
-        k_pool = torch.zeros(shape, dtype=dtype, device=device)
-        return k_pool, torch.zeros_like(k_pool)
+        return zero_pools(shape, dtype, device)
 
     def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
         k_pool, v_pool = cache
