@@ -231,8 +231,8 @@ def test_a_learner_who_drops_an_unused_import_still_gets_the_reference_elsewhere
 # ---------------------------------------------------------------------------------------- (h)
 def test_a_learner_file_that_does_not_import_fails_only_its_own_holes(tmp_path):
     files = reference_files()
-    files["serve/blocks.py"] = files["serve/blocks.py"].replace("        found: list[int] = []\n",
-                                                                "        found: list[int] = [\n", 1)
+    files["serve/blocks.py"] = files["serve/blocks.py"].replace("        matched = 0\n",
+                                                                "        matched = (\n", 1)
     bed = workspace(tmp_path / "repo", files)
     run = run_pytest(["-q", "--impl", "engine", CHAPTER_TESTS, "-k", "worked_example or find_cached or milestone"],
                      cwd=bed)

@@ -25,9 +25,9 @@ PAD_SLOT = -1  # slot of a padding row: write_kv sends it to the pool's scratch 
 class BatchMeta:
     """What attention needs to find each request's rows and its K/V in the pool.
 
-    R requests, N rows. Request r owns rows ``query_start_loc[r]:query_start_loc[r+1]``; they are
-    the LAST ``t`` positions of a context of ``seq_lens[r]`` tokens whose blocks are
-    ``block_table[r]`` (zero padded past the request's real blocks). ``slot_mapping[i]`` is the
+    R requests, N rows. Request r owns the t rows ``query_start_loc[r]:query_start_loc[r+1]``,
+    which are the final t tokens of its context: that context has ``seq_lens[r]`` tokens, stored
+    in the blocks ``block_table[r]`` (zero padded past the request's real blocks). ``slot_mapping[i]`` is the
     flat pool slot that row i's K/V is written to (``PAD_SLOT`` for padding rows). The ``*_cpu``
     copies let kernels be launched without reading the device.
     """

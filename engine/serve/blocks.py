@@ -13,6 +13,7 @@ It leaves the cache (loses its hash) only when the allocator actually hands it o
 from __future__ import annotations
 
 import hashlib
+import itertools
 import sys
 from array import array
 from collections import OrderedDict
@@ -133,16 +134,21 @@ class BlockManager:
 
     # ----- hashing -----------------------------------------------------------------------
     def update_hashes(self, request: Request) -> None:
-        """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
-        known = request.num_tokens - request.num_placeholders
+        """Give a digest to each full block of ``request`` that lacks one yet.
+
+        Only known tokens count (speculative placeholders are not), and digests are appended to
+        ``request.block_hashes``, which therefore grows by whole blocks and is never recomputed.
+        """
         bs = self.block_size
+        num_full = (request.num_tokens - request.num_placeholders) // bs
         hashes = request.block_hashes
-        if len(hashes) >= known // bs:
-            return  # the common case on a decode step: no block filled up since the last call
-        for i in range(len(hashes), known // bs):
-            parent = hashes[i - 1] if i else None
-            extra = request.cache_key if i == 0 else ()  # the chain carries it to every later block
-            hashes.append(hash_block(parent, request.token_ids[i * bs:(i + 1) * bs], extra))
+        while len(hashes) < num_full:  # on most decode steps this runs zero times
+            i = len(hashes)
+            tokens = request.token_ids[i * bs:(i + 1) * bs]
+            if i == 0:  # the cache key enters the first digest; the chain passes it on from there
+                hashes.append(hash_block(None, tokens, request.cache_key))
+            else:
+                hashes.append(hash_block(hashes[-1], tokens))
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count one prefix-cache lookup: ``request.num_tokens`` queried, ``num_hit_tokens`` found.
@@ -157,7 +163,7 @@ class BlockManager:
         self.pending_lookups[request.request_id] = (request.num_tokens, num_hit_tokens)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
-        """The longest run of cached full blocks at the start of ``request``. (Your engine: Chapter 31)
+        """Which cached blocks ``request`` may adopt, from its first block on. (Your engine: Chapter 31)
 
         Walks ``request.block_hashes`` from the first block and stops at the first miss. Never
         matches the block holding the request's LAST token — at most ``(num_tokens - 1) //
@@ -186,8 +192,9 @@ class BlockManager:
         raise NotImplementedError("BlockManager.allocate_slots is a hole: fill it in (Chapter 31, engine/serve/blocks.py)")
 
     def _evict(self, block: int) -> None:
-        if self._forget_hash(block):
-            self.num_evicted += 1
+        """``block`` is being reused: it no longer names its old content (counted in ``num_evicted``)."""
+        had_hash = self._forget_hash(block)
+        self.num_evicted += int(had_hash)
 
     def _forget_hash(self, block: int) -> bool:
         """Drop ``block``'s hash, and its ``cached`` entry if that entry names this block; True if it
@@ -206,12 +213,13 @@ class BlockManager:
 
         ``num_tokens`` defaults to ``num_computed_tokens``. Each newly full block is entered in
         ``cached`` under its hash — unless that hash is already cached (first writer wins; the
-        duplicate stays private, with no hash). The scheduler calls this right after allocating a
-        step's blocks, before they are computed: a request admitted later in the same step may
-        adopt them, which is safe because in a flattened batch every layer writes all K/V before
-        any attention reads — and if the forward pass fails instead, the engine takes these
-        publications back (``unpublish_uncomputed``). The engine calls it again after each step,
-        for generated tokens. ``num_published[rid]`` counts the request's leading blocks already
+        duplicate stays private, with no hash). The scheduler publishes a step's blocks as soon as it
+        has allocated them, while their K/V is still unwritten, so that a request it admits further
+        down the same plan can share them. Sharing that early is sound because the forward pass
+        goes layer by layer over the whole flattened batch, and in each layer every row's K/V is
+        stored before any row's attention runs. Should the forward pass raise, the engine withdraws
+        these entries (``unpublish_uncomputed``). After each step the engine calls this once more,
+        for the generated tokens. ``num_published[rid]`` counts the request's leading blocks already
         offered to the cache: start there, and raise it to the number of full blocks. Nothing to do
         when prefix caching is off or the request holds no blocks.
         """

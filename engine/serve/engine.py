@@ -125,10 +125,13 @@ class EngineCore:
             raise ValueError("sampler='full' is chapter 34's sampler, not part of this chapter; use 'simple'")
         backend = get_backend(config.attention_backend)
         num_blocks = config.num_blocks or self._size_pool(backend)
+        # Two views of one pool: the runner owns its tensors, the block manager its bookkeeping.
         self.runner = ModelRunner(self.flat, backend, num_blocks, config.block_size)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
-        self.scheduler.on_finish = self._on_finish
+        self.blocks = BlockManager(num_blocks=num_blocks, block_size=config.block_size,
+                                   enable_prefix_caching=config.enable_prefix_caching)
+        scheduler = Scheduler(config.scheduler_config(), block_manager=self.blocks)
+        scheduler.on_finish = self._on_finish  # a finished request's swapped K/V and generator go too
+        self.scheduler = scheduler
         self.generator = torch.Generator(device=self.flat.device).manual_seed(config.seed)
         self.sampler = sampler or SimpleSampler(self.generator)
         self.generators: dict[str, torch.Generator] = {}

@@ -45,8 +45,11 @@ class FlatModel:
         return self.model.model.embed_tokens.weight.device
 
     def kv_spec(self) -> tuple[int, int, int]:
-        """(layers, kv_heads, head_dim): the shape of the K/V this model keeps per token."""
-        return self.cfg.num_hidden_layers, self.cfg.num_key_value_heads, self.cfg.head_dim
+        """(layers, kv_heads, head_dim): for each token, every one of the ``layers`` layers keeps
+        ``kv_heads`` K vectors and as many V vectors, each of ``head_dim`` numbers."""
+        c = self.cfg
+        per_layer = (c.num_key_value_heads, c.head_dim)
+        return (c.num_hidden_layers, *per_layer)
 
     def attention(self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kv_cache: KVCache, meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor:

@@ -39,15 +39,15 @@ class Request:
     ``token_ids`` is the prompt followed by every output token. ``num_computed_tokens`` counts the
     leading tokens whose K/V are in the pool. Invariant while RUNNING: the newest token is never
     computed, so ``num_computed_tokens <= num_tokens - 1``, with equality right after a sample is
-    appended. The scheduler only ever says "compute the next n tokens" — prefill, chunk, decode
-    and resume are all values of n.
+    appended. A step asks a request for nothing but a count n of tokens to compute next: a whole
+    prefill, one chunk of it, a decode and a resume differ only in that number.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     eos_token_id: int | None = None
-    priority: int = 0  # lower runs first under the priority policy (vLLM's convention)
+    priority: int = 0  # priority policy: the smaller the number, the sooner it runs
     arrival_time: float = field(default_factory=time.monotonic)
     cache_key: tuple = ()  # anything besides tokens that changes activations (salt, adapter, images)
     status: Status = Status.WAITING

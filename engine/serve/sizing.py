@@ -19,8 +19,8 @@ def kv_bytes_per_block(layers: int, kv_heads: int, head_dim: int, block_size: in
                         ("block_size", block_size), ("pools", pools)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return pools * layers * block_size * kv_heads * head_dim * itemsize
+    bytes_per_vector = kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()  # one token, one layer, one pool
+    return bytes_per_vector * block_size * layers * pools
 
 
 def num_blocks_for_memory(free_bytes: int, layers: int, kv_heads: int, head_dim: int,
@@ -57,11 +57,13 @@ def profile_num_blocks(run_max_step: Callable[[], None], bytes_per_block: int,
     run_max_step()
     if torch.cuda.is_available() and str(device).startswith("cuda"):
         torch.cuda.synchronize(device)
-    _, total = mem_info()
-    available = int(total * gpu_memory_utilization) - int(peak_bytes())
-    if available < bytes_per_block:
+    total = mem_info()[1]
+    peak = int(peak_bytes())  # weights + the largest step's activations
+    allowed = int(total * gpu_memory_utilization)  # what the whole engine may occupy
+    num_blocks = (allowed - peak) // bytes_per_block if allowed > peak else 0
+    if num_blocks == 0:
         raise ValueError(
-            f"after the model's peak of {peak_bytes()} bytes, {gpu_memory_utilization:.0%} of "
+            f"after the model's peak of {peak} bytes, {gpu_memory_utilization:.0%} of "
             f"{total} bytes leaves no room for one {bytes_per_block}-byte KV block; raise "
             "gpu_memory_utilization, lower max_num_batched_tokens, or use a smaller model")
-    return available // bytes_per_block
+    return num_blocks

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.serve.attention import KVCache, write_kv
+from engine.serve.attention import KVCache, write_kv, zero_pools
 from engine.serve.batch import BatchMeta
 
 DEFAULT_TILE_ROWS = 32  # query rows per prefill tile: one K/V gather serves this many queries
@@ -150,10 +150,11 @@ class TorchBackend:
         self._offsets: dict[tuple, torch.Tensor] = {}  # _within_block's tables, built once
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
-        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        return zero_pools(shape, dtype, device)
 
     def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
-        write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+        k_pool, v_pool = cache
+        write_kv(k_pool, v_pool, k, v, meta.slot_mapping)  # the reference's scatter serves here too
 
     # ----- planning (once per step) ------------------------------------------------------
     def plan(self, meta: BatchMeta, num_kv_heads: int, window: int = 0) -> list[_TileGroup]:
@@ -196,7 +197,7 @@ class TorchBackend:
         offset = np.minimum(offset, t_tile - 1)  # padding rows repeat the last real row
         rows = qsl[tile_req][:, None] + offset  # [G, T]
         out_rows = np.where(row_valid, rows, qsl[-1])  # padding rows land in scratch row N
-        # The request's t rows are its LAST t positions: row j sits at seq_len - t + j.
+        # A request's t rows end its context: row j is position seq_len - t + j.
         q_pos = seq_lens[tile_req][:, None] - t_tile + offset  # [G, T]
         identity = tile_rows == 1 and rows.size == qsl[-1] and bool((rows[:, 0] == np.arange(rows.size)).all())
         device = meta.block_table.device

@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 
-from engine.serve.attention import KVCache, write_kv
+from engine.serve.attention import KVCache, write_kv, zero_pools
 from engine.serve.batch import BatchMeta
 
 INSTALL_HINT = "pip install -e .[triton]"
@@ -67,10 +67,11 @@ class TritonBackend:
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
         self._check(device, dtype)
-        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        return zero_pools(shape, dtype, device)
 
     def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
-        write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+        k_pool, v_pool = cache
+        write_kv(k_pool, v_pool, k, v, meta.slot_mapping)  # the reference's scatter serves here too
 
     # ----- planning (once per step, on the host copies: no device sync) ----------------------
     def plan(self, meta: BatchMeta, group_pad: int) -> list[tuple[int, torch.Tensor]]:

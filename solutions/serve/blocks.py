@@ -12,6 +12,7 @@ It leaves the cache (loses its hash) only when the allocator actually hands it o
 from __future__ import annotations
 
 import hashlib
+import itertools
 import sys
 from array import array
 from collections import OrderedDict
@@ -141,16 +142,21 @@ class BlockManager:
 
     # ----- hashing -----------------------------------------------------------------------
     def update_hashes(self, request: Request) -> None:
-        """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
-        known = request.num_tokens - request.num_placeholders
+        """Give a digest to each full block of ``request`` that lacks one yet.
+
+        Only known tokens count (speculative placeholders are not), and digests are appended to
+        ``request.block_hashes``, which therefore grows by whole blocks and is never recomputed.
+        """
         bs = self.block_size
+        num_full = (request.num_tokens - request.num_placeholders) // bs
         hashes = request.block_hashes
-        if len(hashes) >= known // bs:
-            return  # the common case on a decode step: no block filled up since the last call
-        for i in range(len(hashes), known // bs):
-            parent = hashes[i - 1] if i else None
-            extra = request.cache_key if i == 0 else ()  # the chain carries it to every later block
-            hashes.append(hash_block(parent, request.token_ids[i * bs:(i + 1) * bs], extra))
+        while len(hashes) < num_full:  # on most decode steps this runs zero times
+            i = len(hashes)
+            tokens = request.token_ids[i * bs:(i + 1) * bs]
+            if i == 0:  # the cache key enters the first digest; the chain passes it on from there
+                hashes.append(hash_block(None, tokens, request.cache_key))
+            else:
+                hashes.append(hash_block(hashes[-1], tokens))
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count one prefix-cache lookup: ``request.num_tokens`` queried, ``num_hit_tokens`` found.
@@ -165,7 +171,7 @@ class BlockManager:
         self.pending_lookups[request.request_id] = (request.num_tokens, num_hit_tokens)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
-        """The longest run of cached full blocks at the start of ``request``. (Your engine: Chapter 31)
+        """Which cached blocks ``request`` may adopt, from its first block on. (Your engine: Chapter 31)
 
         Walks ``request.block_hashes`` from the first block and stops at the first miss. Never
         matches the block holding the request's LAST token — at most ``(num_tokens - 1) //
@@ -174,17 +180,18 @@ class BlockManager:
         prompt logprobs (cached rows would never produce them). Counts the request's tokens as
         queries and the matched tokens as hits, through ``record_lookup``.
         """
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        wants_prompt_logprobs = request.params.prompt_logprobs is not None
+        if wants_prompt_logprobs or not self.enable_prefix_caching:
             return []
         self.update_hashes(request)
-        found: list[int] = []
-        for h in request.block_hashes[:(request.num_tokens - 1) // self.block_size]:
-            block = self.cached.get(h)
-            if block is None:
-                break
-            found.append(block)
-        self.record_lookup(request, len(found) * self.block_size)
-        return found
+        hashes = request.block_hashes
+        # The block of the last token is never a candidate: that token must be computed.
+        limit = min((request.num_tokens - 1) // self.block_size, len(hashes))
+        matched = 0
+        while matched < limit and hashes[matched] in self.cached:
+            matched += 1
+        self.record_lookup(request, matched * self.block_size)
+        return [self.cached[h] for h in hashes[:matched]]
 
     # ----- allocation --------------------------------------------------------------------
     def allocate_slots(self, request: Request, n: int, cached_blocks: Sequence[int] = ()) -> bool:
@@ -209,30 +216,30 @@ class BlockManager:
         num_new = max(0, self.blocks_for(total) - len(table) - len(cached_blocks))
         if num_new == 0 and not cached_blocks and table:
             return True  # most decode steps: the last block still has room
-        num_adopt_free = sum(1 for b in cached_blocks if self.ref_count[b] == 0)
-        if num_new + num_adopt_free > self.num_free:
+        # Cached-free blocks (ref 0) sit in the free queue: adopting one uses up a free block too.
+        reclaimed = [b for b in cached_blocks if self.ref_count[b] == 0]
+        if num_new + len(reclaimed) > self.num_free:
             return False
         self.pending_lookups.pop(rid, None)  # admitted: its lookup stays counted
-        if rid not in self.req_blocks:
-            self.req_blocks[rid] = table
-            self.num_published[rid] = 0
-        for b in cached_blocks:
-            if self.ref_count[b] == 0:
-                del self.free_queue[b]
+        self.req_blocks.setdefault(rid, table)
+        if cached_blocks or rid not in self.num_published:
+            self.num_published[rid] = len(cached_blocks)  # adopted blocks are published already
+        for b in reclaimed:
+            del self.free_queue[b]
+        fresh = list(itertools.islice(self.free_queue, num_new))  # the front: freed longest ago
+        for b in fresh:
+            del self.free_queue[b]
+            self._evict(b)  # its old content is about to be overwritten
+        gained = [*cached_blocks, *fresh]
+        for b in gained:
             self.ref_count[b] += 1
-            table.append(b)
-        if cached_blocks:
-            self.num_published[rid] = len(cached_blocks)
-        for _ in range(num_new):
-            b, _ = self.free_queue.popitem(last=False)
-            self._evict(b)
-            self.ref_count[b] = 1
-            table.append(b)
+        table.extend(gained)
         return True
 
     def _evict(self, block: int) -> None:
-        if self._forget_hash(block):
-            self.num_evicted += 1
+        """``block`` is being reused: it no longer names its old content (counted in ``num_evicted``)."""
+        had_hash = self._forget_hash(block)
+        self.num_evicted += int(had_hash)
 
     def _forget_hash(self, block: int) -> bool:
         """Drop ``block``'s hash, and its ``cached`` entry if that entry names this block; True if it
@@ -251,12 +258,13 @@ class BlockManager:
 
         ``num_tokens`` defaults to ``num_computed_tokens``. Each newly full block is entered in
         ``cached`` under its hash — unless that hash is already cached (first writer wins; the
-        duplicate stays private, with no hash). The scheduler calls this right after allocating a
-        step's blocks, before they are computed: a request admitted later in the same step may
-        adopt them, which is safe because in a flattened batch every layer writes all K/V before
-        any attention reads — and if the forward pass fails instead, the engine takes these
-        publications back (``unpublish_uncomputed``). The engine calls it again after each step,
-        for generated tokens. ``num_published[rid]`` counts the request's leading blocks already
+        duplicate stays private, with no hash). The scheduler publishes a step's blocks as soon as it
+        has allocated them, while their K/V is still unwritten, so that a request it admits further
+        down the same plan can share them. Sharing that early is sound because the forward pass
+        goes layer by layer over the whole flattened batch, and in each layer every row's K/V is
+        stored before any row's attention runs. Should the forward pass raise, the engine withdraws
+        these entries (``unpublish_uncomputed``). After each step the engine calls this once more,
+        for the generated tokens. ``num_published[rid]`` counts the request's leading blocks already
         offered to the cache: start there, and raise it to the number of full blocks. Nothing to do
         when prefix caching is off or the request holds no blocks.
         """

@@ -124,10 +124,13 @@ class EngineCore:
             raise ValueError("sampler='full' is chapter 34's sampler, not part of this chapter; use 'simple'")
         backend = get_backend(config.attention_backend)
         num_blocks = config.num_blocks or self._size_pool(backend)
+        # Two views of one pool: the runner owns its tensors, the block manager its bookkeeping.
         self.runner = ModelRunner(self.flat, backend, num_blocks, config.block_size)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
-        self.scheduler.on_finish = self._on_finish
+        self.blocks = BlockManager(num_blocks=num_blocks, block_size=config.block_size,
+                                   enable_prefix_caching=config.enable_prefix_caching)
+        scheduler = Scheduler(config.scheduler_config(), block_manager=self.blocks)
+        scheduler.on_finish = self._on_finish  # a finished request's swapped K/V and generator go too
+        self.scheduler = scheduler
         self.generator = torch.Generator(device=self.flat.device).manual_seed(config.seed)
         self.sampler = sampler or SimpleSampler(self.generator)
         self.generators: dict[str, torch.Generator] = {}
@@ -306,12 +309,14 @@ class EngineCore:
         """
         plan = self.scheduler.schedule()
         try:
-            for req, blocks in plan.swap_out:
-                self.runner.swap_out(req, blocks)
-            for req, blocks in plan.swap_in:
-                self.runner.swap_in(req, blocks)
-            if plan.empty:
-                return []
+            # Host <-> pool copies come before the forward pass: it may overwrite the blocks a
+            # swap-out saves, and it reads the blocks a swap-in restores. Swap-outs run first.
+            copies = ((self.runner.swap_out, plan.swap_out), (self.runner.swap_in, plan.swap_in))
+            for copy, pairs in copies:
+                for req, blocks in pairs:
+                    copy(req, blocks)
+            if not plan.scheduled:
+                return []  # nothing to compute (every running request may have been preempted)
             batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)  # tables looked up by id
             logits = self.runner.execute(batch)  # [sample rows + prompt-logprob rows, V]
             sample_reqs = [req for (req, _), k in zip(plan.scheduled, batch.sample_counts) for _ in range(k)]

@@ -1,12 +1,13 @@
 """The scheduler: which requests compute how many tokens this step.
 
-Policy in four sentences. Running requests go first, in arrival order (or (priority, arrival)
-under the priority policy), each taking what it still needs within the step's token budget and
-the chunk cap; when the pool can't hold a running request's next tokens, the last running
-request — the newest, or the lowest priority — is preempted and the attempt retried. Waiting
-requests are admitted afterwards, in queue order, while budget, sequence slots and blocks last,
-and never in a step that preempted (the pool is evidently full), and never by preempting anyone.
-Its only output is a list of (request, n): compute the next n tokens of this request.
+The policy. Requests already running are served first, ranked by arrival (by priority, then
+arrival, under the priority policy); each is given the tokens it still lacks, as far as the step's
+token budget and the chunk cap allow. If the pool has no room for them, requests are preempted
+from the bottom of that ranking — the newest, or the least important — until there is. Only then
+are waiting requests admitted, front of the queue first, for as long as budget, sequence slots
+and free blocks allow; a step that had to preempt admits nobody (the pool is plainly full), and
+admission never preempts. What the step decides is a plan of pairs (request, n), each meaning:
+this step computes n more tokens of that request.
 """
 from __future__ import annotations
 
@@ -176,13 +177,14 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            while not self.blocks.allocate_slots(req, n):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            if req.status is not Status.RUNNING:
-                break  # it preempted itself: nothing after it can fit either
+            # No room: preempt from the end of ``running`` (the newest, or the lowest priority),
+            # which reaches ``req`` itself once everything ranked after it is gone.
+            fits = self.blocks.allocate_slots(req, n)
+            while not fits and req.status is Status.RUNNING:
+                self._preempt(self.running[-1], out)
+                fits = req.status is Status.RUNNING and self.blocks.allocate_slots(req, n)
+            if not fits:
+                break  # it preempted itself: nothing ranked after it can fit either
             self.blocks.cache_full_blocks(req, req.num_computed_tokens + n)
             out.scheduled.append((req, n))
             budget -= n
@@ -204,17 +206,16 @@ class Scheduler:
                 n = min(n, cfg.long_prefill_token_threshold)
             if not self.blocks.allocate_slots(req, n, cached):
                 break
-            self.waiting.pop(0)
-            if not req.admitted:
-                req.admitted = True
-                req.num_cached_tokens = num_cached
-            req.num_computed_tokens += num_cached
-            if req.swapped_out:
-                table = self.blocks.req_blocks[req.request_id]
-                out.swap_in.append((req, table[:self.blocks.blocks_for(req.num_computed_tokens)]))
-                req.swapped_out = False
+            del self.waiting[0]
             req.status = Status.RUNNING
             self._insert_sorted(self.running, req)
+            if not req.admitted:  # the first admission records what the prefix cache saved it
+                req.admitted, req.num_cached_tokens = True, num_cached
+            req.num_computed_tokens += num_cached
+            if req.swapped_out:  # its saved K/V goes back into the first blocks of its new table
+                num_saved = self.blocks.blocks_for(req.num_computed_tokens)
+                out.swap_in.append((req, self.blocks.req_blocks[req.request_id][:num_saved]))
+                req.swapped_out = False
             self.blocks.cache_full_blocks(req, req.num_computed_tokens + n)
             out.scheduled.append((req, n))
             budget -= n
@@ -223,25 +224,29 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Take a running request off the device. (Your engine: Chapter 31)
 
-        Remove it from ``running``. Recompute mode: forget its K/V (``num_computed_tokens = 0``);
-        readmission prefills prompt + output again, often from its own blocks in the prefix
-        cache. Swap mode (when it has computed tokens): list (request, its blocks covering the
-        computed tokens) in ``out.swap_out`` and set ``swapped_out`` — num_computed_tokens is kept.
-        Either way free its blocks, mark it PREEMPTED, count the preemption (the request's
-        ``num_preemptions`` and the scheduler's), record it in ``out.preempted``, and put it back at the FRONT of ``waiting`` (priority policy: at its
-        (priority, arrival) place, which is ahead of every later arrival of its priority).
+        It leaves ``running``, and what happens to its K/V depends on the mode. Under swap, and
+        only if it has computed tokens, the K/V is kept: append (request, the blocks that hold its
+        computed tokens) to ``out.swap_out``, set ``swapped_out``, and leave
+        ``num_computed_tokens`` alone. Otherwise (recompute) the K/V is given up:
+        ``num_computed_tokens = 0``, and when it is readmitted it prefills its prompt and outputs
+        anew, often straight from its own blocks, still in the prefix cache. In both modes: free
+        its blocks, set status PREEMPTED, add one to the request's ``num_preemptions`` and to the
+        scheduler's, append it to ``out.preempted``, and requeue it at the FRONT of ``waiting``
+        (under the priority policy, at its (priority, arrival) place instead, which puts it ahead
+        of every later arrival with the same priority).
         """
         self.running.remove(request)
-        if self.config.preemption_mode == "swap" and request.num_computed_tokens > 0:
-            table = self.blocks.req_blocks.get(request.request_id, [])
-            out.swap_out.append((request, list(table[:self.blocks.blocks_for(request.num_computed_tokens)])))
-            request.swapped_out = True
+        keep_kv = self.config.preemption_mode == "swap" and request.num_computed_tokens > 0
+        if keep_kv:  # the runner copies these blocks out before anything reuses them
+            held = self.blocks.req_blocks.get(request.request_id, [])
+            out.swap_out.append((request, held[:self.blocks.blocks_for(request.num_computed_tokens)]))
         else:
             request.num_computed_tokens = 0
+        request.swapped_out = keep_kv
         self.blocks.free(request)
         request.status = Status.PREEMPTED
-        request.num_preemptions += 1
         self.num_preemptions += 1
+        request.num_preemptions += 1
         out.preempted.append(request)
         if self.config.policy == "priority":
             self._insert_sorted(self.waiting, request)
