@@ -23,6 +23,7 @@ import torch
 
 from ch31_helpers import assert_same_tokens, model64, oracle, prompts, run_checked
 from engine.attention import causal_attention
+from engine.models import tiny_model
 from engine.rope import apply_rope, rope_cos_sin
 from engine.serve import (BlockManager, EngineConfig, EngineCore, FlatModel, ReferenceBackend, Request,
                           SamplingParams, Scheduler, SchedulerConfig, Status, build_batch, hash_block,
@@ -288,6 +289,17 @@ def test_flat_attention_writes_rotated_k_and_matches_plain_attention():
     assert torch.allclose(cache[1][2], v[:4]), 'the V pool holds v at the slots of the block table'
 
 
+@hole("FlatModel.attention")
+def test_flat_attention_uses_the_models_sliding_window():
+    model = tiny_model(seed=0, dtype=torch.float64, sliding_window=3)
+    prompt = prompts([13], seed=5)[0]
+    outs, _, _ = run_flat(model, prompt, [6, 7])
+    want = model(torch.tensor(prompt))
+    assert torch.allclose(torch.cat(outs), want, atol=1e-9), \
+        "with sliding_window=3 a query sees only the last 3 positions: pass window=self.cfg.sliding_window " \
+        "(and scale=attn.scale) to backend.forward"
+
+
 @hole("FlatModel.forward")
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
 def test_flat_forward_equals_the_models_own_forward(moe):
@@ -388,7 +400,10 @@ def test_find_cached_prefix_never_matches_the_block_of_the_last_token():
     bm = BlockManager(16, 4)
     published(bm, req("a", range(12)), 12)
     b = req("b", range(8))  # two full blocks, both cached
-    assert bm.find_cached_prefix(b) == bm.req_blocks["a"][:1], \
+    found = bm.find_cached_prefix(b)
+    assert len(b.block_hashes) == 2, \
+        "find_cached_prefix must first fill in request.block_hashes with self.update_hashes(request)"
+    assert found == bm.req_blocks["a"][:1], \
         "the block holding the prompt's last token must run: its logits choose the first output"
     assert bm.find_cached_prefix(req("c", range(9))) == bm.req_blocks["a"][:2], \
         '9 tokens: the last token is in block 2, so blocks 0 and 1 can match'
@@ -499,6 +514,8 @@ def test_cache_full_blocks_publishes_only_full_blocks():
     assert bm.allocate_slots(r, 10), '10 tokens need 3 blocks out of 8'
     bm.cache_full_blocks(r, 10)
     t = bm.req_blocks["r"]
+    assert len(r.block_hashes) == 2, \
+        "cache_full_blocks must first fill in request.block_hashes with self.update_hashes(request)"
     assert set(bm.cached.values()) == {t[0], t[1]}, "10 tokens: blocks 0 and 1 are full, block 2 is not"
     assert bm.block_hash[t[0]] == r.block_hashes[0] and bm.block_hash[t[2]] is None, \
         "block_hash of a published block is the request's hash of that position; the partial block has none"

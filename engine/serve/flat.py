@@ -58,7 +58,8 @@ class FlatModel:
         x: [N, D] (already normed). Project q, k, v and view them as [N, heads, head_dim]; apply
         Qwen3's per-head RMSNorm to q and k; rotate q and k by each row's own position (cos/sin
         [N, head_dim], computed once per step); write this step's k and v — AFTER RoPE — into the
-        pool; attend through the backend (which reads this step's K/V back from the pool); o_proj.
+        pool; attend through the backend (which reads this step's K/V back from the pool) with the
+        layer's ``attn.scale`` and the model's ``self.cfg.sliding_window``; o_proj.
         Returns [N, D].
         """
         raise NotImplementedError("FlatModel.attention is a hole: fill it in (Chapter 31, engine/serve/flat.py)")

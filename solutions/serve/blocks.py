@@ -173,7 +173,8 @@ class BlockManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Which cached blocks ``request`` may adopt, from its first block on. (Your engine: Chapter 31)
 
-        Walks ``request.block_hashes`` from the first block and stops at the first miss. Never
+        First brings ``request.block_hashes`` up to date (``self.update_hashes(request)``: nothing
+        else fills it in), then walks it from the first block and stops at the first miss. Never
         matches the block holding the request's LAST token — at most ``(num_tokens - 1) //
         block_size`` blocks — because that token's logits pick the next token, so at least one
         token must be computed. Returns [] when prefix caching is off or the request asks for
@@ -256,8 +257,9 @@ class BlockManager:
         """Publish ``request``'s full blocks among its first ``num_tokens`` tokens.
         (Your engine: Chapter 31)
 
-        ``num_tokens`` defaults to ``num_computed_tokens``. Each newly full block is entered in
-        ``cached`` under its hash — unless that hash is already cached (first writer wins; the
+        ``num_tokens`` defaults to ``num_computed_tokens``. The hashes come from
+        ``request.block_hashes``, brought up to date first with ``self.update_hashes(request)``.
+        Each newly full block is entered in ``cached`` under its hash — unless that hash is already cached (first writer wins; the
         duplicate stays private, with no hash). The scheduler publishes a step's blocks as soon as it
         has allocated them, while their K/V is still unwritten, so that a request it admits further
         down the same plan can share them. Sharing that early is sound because the forward pass
