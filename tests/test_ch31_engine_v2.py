@@ -379,7 +379,10 @@ def test_find_cached_prefix_stops_at_first_miss():
     a = req("a", range(12))
     published(bm, a, 12)
     b = req("b", list(range(8)) + [99, 99, 99, 99, 5])
-    assert bm.find_cached_prefix(b) == bm.req_blocks["a"][:2], \
+    found = bm.find_cached_prefix(b)
+    assert b.block_hashes, \
+        "find_cached_prefix must first fill in request.block_hashes with self.update_hashes(request)"
+    assert found == bm.req_blocks["a"][:2], \
         "a's first two blocks match b's; b's third block differs: stop there"
     c = req("c", [7, 7, 7, 7] + list(range(4, 13)))
     assert bm.find_cached_prefix(c) == [], "block 1 matches a's tokens but its parent differs: no match"
