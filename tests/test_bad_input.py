@@ -95,7 +95,7 @@ REQUEST_CASES = {
     "logprobs (full sampler)": Case(lambda core: core.add_request("a", PROMPT, SP(logprobs=2, temperature=0.0)), "leave logprobs=None"),
     "repetition penalty (full sampler)": Case(lambda core: core.add_request("a", PROMPT, SP(repetition_penalty=1.2, temperature=0.0)),
                                               "leave repetition_penalty=1.0"),
-    "seed negative": Case(_add("a", PROMPT, SP(seed=-2, temperature=0.5)), "seed"),  # -1 means None, as in vLLM
+    "seed negative": Case(lambda core: core.add_request("a", PROMPT, SP(seed=-2, temperature=0.5)), "seed"),  # -1: None
     "seed past 2**64": Case(lambda core: core.add_request("a", PROMPT, SP(seed=2**64, temperature=0.5)), "seed",
                             setup=_existing("b")),
     "children's seeds past 2**64": Case(lambda core: core.add_request("a", PROMPT, SP(seed=2**64 - 1, n=2, temperature=0.5)),

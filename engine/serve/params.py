@@ -28,8 +28,9 @@ from typing import Any
 # raised to MIN_TEMPERATURE with a warning, as vLLM does; at 0.01 a logit lead of 1 already makes the
 # runner-up e^-100 times less likely, so nothing a user could mean by "tinier" is lost.
 MIN_TEMPERATURE = 1e-2
-# torch.Generator.manual_seed takes [-2^63, 2^64 - 1]; child i of an n > 1 request uses seed + i.
-SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
+# torch.Generator seeds are 64-bit unsigned (manual_seed maps a negative s to 2^64 + s, so two
+# different seeds would share one stream): [0, 2^64 - 1]. Child i of an n > 1 request uses seed + i.
+SEED_MIN, SEED_MAX = 0, 2**64 - 1
 
 # field -> its neutral value: anything else needs chapter 34's full sampler.
 FULL_SAMPLER_FIELDS: dict[str, Any] = {

@@ -10,7 +10,7 @@ from torch import nn
 from engine.serve.attention import get_backend
 from engine.serve.blocks import BlockManager, encode_cache_key
 from engine.serve.flat import FlatModel
-from engine.serve.params import SamplingParams
+from engine.serve.params import SEED_MAX, SEED_MIN, SamplingParams
 from engine.serve.request import Request, Status
 from engine.serve.runner import ModelRunner
 from engine.serve.sampler import SimpleSampler
@@ -18,7 +18,6 @@ from engine.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.serve.sizing import kv_bytes_per_block, num_blocks_for_memory, profile_num_blocks
 
 SAMPLERS = ("simple", "full")
-SEED_LIMIT = 2**64  # torch.Generator seeds are 64-bit unsigned; a negative one aliases a large one
 
 
 @dataclass
@@ -62,7 +61,7 @@ class EngineConfig:
         for flag in ("enable_chunked_prefill", "enable_prefix_caching", "fuse_ops"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"EngineConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < SEED_LIMIT:
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"EngineConfig.seed must be an integer in [0, 2**64), got {self.seed!r}")
         if self.num_blocks is not None:
             positive("num_blocks")
@@ -211,7 +210,8 @@ class EngineCore:
         if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
             raise ValueError(f"request {request_id!r}: prompt_logprobs={params.prompt_logprobs} asks for more "
                              f"alternatives than the vocabulary has ({vocab})")
-        if params.seed is not None and not 0 <= params.seed <= SEED_LIMIT - params.n:
+        if params.seed is not None and not SEED_MIN <= params.seed <= SEED_MAX - (params.n - 1):
+            # SamplingParams checked this when it was built; it may have been changed since
             raise ValueError(f"request {request_id!r}: seed {params.seed} is outside [0, 2**64 - n]; child i of an "
                              "n > 1 request uses seed + i, and generator seeds are 64-bit unsigned")
         ids = [request_id] if params.n == 1 else [f"{request_id}:{i}" for i in range(params.n)]
