@@ -30,22 +30,22 @@ test-learner: $(STAMP)       ## the chapter's tests and engine checks against YO
 	$(PYTEST) -q --impl engine --timeout 120 $(LEARNER_TESTS)
 
 check: $(STAMP)              ## is engine/ exactly the skeleton generated from solutions/?
-	$(PY) -m tools.skeleton --check
+	$(PY) -m course.skeleton --check
 
 skeleton: $(STAMP)           ## regenerate engine/'s chapter files from solutions/ (keeps files with your work; FORCE=1: back up, then overwrite)
-	$(PY) -m tools.skeleton $(if $(FORCE),--force,)
+	$(PY) -m course.skeleton $(if $(FORCE),--force,)
 
 grade: $(STAMP)              ## grade checkouts hole by hole: make grade [CHECKOUT="path ..."] [FOLDER=dir]
 	$(PY) run.py grade $(CHECKOUT) $(if $(FOLDER),--folder $(FOLDER),)
 
 mutants: $(STAMP)            ## apply each named bug to the reference; the tests must kill every one
-	$(PY) -m tools.mutants
+	$(PY) -m course.mutants
 
 soak: $(STAMP)               ## 20,000 random engine operations with invariant checks after each
 	$(PY) scripts/soak.py --operations 20000
 
 notebooks: $(STAMP)          ## execute the chapter notebook: make notebooks [IMPL=engine] (default: the reference)
-	$(PY) -m tools.notebooks --impl $(IMPL)
+	$(PY) -m course.notebooks --impl $(IMPL)
 
 bench: $(STAMP)              ## engines side by side (chapter 24, core, fast backend, HF transformers)
 	$(PY) run.py bench

@@ -37,7 +37,7 @@ def _run_guarded(fn, argv: list[str]) -> int:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except NotImplementedError as exc:
-        from tools.skeleton import test_selector, unfilled_holes
+        from course.skeleton import test_selector, unfilled_holes
 
         left = unfilled_holes()
         lines = [f"Your engine is not finished yet: {exc}."]
@@ -53,9 +53,9 @@ def _run_guarded(fn, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"core": "engine.bench_core:core_main", "generate": "engine.cli_generate:generate_main",
-                "bench": "engine.bench:bench_main",
-                "bench-peers": "engine.bench_peers:peers_main", "grade": "tools.grade:grade_main"}
+    commands = {"core": "course.bench_core:core_main", "generate": "course.cli_generate:generate_main",
+                "bench": "course.bench:bench_main",
+                "bench-peers": "course.bench_peers:peers_main", "grade": "course.grade:grade_main"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if command != "grade":
         _set_impl(rest)
         if os.environ["ENGINE_IMPL"] == "engine":
-            from tools.skeleton import outside_hole_edits
+            from course.skeleton import outside_hole_edits
 
             for edit in outside_hole_edits():  # they run here as in the tests; no hole asks for them
                 print(f"note: your edit outside the holes: {edit}", file=sys.stderr)

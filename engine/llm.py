@@ -40,13 +40,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from engine.llm_compat import LLMEngineView, Metric, VllmExtras  # noqa: F401  (re-exported)
 from engine.llm_options import split_options
 from engine.output_processor import CompletionState
 from engine.outputs import (CompletionOutput, GenerationOutput, Logprob, RequestMetrics,  # noqa: F401
                             RequestOutput, StreamDelta)
-from engine.progress import ProgressBar
 from engine.prompts import PromptType, is_prompt_list, normalize_prompts, read_template, truncate_ids
 from engine.tokenizer import Message, Tokenizer
 
@@ -463,7 +463,10 @@ class LLM(VllmExtras):
     def _wait(self, batch: list[tuple[RequestOutput, list[CompletionState]]], use_tqdm: bool | None) -> list[RequestOutput]:
         """Step the core until every completion of ``batch`` is finished; the filled outputs."""
         try:
-            bar = ProgressBar(len(batch), use_tqdm)
+            # vLLM's bar: prompts done, and the output tokens' rate after the count.
+            bar = tqdm(total=len(batch), desc="Processed prompts", unit=" prompts", disable=not use_tqdm,
+                       dynamic_ncols=True, postfix="output 0 tok/s")
+            tokens = 0
             left = [len(states) for _, states in batch]
             pending = [(i, s) for i, (_, states) in enumerate(batch) for s in states]
             while pending:
@@ -471,7 +474,7 @@ class LLM(VllmExtras):
                     if all(not s.finished for _, s in pending):  # else another thread stepped for us
                         before = sum(len(s.token_ids) for _, s in pending)
                         self._step()
-                        bar.tokens += sum(len(s.token_ids) for _, s in pending) - before
+                        tokens += sum(len(s.token_ids) for _, s in pending) - before
                 still = []
                 for i, s in pending:
                     if not s.finished:
@@ -479,7 +482,9 @@ class LLM(VllmExtras):
                         continue
                     left[i] -= 1
                     if left[i] == 0:
-                        bar.advance()
+                        elapsed = bar.format_dict["elapsed"]
+                        bar.set_postfix_str(f"output {tokens / max(elapsed, 1e-9):,.0f} tok/s", refresh=False)
+                        bar.update(1)
                 pending = still
             bar.close()
         except BaseException:  # an error or Ctrl-C mid-batch: leave none of ours in the core

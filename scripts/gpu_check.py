@@ -46,8 +46,8 @@ def check_kernel(device: torch.device) -> list[dict]:
     from test_backends import CASES, random_paged_batch
 
     from engine.serve.attention import ReferenceBackend
-    from engine.serve.torch_attention import TorchBackend
-    from engine.serve.triton_attention import TritonBackend
+    from engine.serve.backends.torch_attention import TorchBackend
+    from engine.serve.backends.triton_attention import TritonBackend
 
     rows = []
     for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
@@ -132,8 +132,8 @@ def time_cuda(fn, iters: int = 50) -> float:
 
 
 def bandwidth(device: torch.device, quick: bool) -> list[dict]:
-    from engine.serve.torch_attention import TorchBackend
-    from engine.serve.triton_attention import TritonBackend
+    from engine.serve.backends.torch_attention import TorchBackend
+    from engine.serve.backends.triton_attention import TritonBackend
 
     rows = []
     shapes = ((64, 1024), (256, 512)) if quick else ((16, 4096), (64, 1024), (256, 512), (256, 2048))
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     report["engine_agrees"] = check_engine(device)
     report["bandwidth"] = bandwidth(device, args.quick)
     if not args.skip_bench:
-        from engine.bench import run_bench
+        from course.bench import run_bench
 
         model = qwen3_06b_shaped(device)
         print("[3] bench on a Qwen3-0.6B-shaped random model (bfloat16)")

@@ -59,9 +59,9 @@ def inductor_decode(q, k_pool, v_pool, tables, q_pos, scale):
 def attention(args) -> None:
     from engine.serve.attention import ReferenceBackend
     from engine.serve.batch import build_batch
-    from engine.serve.cpu_attention import CPUBackend
+    from engine.serve.backends.cpu_attention import CPUBackend
     from engine.serve.request import Request
-    from engine.serve.torch_attention import TorchBackend
+    from engine.serve.backends.torch_attention import TorchBackend
 
     r, bs, hq, hkv, d = args.requests, 16, 8, 4, 64
     width = -(-(args.context + 10) // bs)
@@ -94,7 +94,7 @@ def attention(args) -> None:
 
 
 def step(args) -> None:
-    from engine.bench import MODEL_PRESETS
+    from course.bench import MODEL_PRESETS
     from engine.models import tiny_model
     from engine.serve import EngineConfig, EngineCore, SamplingParams
 

@@ -9,9 +9,9 @@ recompute or swap, prefix caching on or off, max_num_seqs), then runs random ope
 add a request (prompts drawn from a few shared prefixes, n > 1, priorities, tenants' cache keys,
 greedy or sampled, seeded or not, stop tokens, min_tokens), abort one (waiting, mid-prefill,
 decoding, preempted, swapped, or an unknown id), step, reset the prefix cache, or run a step whose
-forward pass fails at a random layer (``engine.serve.faults``; ``--faults`` sets how often), perhaps
+forward pass fails at a random layer (``course.faults``; ``--faults`` sets how often), perhaps
 followed at once by an abort. After every step, failed ones included,
-the whole engine is checked (``engine.serve.invariants``). Every greedy request that finishes
+the whole engine is checked (``course.invariants``). Every greedy request that finishes
 normally must equal ``generate()`` on its prompt alone (cut where its stop rules say), every
 seeded sampled request must equal an independent token-by-token sampler with the same seed, and
 its streamed tokens must add up to its final output. Each episode ends by running to idle, where
@@ -132,7 +132,7 @@ class Soak:
             print("VIOLATION", self.violations[-1], flush=True)
 
     def check(self, core) -> bool:
-        from engine.serve.invariants import engine_violations
+        from course.invariants import engine_violations
 
         bad = engine_violations(core)
         for b in bad:
@@ -141,7 +141,7 @@ class Soak:
 
     def episode(self, num_ops: int) -> None:
         from engine.serve.engine import EngineCore
-        from engine.serve.invariants import idle_violations
+        from course.invariants import idle_violations
 
         self.episodes += 1
         cfg = self.random_config()
@@ -274,7 +274,7 @@ class Soak:
         """A step whose forward pass raises at a random layer (before or after that layer writes
         its K/V); half the time an abort follows at once. Nothing may be reported, and every later
         output must still match its oracle."""
-        from engine.serve.faults import PLACES, InjectedFault, forward_fault
+        from course.faults import PLACES, InjectedFault, forward_fault
 
         r, core = self.rng, self.core
         layer, where = r.randrange(core.model.cfg.num_hidden_layers), r.choice(PLACES)

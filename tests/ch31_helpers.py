@@ -61,7 +61,7 @@ def assert_same_tokens(got: list[int], want: list[int], request_id: str, prompt_
 def run_checked(core, after_step=None, max_steps: int = 5000) -> dict[str, list[int]]:
     """Step ``core`` until idle, checking every engine invariant after each step (and calling
     ``after_step(core)`` if given); returns the finished requests' output tokens by id."""
-    from engine.serve.invariants import check_engine_invariants
+    from course.invariants import check_engine_invariants
 
     out: dict[str, list[int]] = {}
     for _ in range(max_steps):

@@ -34,13 +34,13 @@ _MISSING = object()
 
 
 def skeleton_tool() -> types.ModuleType:
-    """tools/skeleton.py defines what a hole is; loaded by path (tests/ may run without the repo root
+    """course/skeleton.py defines what a hole is; loaded by path (tests/ may run without the repo root
     on sys.path)."""
-    return load_by_path("_ch31_skeleton_tool", "tools/skeleton.py")
+    return load_by_path("_ch31_skeleton_tool", "course/skeleton.py")
 
 
 def all_holes() -> list:
-    """Every hole of the chapter (``tools.skeleton.Hole``: qualname, file, lineno)."""
+    """Every hole of the chapter (``course.skeleton.Hole``: qualname, file, lineno)."""
     return skeleton_tool().all_holes()
 
 

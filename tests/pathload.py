@@ -1,4 +1,4 @@
-"""Load a repository file as a module by its path (tools/ and experiments/ are not packages the
+"""Load a repository file as a module by its path (course/ and experiments/ are not packages the
 tests import by name, and tests/ may run without the repository root on sys.path)."""
 from __future__ import annotations
 

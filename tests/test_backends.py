@@ -16,7 +16,7 @@ from engine.serve import EngineConfig, EngineCore, SamplingParams
 from engine.serve.attention import BACKENDS, ReferenceBackend, get_backend
 from engine.serve.batch import build_batch
 from engine.serve.request import Request
-from engine.serve.torch_attention import TorchBackend
+from engine.serve.backends.torch_attention import TorchBackend
 
 pytestmark = pytest.mark.given  # the backends are complete code; the reference holes serve as oracle
 
@@ -92,7 +92,7 @@ def test_torch_backend_matches_reference(seed, block_size, hq, hkv, window):
 def test_torch_backend_pure_decode(window, threads, monkeypatch):
     """A batch of decodes only (the common step) takes the no-gather path; padded, the general one.
     The cpu backend's kernel serves it in one call, or split over two threads."""
-    from engine.serve.cpu_attention import CPUBackend
+    from engine.serve.backends.cpu_attention import CPUBackend
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the kernel splits rows by torch's setting
     for pad in (0, 3):
@@ -274,7 +274,7 @@ def test_engine_with_cascade_attention_matches_generate():
 @pytest.mark.parametrize("seed,block_size,hq,hkv,window", CASES)
 def test_cpu_backend_matches_reference(seed, block_size, hq, hkv, window):
     """Mixed batches: decode rows through the kernel, multi-row requests through the tile path."""
-    from engine.serve.cpu_attention import CPUBackend
+    from engine.serve.backends.cpu_attention import CPUBackend
 
     q, cache, meta = random_paged_batch(seed, block_size, hq, hkv)
     want = ReferenceBackend().forward(q, cache, meta, window=window)
@@ -288,7 +288,7 @@ def test_cpu_backend_matches_reference(seed, block_size, hq, hkv, window):
 
 def test_cpu_backend_dtypes():
     """bfloat16 pools are read as bfloat16 (output bfloat16, close to the reference); float64 exact."""
-    from engine.serve.cpu_attention import CPUBackend
+    from engine.serve.backends.cpu_attention import CPUBackend
 
     q, cache, meta = random_paged_batch(12, 16, 4, 2, dtype=torch.bfloat16, decode_only=True)
     got = CPUBackend().forward(q, cache, meta)

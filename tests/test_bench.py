@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from engine.bench import bench_main, longest_request, make_workload
-from engine.workloads import ChatTurn, chat_workload, random_workload
+from course.bench import bench_main, longest_request, make_workload
+from course.workloads import ChatTurn, chat_workload, random_workload
 
 pytestmark = pytest.mark.given  # the bench drives the reference engine; no learner hole is graded here
 
@@ -57,7 +57,7 @@ def test_bench_runs_and_engines_agree(tmp_path, capsys):
 def test_scaling_point_keeps_every_request_running():
     """The scaling table must measure R requests decoding together, whatever the model's size:
     the point sizes its own pool, so a bigger model cannot turn R = 256 into a preempting run."""
-    from engine.bench import MODEL_PRESETS, scaling_point
+    from course.bench import MODEL_PRESETS, scaling_point
     from engine.models import tiny_model
 
     # Wide K/V per token (16 kv heads of 64), as a bigger model has: the memory-sized default pool
@@ -71,7 +71,7 @@ def test_scaling_point_keeps_every_request_running():
 def test_peer_runner_time_and_agreement(capsys):
     """A peer engine (another process) reports its own serve time, which the bench uses; the
     agreement column falls back to the fast core when core/reference does not run."""
-    from engine.bench import compare_engines, make_workload
+    from course.bench import compare_engines, make_workload
     from engine.models import tiny_model
 
     model = tiny_model(seed=0)
@@ -98,7 +98,7 @@ def test_peer_runner_time_and_agreement(capsys):
 
 def test_bench_peers_without_its_environment(tmp_path, monkeypatch, capsys):
     """bench-peers is optional: without .venv-peers it says how to make it and exits 2."""
-    import engine.bench_peers as bp
+    import course.bench_peers as bp
 
     monkeypatch.setattr(bp, "PEERS_VENV", tmp_path / "missing")
     assert bp.peers_main(["--dtypes", "float32", "--threads", "1"]) == 2

@@ -29,7 +29,7 @@ from engine.serve import (BlockManager, EngineConfig, EngineCore, FlatModel, Ref
                           SamplingParams, Scheduler, SchedulerConfig, Status, build_batch, hash_block,
                           write_kv)
 from engine.serve.batch import PAD_SLOT
-from engine.serve.invariants import InvariantError, check_idle
+from course.invariants import InvariantError, check_idle
 
 hole = pytest.mark.hole
 ROOT = Path(__file__).resolve().parent.parent

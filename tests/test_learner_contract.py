@@ -5,10 +5,10 @@ Maintainer checks, on engine/ as it is — they run on a pristine skeleton (a fr
 stand aside on a learner's checkout (some hole filled or helper added), because there engine/ is
 the learner's work, not the skeleton. Under CI (``CI=true``, as .ci/run runs) a non-pristine
 engine/ is an error instead.
-(a) engine/ is exactly the skeleton tools/skeleton.py generates from solutions/;
+(a) engine/ is exactly the skeleton course/skeleton.py generates from solutions/;
 (b) every signature in the reference is the same in engine/.
 Checks that never depend on the learner's files (they use a workspace: a temporary copy of this
-repository with chosen chapter files, ``tools.testrun.workspace``):
+repository with chosen chapter files, ``course.testrun.workspace``):
 (c) engine/ never imports solutions/;
 (d) on the fresh skeleton every hole's tests fail with THAT hole's NotImplementedError (no false
     pass on a fresh clone), every hole has tests, every test is of one hole, the milestone or given;
@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from learner_holes import all_holes, skeleton_tool
-from tools.testrun import CHAPTER_TESTS, reference_files, run_pytest, skeleton_files, workspace
+from course.testrun import CHAPTER_TESTS, reference_files, run_pytest, skeleton_files, workspace
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "solutions"
@@ -263,7 +263,7 @@ def test_holes_written_from_their_docstrings_pass(tmp_path):
 def test_grading_ignores_the_checkouts_tests_and_survives_a_hung_hole(tmp_path):
     import shutil
 
-    from tools.grade import grade
+    from course.grade import grade
 
     files = reference_files()
     body = "        p = request.params\n        num_output = request.num_output_tokens\n"

@@ -1,4 +1,4 @@
-"""Can the chapter's tests grade? Every named mutant (tools/mutants.py) must be killed.
+"""Can the chapter's tests grade? Every named mutant (course/mutants.py) must be killed.
 
 Each mutant is a realistic bug applied to the reference in a workspace's engine/ (a temporary copy
 of the repository; never the working tree), as a learner who made exactly that bug, and run against
@@ -9,7 +9,7 @@ tests cannot see that bug: strengthen tests/test_ch31_engine_v2.py (keep the mar
 from __future__ import annotations
 
 from learner_holes import all_holes
-from tools.mutants import MILESTONE_MUST_CATCH, MUTANTS, format_table, run_all
+from course.mutants import MILESTONE_MUST_CATCH, MUTANTS, format_table, run_all
 
 
 # Bugs that once passed every chapter test (issue 11): each must stay a named mutant.

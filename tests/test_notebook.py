@@ -14,15 +14,15 @@ pytestmark = pytest.mark.given  # the notebook runs the reference in its own ker
 
 
 def notebooks_tool():
-    """tools/notebooks.py, loaded by path (the repository root need not be on sys.path)."""
-    return load_by_path("_ch31_notebooks_tool", "tools/notebooks.py")
+    """course/notebooks.py, loaded by path (the repository root need not be on sys.path)."""
+    return load_by_path("_ch31_notebooks_tool", "course/notebooks.py")
 
 
 def test_notebook_is_stored_without_outputs():
     import nbformat
 
     assert not notebooks_tool().has_outputs(nbformat.read(NOTEBOOK, as_version=4)), \
-        "the stored notebook carries outputs; strip them with `python -m tools.notebooks --clean`"
+        "the stored notebook carries outputs; strip them with `python -m course.notebooks --clean`"
 
 
 def test_notebook_runs_top_to_bottom():

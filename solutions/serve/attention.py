@@ -105,9 +105,9 @@ class ReferenceBackend:
 # Backends by name. Faster ones live in their own modules and are imported only when asked for.
 BACKENDS: dict[str, str] = {
     "reference": "engine.serve.attention:ReferenceBackend",
-    "torch": "engine.serve.torch_attention:TorchBackend",
-    "triton": "engine.serve.triton_attention:TritonBackend",
-    "cpu": "engine.serve.cpu_attention:CPUBackend",
+    "torch": "engine.serve.backends.torch_attention:TorchBackend",
+    "triton": "engine.serve.backends.triton_attention:TritonBackend",
+    "cpu": "engine.serve.backends.cpu_attention:CPUBackend",
 }
 
 

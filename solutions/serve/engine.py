@@ -109,7 +109,7 @@ class EngineCore:
         self.model = model
         self.eos_token_id = eos_token_id
         if config.fuse_ops:
-            from engine.serve.fused import FusedFlatModel
+            from engine.serve.backends.fused import FusedFlatModel
 
             self.flat = FusedFlatModel(model)
         else:

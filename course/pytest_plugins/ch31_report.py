@@ -1,7 +1,7 @@
 """A pytest plugin that writes one JSON record per test: outcome, hole markers, failure line.
 
 The grader, the mutant runner and the contract tests run the chapter's tests in a subprocess with
-``-p ch31_report --report-json PATH`` (this folder on PYTHONPATH; see ``tools/testrun.py``) and
+``-p ch31_report --report-json PATH`` (this folder on PYTHONPATH; see ``course/testrun.py``) and
 read the file back. It imports nothing from the repository, so it works against any checkout.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Honest by construction: a checkout contributes ONLY its chapter files (engine/serve/batch.py,
 attention.py, flat.py, blocks.py, scheduler.py, engine.py). They are copied into a workspace — a
 temporary copy of THIS repository, the instructor's tests, conftest, tools and given code
-(``tools.testrun.workspace``) — and the tests run there under ``--impl engine``, whatever the
+(``course.testrun.workspace``) — and the tests run there under ``--impl engine``, whatever the
 learner did to their own tests/. A test that runs longer than ``--per-test-timeout`` fails alone
 (pytest-timeout); a test that kills the test process is counted failed and the rest run on.
 
@@ -31,8 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tools.skeleton import all_holes, outside_hole_edits, skeleton_of
-from tools.testrun import CHAPTER_TESTS, ROOT, TestRecord, TestRun, chapter_files, run_pytest, workspace
+from course.skeleton import all_holes, outside_hole_edits, skeleton_of
+from course.testrun import CHAPTER_TESTS, ROOT, TestRecord, TestRun, chapter_files, run_pytest, workspace
 
 PASS, PARTIAL, NOT_STARTED, FAIL, NO_TESTS = "pass", "partial", "not started", "fail", "no tests"
 ENGINE_CHECKS = ("tests/test_isolation.py", "tests/test_reliability.py")

@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 import torch
 
-from engine.bench import CoreRunner, RunResult, SlotRunner, Workload, run_workload
+from course.bench import CoreRunner, RunResult, SlotRunner, Workload, run_workload
 from engine.models import tiny_model
 from engine.serve import EngineConfig
-from engine.workloads import WorkItem, shared_prefix_workload
+from course.workloads import WorkItem, shared_prefix_workload
 
 
 def best_of(make_runner: Callable[[], object], work: list[WorkItem], repeat: int) -> RunResult:

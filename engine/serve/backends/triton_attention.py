@@ -43,7 +43,7 @@ class TritonBackend:
             raise ValueError(f"need prefill_tile_rows >= 1 and block_n a power of two >= {MIN_DOT}, "
                              f"got {prefill_tile_rows} and {block_n}")
         try:
-            from engine.serve import triton_paged_kernel
+            from engine.serve.backends import triton_paged_kernel
         except ImportError as exc:
             raise ImportError(f"the 'triton' attention backend needs Triton, which is not installed: "
                               f"{INSTALL_HINT} (or use attention_backend='torch')") from exc

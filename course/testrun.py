@@ -1,9 +1,9 @@
 """Run pytest in a subprocess and read back one record per test (outcome, hole markers, message).
 
-The grader (``tools/grade.py``), the mutant runner (``tools/mutants.py``) and the contract tests
+The grader (``course/grade.py``), the mutant runner (``course/mutants.py``) and the contract tests
 all need "which test of which hole passed, and if not, why" from a separate process — a separate
 process so that each run imports its own ``engine``. The records come from the plugin in
-``tools/pytest_plugins/ch31_report.py``.
+``course/pytest_plugins/ch31_report.py``.
 
 ``workspace(dst, hole_files)`` makes the one kind of test bed they all use: a copy of THIS
 repository (its tests, conftest, tools, reference and given code) whose chapter files under
@@ -34,7 +34,7 @@ _NOT_COPIED = shutil.ignore_patterns(".git", ".venv", "grades", "__pycache__", "
 
 def chapter_files() -> list[str]:
     """The chapter's files with holes, relative to engine/ ("serve/blocks.py", ...)."""
-    from tools.skeleton import SOLUTIONS, solution_files
+    from course.skeleton import SOLUTIONS, solution_files
 
     return [p.relative_to(SOLUTIONS).as_posix() for p in solution_files()]
 
@@ -54,7 +54,7 @@ def reference_files() -> dict[str, str]:
 
 def skeleton_files() -> dict[str, str]:
     """Every chapter file as the skeleton generator makes it from the reference (a fresh clone)."""
-    from tools.skeleton import skeleton_of
+    from course.skeleton import skeleton_of
 
     return {rel: skeleton_of(text, rel) for rel, text in reference_files().items()}
 # The chapter's tests use neither plugin; hypothesis alone costs ~1.5 s of start-up per run.

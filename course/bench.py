@@ -32,7 +32,7 @@ import torch
 
 from engine.serve import EngineConfig, EngineCore, SamplingParams
 from engine.serve.slots import SlotEngine
-from engine.workloads import ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload
+from course.workloads import ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload
 
 WORKLOADS = ("shared", "random", "chat")
 SCALING_POINTS = (16, 64, 256)
@@ -143,7 +143,7 @@ class HFRunner:
         self.steps = 0
 
     def serve(self, items: list[WorkItem]) -> dict[str, list[int]]:
-        from engine.hf_baseline import generate_static_batch
+        from course.hf_baseline import generate_static_batch
 
         out = {}
         for at in range(0, len(items), self.batch_size):
@@ -228,7 +228,7 @@ def compare_engines(model, workload: Workload, fast_backend: str, engines: list[
     own; with ``repeat`` > 1 each engine keeps its fastest run (timing noise only ever slows down).
     Repeats go round-robin (every engine once, then every engine again), so a slow spell of a
     shared machine lands on one run of each engine rather than on all runs of one. ``peers`` adds
-    engines by name (``engine.bench_peers``: vLLM in its own process). ``agrees`` compares with
+    engines by name (``course.bench_peers``: vLLM in its own process). ``agrees`` compares with
     core/reference, or core/<fast backend> when the reference does not run."""
     first = workload.rounds[0][0]
     warm = Workload("warm-up", [[WorkItem("warm", first.prompt_token_ids if isinstance(first, WorkItem)
@@ -420,7 +420,7 @@ def default_fast_backend(device: torch.device) -> str:
         except ImportError:
             return "torch"
     try:
-        from engine.serve.cpu_attention import load_kernel
+        from engine.serve.backends.cpu_attention import load_kernel
 
         load_kernel()
         return "cpu"
@@ -439,7 +439,7 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
     hf = None
     if "hf" in engines:
         try:
-            from engine.hf_baseline import to_hf
+            from course.hf_baseline import to_hf
 
             hf = to_hf(model)
         except ImportError as exc:

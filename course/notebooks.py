@@ -1,10 +1,10 @@
 """Execute the chapter notebooks, against the reference or against YOUR engine.
 
-    python -m tools.notebooks                   # run every notebook in notebooks/; save nothing
-    python -m tools.notebooks --impl engine     # the same on your engine/ (make notebooks IMPL=engine)
-    python -m tools.notebooks --save DIR        # also write the executed copies (with outputs) to DIR
-    python -m tools.notebooks --clean           # strip outputs from the stored notebooks, in place
-    python -m tools.notebooks --check-clean     # exit 1 if a stored notebook carries outputs
+    python -m course.notebooks                   # run every notebook in notebooks/; save nothing
+    python -m course.notebooks --impl engine     # the same on your engine/ (make notebooks IMPL=engine)
+    python -m course.notebooks --save DIR        # also write the executed copies (with outputs) to DIR
+    python -m course.notebooks --clean           # strip outputs from the stored notebooks, in place
+    python -m course.notebooks --check-clean     # exit 1 if a stored notebook carries outputs
 
 The stored notebooks are kept without outputs, so a change to the code shows up in a diff as a
 change to the code only. Each notebook runs in a fresh kernel started from this interpreter, in
@@ -82,7 +82,7 @@ def clean(path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.notebooks", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m course.notebooks", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="*", help="notebooks to run (default: every notebooks/*.ipynb)")
     ap.add_argument("--save", type=Path, default=None, help="write executed copies to this directory")
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             elif has_outputs(nbformat.read(path, as_version=4)):
                 dirty.append(path)
         for path in dirty:
-            print(f"{path.relative_to(ROOT)} carries outputs: run `python -m tools.notebooks --clean`")
+            print(f"{path.relative_to(ROOT)} carries outputs: run `python -m course.notebooks --clean`")
         return 1 if dirty else 0
 
     from nbclient.exceptions import CellExecutionError

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from engine.bench import (MODEL_PRESETS, WORKLOADS, CoreRunner, compare_engines, make_workload,
+from course.bench import (MODEL_PRESETS, WORKLOADS, CoreRunner, compare_engines, make_workload,
                           print_results, release_memory, scaling_point)
-from engine.workloads import WorkItem
+from course.workloads import WorkItem
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_VENV = ROOT / ".venv-peers"
@@ -54,7 +54,7 @@ def peers_python() -> Path:
 
 def export_checkpoint(model, dtype: torch.dtype, name: str) -> Path:
     """Save ``model`` in ``dtype`` as an HF checkpoint under bench_results/peers/ (reused when there)."""
-    from engine.hf_baseline import to_hf
+    from course.hf_baseline import to_hf
 
     path = RESULTS / "peers" / f"{name}-{str(dtype).removeprefix('torch.')}"
     if not (path / "model.safetensors").is_file():
@@ -244,7 +244,7 @@ def peers_main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    from engine.bench import default_fast_backend
+    from course.bench import default_fast_backend
 
     backend = args.backend or default_fast_backend(torch.device("cpu"))
     RESULTS.mkdir(exist_ok=True)

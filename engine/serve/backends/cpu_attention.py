@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from engine.serve.attention import KVCache
-from engine.serve.torch_attention import TorchBackend, _TileGroup
+from engine.serve.backends.torch_attention import TorchBackend, _TileGroup
 
 SOURCE = Path(__file__).with_name("cpu_paged_kernel.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17")

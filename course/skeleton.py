@@ -4,9 +4,9 @@ A hole is a function whose docstring contains ``HOLE_MARKER``. In the skeleton i
 signature stay and its body becomes one ``raise NotImplementedError(...)`` naming the hole, the
 chapter and the file. Everything else in the file is copied as it is.
 
-    python -m tools.skeleton          # write engine/ from solutions/ (never over a learner's work)
-    python -m tools.skeleton --check  # exit 1 if engine/ differs from what would be generated
-    python -m tools.skeleton --force  # overwrite even filled holes, after a backup in .skeleton-backup/
+    python -m course.skeleton          # write engine/ from solutions/ (never over a learner's work)
+    python -m course.skeleton --check  # exit 1 if engine/ differs from what would be generated
+    python -m course.skeleton --force  # overwrite even filled holes, after a backup in .skeleton-backup/
 
 A file that holds a learner's work (a filled hole or a helper of their own) is never overwritten
 without ``--force``, and then only after a copy is kept under ``.skeleton-backup/<time>/``.

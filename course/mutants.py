@@ -3,7 +3,7 @@
 A test suite that passes the reference says little until it FAILS on the mistakes learners
 actually make. Each mutant below is one exact text replacement in a ``solutions/`` file. It plays
 a learner who filled every hole exactly as the reference, except for this one bug: a workspace
-(``tools.testrun.workspace``, a temporary copy of the repository; the working tree is never
+(``course.testrun.workspace``, a temporary copy of the repository; the working tree is never
 touched) gets the reference files in engine/ with the mutant applied, and the chapter's tests run
 there in a subprocess under ``--impl engine`` — the learner's own route — restricted to the tests
 of the holes the bug lives in plus the milestone, hole tests first, stopping at the first failure.
@@ -15,9 +15,9 @@ A mutant is
 - stale: its text no longer matches the reference exactly once — update the mutant;
 - broken: the run errored before any test failed (e.g. the mutated file doesn't import).
 
-    python -m tools.mutants                 # all mutants, 2 workers; exit 1 unless all are killed
-    python -m tools.mutants --list          # names and descriptions
-    python -m tools.mutants slot-off-by-one-at-block-boundary eos-before-min-tokens
+    python -m course.mutants                 # all mutants, 2 workers; exit 1 unless all are killed
+    python -m course.mutants --list          # names and descriptions
+    python -m course.mutants slot-off-by-one-at-block-boundary eos-before-min-tokens
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.testrun import CHAPTER_TESTS, ROOT, reference_files, run_pytest, workspace
+from course.testrun import CHAPTER_TESTS, ROOT, reference_files, run_pytest, workspace
 
 SOLUTIONS = ROOT / "solutions"
 
@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     unknown = [n for n in args.names if n not in by_name]
     if unknown:
-        print(f"unknown mutant(s) {unknown}; `python -m tools.mutants --list` names them", file=sys.stderr)
+        print(f"unknown mutant(s) {unknown}; `python -m course.mutants --list` names them", file=sys.stderr)
         return 2
     chosen = [by_name[n] for n in args.names] if args.names else MUTANTS
     start = time.monotonic()

@@ -1,0 +1,7 @@
+"""The fast paths behind the chapter's seams: attention backends and the fused flat model.
+
+``get_backend(name)`` (in ``engine/serve/attention.py``) imports a backend from here by name:
+``torch_attention`` (vectorized, the default), ``cpu_attention`` (a C++ kernel that reads the pool
+in place), ``triton_attention`` (chapter 32, GPU). ``fused`` is ``EngineConfig(fuse_ops=True)``'s
+model. Each is tested against the chapter's ``ReferenceBackend`` / ``FlatModel``.
+"""
