@@ -68,11 +68,11 @@ class FlatModel:
 
         Embed the rows (``self.model.model.embed_tokens``); compute the RoPE tables ONCE for all N
         rows from their ``positions`` (``rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta,
-        dtype)``, shared by every layer); run the model's decoder loop
+        self.dtype)``, shared by every layer); run the model's decoder loop
         ``self.model.model.run_layers(hidden, cos, sin, attend)`` with an ``attend(layer_idx,
         attn, x, cos, sin)`` that is ``self.attention`` on layer ``layer_idx``'s pool
         ``kv_caches[layer_idx]``. The loop returns (hidden, residual) with the last residual add
-        still to do: finish with ``add_norm(hidden, residual, model.norm)`` (it returns
+        still to do: finish with ``add_norm(hidden, residual, self.model.model.norm)`` (it returns
         (norm(hidden + residual), hidden + residual)) and return the normed rows.
         """
         m = self.model.model
