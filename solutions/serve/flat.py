@@ -24,8 +24,8 @@ class FlatModel:
     """Runs a Qwen3-family model on N flat rows with K/V in a block pool."""
 
     def __init__(self, model: nn.Module) -> None:
-        if not hasattr(model, "cfg") or not hasattr(model, "model"):
-            raise ValueError("FlatModel wraps a Qwen3ForCausalLM-style model with .cfg and .model")
+        if not all(hasattr(model, a) for a in ("cfg", "model", "compute_logits")):
+            raise ValueError("FlatModel wraps a Qwen3ForCausalLM-style model: .cfg, .model, .compute_logits")
         self.model = model
         self.cfg = model.cfg
 
