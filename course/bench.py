@@ -267,43 +267,17 @@ def compare_engines(model, workload: Workload, fast_backend: str, engines: list[
 
 # ----- scaling and the step split -------------------------------------------------------------
 class _StepClock:
-    """Wraps a core's schedule / prepare / execute / sampler to time each part of ``step()``."""
+    """Seconds per part of ``step()``, summed over the steps since ``parts.clear()`` (an observer)."""
+
+    PARTS = {"schedule": "schedule", "prepare": "build", "execute": "forward", "sample": "sample"}
 
     def __init__(self, core: EngineCore) -> None:
         self.parts: dict[str, float] = {}
-        device = core.runner.device
-        # On a GPU the forward only launches kernels; wait for them so the split is honest.
-        self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-        self._wrap(core.scheduler, "schedule", "schedule")
-        self._wrap(core.runner, "prepare", "build")
-        self._wrap(core.runner, "execute", "forward")
-        sampler, clock = core.sampler, self
+        core.observe(self)
 
-        class TimedSampler:
-            def __call__(self, *args, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return sampler(*args, **kwargs)
-                finally:
-                    clock.parts["sample"] = clock.parts.get("sample", 0.0) + time.perf_counter() - start
-
-            def __getattr__(self, name):
-                return getattr(sampler, name)
-
-        core.sampler = TimedSampler()
-
-    def _wrap(self, obj, method: str, part: str) -> None:
-        fn = getattr(obj, method)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.sync()
-                self.parts[part] = self.parts.get(part, 0.0) + time.perf_counter() - start
-
-        setattr(obj, method, timed)
+    def __call__(self, phase: str, result, seconds: float) -> None:
+        part = self.PARTS[phase]
+        self.parts[part] = self.parts.get(part, 0.0) + seconds
 
 
 def scaling_point(model, backend: str, num_requests: int, steps: int = 20, prompt_len: int = 64,
