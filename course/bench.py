@@ -33,6 +33,7 @@ import torch
 from engine.serve import EngineConfig, EngineCore, SamplingParams
 from engine.serve.slots import SlotEngine
 from course.workloads import ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload
+from course.impl_switch import add_impl_argument
 
 WORKLOADS = ("shared", "random", "chat")
 SCALING_POINTS = (16, 64, 256)
@@ -473,8 +474,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--plot", default=None, metavar="PATH", help="also draw the results as a PNG (needs matplotlib)")
-    ap.add_argument("--impl", choices=("solution", "engine"), default="solution",
-                    help="'solution' runs the reference; 'engine' runs the holes you filled in")
+    add_impl_argument(ap)
     args = ap.parse_args(argv)
     workloads = [w for w in args.workloads.split(",") if w]
     engines = [e for e in args.engines.split(",") if e]
