@@ -7,8 +7,11 @@ PYTEST := $(PY) -m pytest
 IMPL   ?= solution
 # The chapter's tests plus the engine checks that run YOUR engine alone (isolation, state machines).
 LEARNER_TESTS := tests/test_ch31_engine_v2.py tests/test_isolation.py tests/test_reliability.py
+# The course's meta-tests (they test the tests and the tooling, not the engine): mutants, the learner-layer
+# contract (skeleton, grading, workspaces), notebook execution. `make test` runs everything else.
+COURSE_TESTS := tests/test_mutants.py tests/test_learner_contract.py tests/test_notebook.py
 
-.PHONY: setup run test test-learner check skeleton grade mutants soak notebooks test-triton gpu-check bench bench-peers clean
+.PHONY: setup run test test-course test-learner check skeleton grade mutants soak notebooks test-triton gpu-check bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -23,8 +26,11 @@ $(STAMP): pyproject.toml
 run: $(STAMP)                ## the chapter benchmark on the reference engine
 	$(PY) run.py core --requests 16
 
-test: $(STAMP)               ## the whole suite against the reference, plus the learner-layer contract checks
-	$(PYTEST) -q --impl solution tests
+test: $(STAMP)               ## the engine's and the chapter's tests against the reference (not COURSE_TESTS)
+	$(PYTEST) -q --impl solution tests $(addprefix --ignore=,$(COURSE_TESTS))
+
+test-course: $(STAMP)        ## the course's meta-tests: mutants, learner-layer contract, notebook execution
+	$(PYTEST) -q --impl solution $(COURSE_TESTS)
 
 test-learner: $(STAMP)       ## the chapter's tests and engine checks against YOUR engine (red until the holes are filled)
 	$(PYTEST) -q --impl engine --timeout 120 $(LEARNER_TESTS)

@@ -8,25 +8,9 @@
 """
 from __future__ import annotations
 
-import os
 import sys
 
-IMPL_HELP = ("which chapter-31 code to run: 'solution' (the reference in solutions/, default) or "
-             "'engine' (your engine/ with the holes you filled in)")
-
-
-def _set_impl(argv: list[str], default: str = "solution") -> None:
-    """Apply --impl before anything imports ``engine`` (the switch acts at import time)."""
-    impl = default
-    for i, arg in enumerate(argv):
-        if arg == "--impl" and i + 1 < len(argv):
-            impl = argv[i + 1]
-        elif arg.startswith("--impl="):
-            impl = arg.split("=", 1)[1]
-    if impl not in ("solution", "engine"):
-        print(f"error: --impl must be 'solution' or 'engine', got {impl!r}", file=sys.stderr)
-        sys.exit(2)
-    os.environ["ENGINE_IMPL"] = impl
+from course.impl_switch import apply_impl
 
 
 def _run_guarded(fn, argv: list[str]) -> int:
@@ -37,7 +21,7 @@ def _run_guarded(fn, argv: list[str]) -> int:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except NotImplementedError as exc:
-        from course.skeleton import test_selector, unfilled_holes
+        from course.skeleton import unfilled_holes
 
         left = unfilled_holes()
         lines = [f"Your engine is not finished yet: {exc}."]
@@ -45,7 +29,7 @@ def _run_guarded(fn, argv: list[str]) -> int:
             first = left[0]
             lines.append(f"{len(left)} hole(s) still raise NotImplementedError; the first to fill is "
                          f"{first.qualname} in {first.file} "
-                         f"(check it with: pytest tests/test_ch31_engine_v2.py -k {test_selector(first.qualname)}).")
+                         f"(check it with: pytest tests/test_ch31_engine_v2.py --hole {first.qualname}).")
         lines.append("Or pass --impl solution to run the reference.")
         print("\n".join(lines), file=sys.stderr)
         return 2
@@ -64,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command != "grade":
-        _set_impl(rest)
-        if os.environ["ENGINE_IMPL"] == "engine":
+        if apply_impl(rest, prog=f"run.py {command}") == "engine":
             from course.skeleton import outside_hole_edits
 
             for edit in outside_hole_edits():  # they run here as in the tests; no hole asks for them

@@ -33,6 +33,7 @@ import torch
 from engine.serve import EngineConfig, EngineCore, SamplingParams
 from engine.serve.slots import SlotEngine
 from course.workloads import ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload
+from course.impl_switch import add_impl_argument
 
 WORKLOADS = ("shared", "random", "chat")
 SCALING_POINTS = (16, 64, 256)
@@ -267,43 +268,17 @@ def compare_engines(model, workload: Workload, fast_backend: str, engines: list[
 
 # ----- scaling and the step split -------------------------------------------------------------
 class _StepClock:
-    """Wraps a core's schedule / prepare / execute / sampler to time each part of ``step()``."""
+    """Seconds per part of ``step()``, summed over the steps since ``parts.clear()`` (an observer)."""
+
+    PARTS = {"schedule": "schedule", "prepare": "build", "execute": "forward", "sample": "sample"}
 
     def __init__(self, core: EngineCore) -> None:
         self.parts: dict[str, float] = {}
-        device = core.runner.device
-        # On a GPU the forward only launches kernels; wait for them so the split is honest.
-        self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-        self._wrap(core.scheduler, "schedule", "schedule")
-        self._wrap(core.runner, "prepare", "build")
-        self._wrap(core.runner, "execute", "forward")
-        sampler, clock = core.sampler, self
+        core.observe(self)
 
-        class TimedSampler:
-            def __call__(self, *args, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return sampler(*args, **kwargs)
-                finally:
-                    clock.parts["sample"] = clock.parts.get("sample", 0.0) + time.perf_counter() - start
-
-            def __getattr__(self, name):
-                return getattr(sampler, name)
-
-        core.sampler = TimedSampler()
-
-    def _wrap(self, obj, method: str, part: str) -> None:
-        fn = getattr(obj, method)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.sync()
-                self.parts[part] = self.parts.get(part, 0.0) + time.perf_counter() - start
-
-        setattr(obj, method, timed)
+    def __call__(self, phase: str, result, seconds: float) -> None:
+        part = self.PARTS[phase]
+        self.parts[part] = self.parts.get(part, 0.0) + seconds
 
 
 def scaling_point(model, backend: str, num_requests: int, steps: int = 20, prompt_len: int = 64,
@@ -499,8 +474,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--plot", default=None, metavar="PATH", help="also draw the results as a PNG (needs matplotlib)")
-    ap.add_argument("--impl", choices=("solution", "engine"), default="solution",
-                    help="'solution' runs the reference; 'engine' runs the holes you filled in")
+    add_impl_argument(ap)
     args = ap.parse_args(argv)
     workloads = [w for w in args.workloads.split(",") if w]
     engines = [e for e in args.engines.split(",") if e]

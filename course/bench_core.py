@@ -21,6 +21,7 @@ from course.bench import CoreRunner, RunResult, SlotRunner, Workload, run_worklo
 from engine.models import tiny_model
 from engine.serve import EngineConfig
 from course.workloads import WorkItem, shared_prefix_workload
+from course.impl_switch import add_impl_argument
 
 
 def best_of(make_runner: Callable[[], object], work: list[WorkItem], repeat: int) -> RunResult:
@@ -42,8 +43,7 @@ def core_main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=16, help="how many requests share the system prompt (default 16)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the workload's random prompts and lengths (default 0)")
-    ap.add_argument("--impl", choices=("solution", "engine"), default="solution",
-                    help="'solution' runs the reference; 'engine' runs the holes you filled in")
+    add_impl_argument(ap)
     ap.add_argument("--model", default=None, help="an HF-format checkpoint directory instead of the test model")
     ap.add_argument("--backend", default=None, help="attention backend of the core runs (default: EngineConfig's)")
     ap.add_argument("--no-prefix-caching", action="store_true",

@@ -378,8 +378,8 @@ def run_mutant(mutant: Mutant, timeout: float = 600, milestone_only: bool = Fals
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
         bed = workspace(Path(tmp) / "repo", files)
         keyword = ["-k", f"({mutant.keyword}) or milestone"] if mutant.keyword else []
-        select = "milestone" if milestone_only else ",".join([*mutant.holes, "milestone"])
-        run = run_pytest(["-x", "-q", "--tb=line", "--impl", "engine", CHAPTER_TESTS, "--select-holes", select,
+        select = [f"--hole={h}" for h in ([] if milestone_only else mutant.holes)] + ["--hole=milestone"]
+        run = run_pytest(["-x", "-q", "--tb=line", "--impl", "engine", CHAPTER_TESTS, *select,
                           *([] if milestone_only else keyword)], cwd=bed, timeout=timeout, per_test_timeout=120)
     failed = run.first_failure()
     if failed is not None and failed.outcome == "failed":

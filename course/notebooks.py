@@ -3,7 +3,7 @@
     python -m course.notebooks                   # run every notebook in notebooks/; save nothing
     python -m course.notebooks --impl engine     # the same on your engine/ (make notebooks IMPL=engine)
     python -m course.notebooks --save DIR        # also write the executed copies (with outputs) to DIR
-    python -m course.notebooks --clean           # strip outputs from the stored notebooks, in place
+    python -m course.notebooks --clean           # strip outputs from the stored notebooks, in place (nbstripout)
     python -m course.notebooks --check-clean     # exit 1 if a stored notebook carries outputs
 
 The stored notebooks are kept without outputs, so a change to the code shows up in a diff as a
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,23 +63,12 @@ def execute(path: Path, timeout: int = 600, save_to: Path | None = None, impl: s
     return nb
 
 
-def has_outputs(nb) -> bool:
-    return any(cell.get("outputs") or cell.get("execution_count") for cell in nb.cells if cell.cell_type == "code")
-
-
-def clean(path: Path) -> bool:
-    """Strip outputs and execution counts in place; returns True if the file changed."""
-    import nbformat
-
-    nb = nbformat.read(path, as_version=4)
-    if not has_outputs(nb):
-        return False
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            cell.outputs = []
-            cell.execution_count = None
-    nbformat.write(nb, path)
-    return True
+def strip(paths: list[Path], verify: bool = False) -> int:
+    """nbstripout on ``paths``, in place (outputs, execution counts, volatile metadata; cell ids
+    are kept so that a diff shows code changes only). ``verify``: change nothing, and return 1 if
+    any notebook would change."""
+    cmd = [sys.executable, "-m", "nbstripout", "--keep-id", *(["--verify"] if verify else []), *map(str, paths)]
+    return subprocess.run(cmd, check=False).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,19 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     if not paths:
         print(f"no notebooks found under {NOTEBOOKS}", file=sys.stderr)
         return 1
-    if args.clean or args.check_clean:
-        import nbformat
-
-        dirty = []
-        for path in paths:
-            if args.clean:
-                if clean(path):
-                    print(f"cleaned {path.relative_to(ROOT)}")
-            elif has_outputs(nbformat.read(path, as_version=4)):
-                dirty.append(path)
-        for path in dirty:
-            print(f"{path.relative_to(ROOT)} carries outputs: run `python -m course.notebooks --clean`")
-        return 1 if dirty else 0
+    if args.clean:
+        return strip(paths)
+    if args.check_clean:
+        dirty = strip(paths, verify=True)
+        if dirty:
+            print("strip them with `python -m course.notebooks --clean`", file=sys.stderr)
+        return dirty
 
     from nbclient.exceptions import CellExecutionError
 
@@ -119,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             execute(path, args.timeout, args.save, args.impl)
         except CellExecutionError as exc:
             failed += 1
-            print(f"FAILED {path.relative_to(ROOT)}:\n{exc}", file=sys.stderr)
+            print(f"FAILED {os.path.relpath(path)}:\n{exc}", file=sys.stderr)
             continue
-        print(f"ok {path.relative_to(ROOT)} on {args.impl} ({time.perf_counter() - start:.1f} s)")
+        print(f"ok {os.path.relpath(path)} on {args.impl} ({time.perf_counter() - start:.1f} s)")
     return 1 if failed else 0
 
 

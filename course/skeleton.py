@@ -67,18 +67,6 @@ def all_holes() -> list[Hole]:
     return [h for p in solution_files() for h in holes_in(p)]
 
 
-# `pytest -k` selectors that pick exactly one hole's tests where the bare name would match others.
-_SELECTORS = {"ReferenceBackend.forward": "reference_forward", "FlatModel.attention": "flat_attention",
-              "FlatModel.forward": "flat_forward", "BlockManager.free": "test_free_",
-              "Scheduler.schedule": "test_schedule_", "Scheduler._preempt": "test_preempt_",
-              "EngineCore.step": "test_step_"}
-
-
-def test_selector(qualname: str) -> str:
-    """The ``pytest -k`` expression that selects this hole's tests in tests/test_ch31_engine_v2.py."""
-    return _SELECTORS.get(qualname, qualname.split(".")[-1])
-
-
 def _is_stub(fn: ast.FunctionDef) -> bool:
     body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
     return (len(body) == 1 and isinstance(body[0], ast.Raise) and isinstance(body[0].exc, ast.Call)

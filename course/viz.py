@@ -1,11 +1,11 @@
 """Pictures and step traces for the chapter notebooks (matplotlib is imported only when drawing).
 
-Nothing here changes how the engine behaves. ``StepTracer`` watches an ``EngineCore`` from the
-outside (it wraps the instance's ``scheduler.schedule`` to see each step's plan); the drawing
-functions read the public state of a ``Batch`` or a ``BlockManager``.
+Nothing here changes how the engine behaves. ``StepTracer`` watches an ``EngineCore`` through its
+observer hook (``core.observe``, which reports each step's plan); the drawing functions read the
+public state of a ``Batch`` or a ``BlockManager``.
 
     tracer = StepTracer(core)
-    core.run_until_done()
+    tracer.run_until_done()
     plot_trace(tracer.records)           # tokens per step and pool usage per step
     draw_pool(core.blocks)               # one square per block, coloured by state
 """
@@ -73,9 +73,9 @@ class StepRecord:
 class StepTracer:
     """Records a ``StepRecord`` for every step of ``core`` that schedules work.
 
-    It replaces ``core.scheduler.schedule`` on that one instance with a wrapper that keeps the
-    plan, and reads the pool after each ``core.step()`` through ``step()``. Subclasses add fields
-    by overriding ``on_plan`` (called right after scheduling) and ``on_step_done``.
+    It observes ``core`` (``core.observe``) to keep each step's plan, and reads the pool after each
+    ``core.step()`` made through ``step()``. Subclasses add fields by overriding ``on_plan``
+    (called right after scheduling) and ``on_step_done``.
     """
 
     def __init__(self, core: EngineCore) -> None:
@@ -84,18 +84,16 @@ class StepTracer:
         self._plan = None
         self._kinds: dict[str, int] = {}
         self._high: dict[str, int] = {}  # per request: most positions it ever had computed
-        schedule = core.scheduler.schedule
+        core.observe(self._observe)
 
-        def traced_schedule():
-            plan = schedule()
-            self._plan = plan
-            self._kinds = dict.fromkeys(KIND_COLOURS, 0)
-            for req, n in plan.scheduled:
-                self._classify(req, n)
-            self.on_plan(plan)
-            return plan
-
-        core.scheduler.schedule = traced_schedule
+    def _observe(self, phase: str, result: Any, seconds: float) -> None:
+        if phase != "schedule":
+            return
+        self._plan = result
+        self._kinds = dict.fromkeys(KIND_COLOURS, 0)
+        for req, n in result.scheduled:
+            self._classify(req, n)
+        self.on_plan(result)
 
     def _classify(self, req: Any, n: int) -> None:
         # Read right after scheduling: num_computed_tokens already includes a cached prefix, so

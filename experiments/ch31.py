@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -37,17 +36,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def _impl_from_argv(argv: list[str]) -> str:
-    for i, arg in enumerate(argv):
-        if arg == "--impl" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--impl="):
-            return arg.split("=", 1)[1]
-    return "solution"
-
+from course.impl_switch import add_impl_argument, apply_impl  # noqa: E402
 
 if __name__ == "__main__":  # the switch acts when ``engine`` is first imported, so before the imports
-    os.environ["ENGINE_IMPL"] = _impl_from_argv(sys.argv[1:])
+    apply_impl(sys.argv[1:], prog="experiments/ch31.py")
 
 import torch  # noqa: E402
 
@@ -780,8 +772,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("experiment", choices=("cache-stats", "recompute-vs-swap", "cache-aware", "radix"))
     ap.add_argument("--plot", default=None, help="save a figure to this path (PNG, SVG, PDF)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    ap.add_argument("--impl", choices=("solution", "engine"), default="solution",
-                    help="'solution' runs the reference, 'engine' the holes you filled in")
+    add_impl_argument(ap)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ap.add_argument("--model", default=None, help="an HF-format checkpoint directory instead of the test model")
     ap.add_argument("--device", default="cpu", help="where the model runs (default cpu)")

@@ -1,4 +1,8 @@
-"""Test-session set-up: the ``--impl`` switch, per-hole isolation, and what the header reports.
+"""Test-session set-up: the ``--impl`` switch, ``--hole`` selection, per-hole isolation, and the header.
+
+``--hole NAME`` (repeatable) runs exactly the tests marked ``hole(NAME)`` — NAME as the hole is
+named (``BlockManager.free``) or the part after the dot where that is unique (``free``) — and
+``--hole milestone`` the milestone; an unknown or ambiguous name is a usage error listing the holes.
 
 ``--impl solution`` runs the tests against the reference in ``solutions/``. The default,
 ``--impl engine``, tests YOUR engine: the session imports your ``engine/`` as it is, and for each
@@ -20,11 +24,16 @@ import sys
 import pytest
 
 _ISOLATION_KEY = pytest.StashKey()
+_HOLES_KEY = pytest.StashKey()  # --hole's names, resolved to full hole names
 
 
 def pytest_addoption(parser):
     parser.addoption("--impl", choices=("engine", "solution"), default=None,
                      help="which implementation of chapter 31's holes to test (default: engine, yours)")
+    parser.addoption("--hole", action="append", default=[], metavar="NAME",
+                     help="run only the tests of this hole (its name, e.g. BlockManager.allocate_slots, or the part "
+                          "after the dot where that is unique; 'milestone' for the milestone); repeat for several, "
+                          "run in the order given")
     parser.addoption("--triton-full", action="store_true", default=False,
                      help="Triton backend: every case and the engine end to end under the interpreter (slow)")
 
@@ -36,10 +45,44 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "milestone: the chapter's end-to-end milestone (all your holes together)")
     config.addinivalue_line("markers", "given: tests of code the chapter gives complete (none of your holes)")
     config.addinivalue_line("markers", "slow: longer tests")
+    if config.getoption("--hole"):
+        from learner_holes import all_holes  # tests/ is on sys.path
+
+        holes = [h.qualname for h in all_holes()]
+        config.stash[_HOLES_KEY] = [resolve_hole(name, holes) for name in config.getoption("--hole")]
     if impl == "engine":
-        from learner_holes import Isolation, import_learner_engine  # tests/ is on sys.path
+        from learner_holes import Isolation, import_learner_engine
 
         config.stash[_ISOLATION_KEY] = Isolation(import_learner_engine())
+
+
+def resolve_hole(name: str, holes: list[str]) -> str:
+    """``--hole`` NAME -> the hole's full name (or "milestone"); a usage error names the choices."""
+    if name in holes or name == "milestone":
+        return name
+    matches = [h for h in holes if h.rsplit(".", 1)[-1] == name]
+    if len(matches) == 1:
+        return matches[0]
+    why = f"is ambiguous ({' or '.join(matches)})" if matches else "is not a hole of chapter 31"
+    raise pytest.UsageError(f"--hole {name!r} {why}; choose one of: {', '.join(holes)}, milestone")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``--hole NAME ...``: keep the tests marked ``hole(NAME)`` (or ``milestone``), in the order the
+    names were given, and deselect the rest."""
+    wanted = config.stash.get(_HOLES_KEY, [])
+    if not wanted:
+        return
+
+    def rank(item) -> int | None:
+        marked = {m.args[0] for m in item.iter_markers("hole") if m.args}
+        if item.get_closest_marker("milestone") is not None:
+            marked.add("milestone")
+        return next((i for i, name in enumerate(wanted) if name in marked), None)
+
+    ranked = [(rank(item), i, item) for i, item in enumerate(items)]
+    config.hook.pytest_deselected(items=[item for r, _, item in ranked if r is None])
+    items[:] = [item for r, _, item in sorted((r, i, item) for r, i, item in ranked if r is not None)]
 
 
 def _warnings(isolation) -> list[str]:

@@ -11,7 +11,8 @@ Checks that never depend on the learner's files (they use a workspace: a tempora
 repository with chosen chapter files, ``course.testrun.workspace``):
 (c) engine/ never imports solutions/;
 (d) on the fresh skeleton every hole's tests fail with THAT hole's NotImplementedError (no false
-    pass on a fresh clone), every hole has tests, every test is of one hole, the milestone or given;
+    pass on a fresh clone), every hole has tests, every test is of one hole, the milestone or given,
+    and ``--hole NAME`` selects exactly that hole's tests;
 (e) with every hole filled with the reference, the tests pass the learner's way (--impl engine);
 (f) ``make skeleton`` keeps a file with filled holes or helpers (or, forced, backs it up first);
 (g) an edit outside the holes is reported, and the tests run it (one engine everywhere);
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,6 +136,21 @@ def test_every_chapter_test_is_of_one_hole_the_milestone_or_given(skeleton_run):
     tested = {name for t in skeleton_run.tests for name in t.holes}
     assert holes <= tested, f"holes without a single test: {sorted(holes - tested)}"
     assert any(t.milestone for t in skeleton_run.tests), "the milestone test is missing"
+
+
+def test_hole_option_selects_exactly_that_holes_tests(skeleton_run):
+    """``--hole free`` (the short name) runs the tests marked hole("BlockManager.free"), the whole
+    ``tests`` folder through; an ambiguous or unknown name is a usage error listing the holes."""
+    want = sorted(t.nodeid for t in skeleton_run.tests if "BlockManager.free" in t.holes)
+    got = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "--impl", "solution", "tests", "--hole", "free"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert want and sorted(line for line in got.stdout.splitlines() if "::" in line) == want, got.stdout[-2000:]
+    for name, why in (("forward", "is ambiguous (ReferenceBackend.forward or FlatModel.forward)"),
+                      ("frees", "is not a hole of chapter 31")):
+        bad = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", CHAPTER_TESTS, "--hole", name],
+                             cwd=ROOT, capture_output=True, text=True)
+        assert bad.returncode == pytest.ExitCode.USAGE_ERROR and f"--hole {name!r} {why}" in bad.stderr \
+            and "BlockManager.allocate_slots, " in bad.stderr, bad.stderr[-2000:]
 
 
 def test_skeleton_fails_every_hole_test_with_that_holes_NotImplementedError(skeleton_run):

@@ -772,4 +772,4 @@ def test_run_py_bad_impl_exits_2(capsys):
     with pytest.raises(SystemExit) as exit_:
         run.main(["generate", "--impl", "bogus"])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.startswith("error: --impl must be 'solution' or 'engine'")
+    assert "run.py generate: error: argument --impl: invalid choice: 'bogus'" in capsys.readouterr().err

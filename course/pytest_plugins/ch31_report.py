@@ -16,32 +16,6 @@ import pytest
 
 def pytest_addoption(parser):
     parser.addoption("--report-json", default=None, help="write per-test outcomes and markers to this JSON file")
-    parser.addoption("--select-holes", default=None,
-                     help="comma-separated hole names (and/or 'milestone'): run only those tests, holes first")
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(session, config, items):
-    """``--select-holes A,B,milestone``: keep the tests of those holes, in that order (so ``-x``
-    stops on the cheapest failure first), then the milestone if named."""
-    spec = config.getoption("--select-holes")
-    if not spec:
-        return
-    wanted = [s.strip() for s in spec.split(",") if s.strip()]
-
-    def rank(item) -> int | None:
-        holes = [m.args[0] for m in item.iter_markers("hole") if m.args]
-        for i, name in enumerate(wanted):
-            if name in holes or (name == "milestone" and item.get_closest_marker("milestone")):
-                return i
-        return None
-
-    keep = [(rank(item), i, item) for i, item in enumerate(items)]
-    selected = [item for r, _, item in sorted(k for k in keep if k[0] is not None)]
-    dropped = [item for r, _, item in keep if r is None]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-    items[:] = selected
 
 
 def pytest_configure(config):

@@ -10,6 +10,7 @@ from torch import nn
 from engine.serve.attention import get_backend
 from engine.serve.blocks import BlockManager, encode_cache_key
 from engine.serve.flat import FlatModel
+from engine.serve.observer import Observer, install as install_observer
 from engine.serve.params import SEED_MAX, SEED_MIN, SamplingParams
 from engine.serve.request import Request, Status
 from engine.serve.runner import ModelRunner
@@ -162,6 +163,12 @@ class EngineCore:
     @property
     def preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    def observe(self, observer: Observer) -> None:
+        """From the next step on, call ``observer(phase, result, seconds)`` after each of the step's
+        phases: "schedule" (the plan), "prepare" (the Batch), "execute" (the logits) and "sample"
+        (the tokens). See ``engine/serve/observer.py``; an engine never observed is not touched."""
+        install_observer(self, observer)
 
     # ----- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
