@@ -295,7 +295,8 @@ class EngineCore:
         The chapter's order:
         1. ``plan = self.scheduler.schedule()``.
         2. The runner's copies, before the forward pass: every ``plan.swap_out`` (request, blocks)
-           first, then every ``plan.swap_in``. If ``plan.scheduled`` is empty, return [] now.
+           first, then every ``plan.swap_in``. If ``plan.scheduled`` is empty, return [] now
+           (no forward pass: the step is not counted).
         3. ``batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)``.
         4. ``logits = self.runner.execute(batch)``: the sample rows first, then the prompt-logprob
            rows.
@@ -306,17 +307,19 @@ class EngineCore:
            gives each request's prompt-logprob entries of this step.
         6. Update each scheduled (request, n), in plan order: advance ``num_computed_tokens`` by n;
            append its sampled token, if it had a sample row; if ``params.prompt_logprobs`` is set,
-           write its entries into ``request.prompt_logprobs`` (entry i scores prompt token i + 1)
-           from index c on, c being ``num_computed_tokens`` before this step — replacing the
-           entries a recompute preemption made stale; publish its newly full blocks
-           (``self.blocks.cache_full_blocks``); check a request that got a token for stop
-           (``check_stop``) and finish one that stopped in the scheduler at once (freeing its
-           blocks). Report, with ``self._output(request, new_tokens)``, each request that produced
-           a token or finished (a mid-prompt chunk reports nothing); return those outputs.
+           write its entries into the list ``request.prompt_logprobs`` (None before the first;
+           entry i scores prompt token i + 1) from index c on, c being ``num_computed_tokens``
+           before this step — replacing the entries a recompute preemption made stale; publish
+           its newly full blocks (``self.blocks.cache_full_blocks``); check a request that got a
+           token for stop (``check_stop``) and finish one that stopped in the scheduler at once
+           (freeing its blocks). Report, with ``self._output(request, new_tokens)``, each request
+           that produced a token or finished (a mid-prompt chunk reports nothing); return those
+           outputs.
 
-        If anything in steps 2-5 raises (the forward pass ran out of memory, Ctrl-C), call
-        ``self.recover_failed_step(plan)`` before letting the exception propagate, and count no
-        step; otherwise ``self.steps += 1``. The engine must be left as if a failed step never ran.
+        If anything in steps 2-5 raises (any BaseException: the forward pass ran out of memory,
+        Ctrl-C), call ``self.recover_failed_step(plan)`` before letting the exception propagate,
+        and count no step; otherwise ``self.steps += 1`` before step 6. The engine must be left
+        as if a failed step never ran.
         """
         plan = self.scheduler.schedule()
         try:
