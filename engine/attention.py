@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from engine.precision import work_dtype
+
 
 def causal_attention(
     q: torch.Tensor,
@@ -42,7 +44,7 @@ def causal_attention(
         k_pos = torch.arange(tk, device=q.device)
     if q_pos is None:
         q_pos = torch.arange(tk - tq, tk, device=q.device)
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    work = work_dtype(q.dtype)
     group = hq // hkv
     kf = k.to(work).repeat_interleave(group, dim=1)  # [Tk, Hq, D]
     vf = v.to(work).repeat_interleave(group, dim=1)  # [Tk, Hq, D]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.precision import work_dtype
+
 
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
@@ -12,7 +14,7 @@ def rope_cos_sin(
     Angles are computed in float32 (float64 for float64 models) and cast to ``dtype``; computing
     them once per step for all N rows is what lets every layer reuse them.
     """
-    work = torch.float64 if dtype == torch.float64 else torch.float32
+    work = work_dtype(dtype)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=work) / head_dim))
     freqs = positions.to(work)[:, None] * inv_freq[None, :]  # [N, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [N, D]

@@ -18,6 +18,23 @@ flat_k.index_copy_(0, where, k.to(flat_k.dtype))
 flat_v.index_copy_(0, where, v.to(flat_v.dtype))
 """,
     },
+    "serve/flat.py": {
+        "FlatModel.attention": """
+q, k, v = attn.qkv(x, cos, sin)
+backend.write(kv_cache, k, v, meta)
+out = backend.forward(q, kv_cache, meta, scale=attn.scale, window=self.cfg.sliding_window)
+return attn.o_proj(out.flatten(1))
+""",
+        "FlatModel.forward": """
+layers = self.model.model
+h = layers.embed_tokens(input_ids)
+cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.dtype)
+h, res = layers.run_layers(h, cos, sin, lambda i, attn, x, c, s: self.attention(
+    attn, x, c, s, kv_caches[i], meta, backend))
+normed, _ = add_norm(h, res, layers.norm)
+return normed
+""",
+    },
     "serve/blocks.py": {
         "hash_block": """
 import struct

@@ -4,50 +4,30 @@
 ``...self_attn.{q,k}_norm``, ``...mlp.{gate,up,down}_proj``, ``...input_layernorm``,
 ``...post_attention_layernorm``, ``model.norm`` and ``lm_head`` (tied to the embedding when
 ``cfg.tie_word_embeddings``), so an HF state dict loads as it is. Its own ``forward`` runs ONE
-sequence with plain causal attention and no cache: it serves ``generate()``, the oracle. Serving
-engines (chapters 24 and 31) drive the same modules their own way.
+sequence with plain causal attention and no cache: it serves ``generate()``, the oracle.
+
+The decoder loop is written once, ``Qwen3Model.run_layers``; whoever drives the model passes its
+own attention (an ``Attend`` callback). ``forward`` passes plain causal attention; chapter 24's
+slots and chapter 31's ``FlatModel`` pass attention over their caches. The LM head's dtype rule is
+``compute_logits``, also written once. RMSNorm, the MLP and ``add_norm`` live in
+``engine.models.layers`` and the MoE block in ``engine.models.sparse_moe`` (both re-exported here).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import causal_attention
 from engine.models.config import Qwen3Config
+from engine.models.layers import Qwen3MLP, RMSNorm, add_norm
+from engine.models.sparse_moe import Qwen3MoeSparseMoeBlock
+from engine.precision import work_dtype
 from engine.rope import apply_rope, rope_cos_sin
 
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, normalised in float32 (float64 stays float64), as HF computes it."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype in (torch.float32, torch.float64):
-            # Same arithmetic as below, as one fused op: this norm runs four times per layer, and
-            # on small batches each extra elementwise op costs more than the math.
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        work = torch.float32  # 16-bit inputs: normalise in float32, scale after casting back (as HF)
-        h = x.to(work)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-class Qwen3MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+__all__ = ["Attend", "Qwen3Attention", "Qwen3DecoderLayer", "Qwen3ForCausalLM", "Qwen3MLP", "Qwen3Model",
+           "RMSNorm", "add_norm"]
 
 
 class Qwen3Attention(nn.Module):
@@ -80,13 +60,16 @@ class Qwen3DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Qwen3Attention(cfg)
         if cfg.is_sparse_layer(layer_idx):
-            from engine.models.qwen3_moe import Qwen3MoeSparseMoeBlock
-
             self.mlp: nn.Module = Qwen3MoeSparseMoeBlock(cfg)
         else:
             self.mlp = Qwen3MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+# attend(layer_idx, attn, x, cos, sin) -> [N, D]: one layer's attention on normed rows x [N, D],
+# o_proj included; how K/V are stored and which keys each row sees is the caller's business.
+Attend = Callable[[int, Qwen3Attention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Qwen3Model(nn.Module):
@@ -95,6 +78,25 @@ class Qwen3Model(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def run_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder stack on rows: embedded hidden [N, D] -> (hidden, residual), each [N, D].
+
+        Per layer: h = h + attend(i, self_attn, input_layernorm(h), cos, sin); h = h +
+        mlp(post_attention_layernorm(h)), each residual add fused with the norm after it through
+        ``add_norm``. The last layer's residual add is left to the caller's final norm:
+        ``add_norm(hidden, residual, self.norm)``. cos/sin [N, head_dim] are passed through to
+        ``attend`` unchanged; every other operation here acts on each row alone. This one loop
+        serves ``generate()``'s forward, chapter 24's slots and chapter 31's flat model.
+        """
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = add_norm(hidden, residual, layer.input_layernorm)
+            hidden = attend(i, layer.self_attn, x, cos, sin)
+            x, residual = add_norm(hidden, residual, layer.post_attention_layernorm)
+            hidden = layer.mlp(x)
+        return hidden, residual
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -113,18 +115,22 @@ class Qwen3ForCausalLM(nn.Module):
         float64). Positions are 0..T-1."""
         if input_ids.dim() != 1:
             raise ValueError(f"forward takes one sequence of shape [T], got {tuple(input_ids.shape)}")
-        cfg = self.cfg
+        cfg, m = self.cfg, self.model
         pos = torch.arange(input_ids.shape[0], device=input_ids.device)
-        h = self.model.embed_tokens(input_ids)  # [T, D]
-        cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, h.dtype)
-        for layer in self.model.layers:
-            attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)
+        h = m.embed_tokens(input_ids)  # [T, D]
+        cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, h.dtype)  # [T, Dh] each
+
+        def attend(i: int, attn: Qwen3Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+            q, k, v = attn.qkv(x, cos, sin)
             o = causal_attention(q, k, v, pos, pos, scale=attn.scale, window=cfg.sliding_window)
-            h = h + attn.o_proj(o.reshape(o.shape[0], -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = self.model.norm(h)
-        # The LM head runs in the model's dtype and only its output is widened: upcasting the
-        # [V, D] weight instead would copy the model's largest matrix on every call.
-        work = torch.float64 if h.dtype == torch.float64 else torch.float32
-        return self.lm_head(h).to(work)
+            return attn.o_proj(o.reshape(o.shape[0], -1))  # [T, Hq * Dh] -> [T, D]
+
+        h, residual = m.run_layers(h, cos, sin, attend)
+        h, _ = add_norm(h, residual, m.norm)
+        return self.compute_logits(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: hidden [M, D] -> logits [M, V] in ``work_dtype`` (float32; float64 models
+        stay float64). The matmul runs in the model's dtype and only the logits are widened:
+        upcasting the [V, D] weight instead would copy the model's largest matrix on every call."""
+        return self.lm_head(hidden).to(work_dtype(hidden.dtype))

@@ -2,37 +2,31 @@
 """FlatModel: an already loaded Qwen3 / Qwen3-MoE, run on the flattened batch's rows.
 
 Nothing is copied or renamed: FlatModel drives the model's own modules (projections, norms, MLP
-or MoE block, LM head) on ``[N, ...]`` rows that may belong to many requests. Only attention
-looks at request boundaries, through ``BatchMeta`` and an attention backend.
+or MoE block, LM head) on ``[N, ...]`` rows that may belong to many requests, through the model's
+own decoder loop (``Qwen3Model.run_layers``, the loop ``generate()`` runs too). Only attention
+looks at request boundaries, through ``BatchMeta`` and an attention backend: it is the one piece
+FlatModel hands the loop. ``add_norm`` (residual add + norm, the seam a later chapter fuses) lives
+in ``engine.models.layers`` and is re-exported here.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.rope import apply_rope, rope_cos_sin
+from engine.models.layers import add_norm
+from engine.rope import rope_cos_sin
 from engine.serve.attention import AttentionBackend, KVCache
 from engine.serve.batch import BatchMeta
 
-
-def add_norm(hidden: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add then RMSNorm: returns (norm(hidden + residual), hidden + residual).
-
-    One helper so that a later chapter can fuse the two into one kernel. ``residual=None`` at the
-    first layer means there is nothing to add yet.
-    """
-    if residual is not None:
-        hidden = hidden + residual
-    return norm(hidden), hidden
+__all__ = ["FlatModel", "add_norm"]
 
 
 class FlatModel:
     """Runs a Qwen3-family model on N flat rows with K/V in a block pool."""
 
     def __init__(self, model: nn.Module) -> None:
-        if not hasattr(model, "cfg") or not hasattr(model, "model"):
-            raise ValueError("FlatModel wraps a Qwen3ForCausalLM-style model with .cfg and .model")
+        if not all(hasattr(model, a) for a in ("cfg", "model", "compute_logits")):
+            raise ValueError("FlatModel wraps a Qwen3ForCausalLM-style model: .cfg, .model, .compute_logits")
         self.model = model
         self.cfg = model.cfg
 
@@ -55,12 +49,13 @@ class FlatModel:
                   kv_cache: KVCache, meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
         """One layer's attention on the flat rows. (Your engine: Chapter 31)
 
-        x: [N, D] (already normed). Project q, k, v and view them as [N, heads, head_dim]; apply
-        Qwen3's per-head RMSNorm to q and k; rotate q and k by each row's own position (cos/sin
-        [N, head_dim], computed once per step); write this step's k and v — AFTER RoPE — into the
-        pool; attend through the backend (which reads this step's K/V back from the pool) with the
-        layer's ``attn.scale`` and the model's ``self.cfg.sliding_window``; o_proj.
-        Returns [N, D].
+        x: [N, D] (already normed); cos/sin [N, head_dim], computed once per step. ``attn.qkv(x,
+        cos, sin)`` gives q [N, Hq, Dh] and k, v [N, Hkv, Dh], with Qwen3's per-head RMSNorm and
+        RoPE by each row's own position already applied to q and k. Write this step's k and v —
+        AFTER RoPE, as they come out of ``qkv`` — into the pool FIRST; then attend through the
+        backend (which reads this step's K/V back from the pool) with the layer's ``attn.scale``
+        and the model's ``self.cfg.sliding_window``; then ``attn.o_proj`` on the [N, Hq * Dh]
+        output. Returns [N, D].
         """
         raise NotImplementedError("FlatModel.attention is a hole: fill it in (Chapter 31, engine/serve/flat.py)")
 
@@ -69,17 +64,21 @@ class FlatModel:
         """The whole model on the flat batch: input_ids, positions [N] -> final hidden [N, D].
         (Your engine: Chapter 31)
 
-        RoPE tables are computed once for all N positions and shared by every layer. Each layer:
-        h = h + attention(input_layernorm(h)); h = h + mlp(post_attention_layernorm(h)), written
-        with ``add_norm`` so the residual add and the following norm are one call; the final
-        ``model.norm`` is applied before returning. The MLP (dense or MoE) already works on rows.
+        Embed the rows (``self.model.model.embed_tokens``); compute the RoPE tables ONCE for all N
+        rows from their ``positions`` (``rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta,
+        self.dtype)``, shared by every layer); run the model's decoder loop
+        ``self.model.model.run_layers(hidden, cos, sin, attend)`` with an ``attend(layer_idx,
+        attn, x, cos, sin)`` that is ``self.attention`` on layer ``layer_idx``'s pool
+        ``kv_caches[layer_idx]``. The loop returns (hidden, residual) with the last residual add
+        still to do: finish with ``add_norm(hidden, residual, self.model.model.norm)`` (it returns
+        (norm(hidden + residual), hidden + residual)) and return the normed rows.
         """
         raise NotImplementedError("FlatModel.forward is a hole: fill it in (Chapter 31, engine/serve/flat.py)")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on the rows the sampler needs only: hidden [M, D] -> logits [M, V], in float32
         (float64 for a float64 model). A 2,000-token prefill sends one row through here, not 2,000.
-        The matmul runs in the model's dtype and only the logits are widened (upcasting the [V, D]
-        weight instead would copy the model's largest matrix every step)."""
-        work = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        return self.model.lm_head(hidden).to(work)
+        The model's own ``compute_logits``: the matmul runs in the model's dtype and only the
+        logits are widened (upcasting the [V, D] weight instead would copy the model's largest
+        matrix every step)."""
+        return self.model.compute_logits(hidden)

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import causal_attention
+from engine.models.layers import add_norm
+from engine.precision import work_dtype
 from engine.rope import rope_cos_sin
 from engine.sampling import sample_token
 
@@ -115,7 +117,7 @@ def _decode_attention(
     b, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    work = work_dtype(q.dtype)
     # Query head h reads kv head h // group, so split the query heads as [Hkv, group].
     qg = q.to(work).view(b, hkv, group, d)  # [B, Hkv, G, D]
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k.to(work)) * scale  # [B, Hkv, G, L]
@@ -333,25 +335,20 @@ class SlotEngine:
 
     # ------------------------------------------------------------------ model passes
     def _run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """The decoder stack of ``Qwen3ForCausalLM.forward`` on rows [N]; ``attend(layer_idx, q,
+        """The model's decoder loop (``Qwen3Model.run_layers``) on rows [N]; ``attend(layer_idx, q,
         k, v)`` stores this pass's K/V and returns the attention output [N, Hq, Dh]. Returns the
         final-normed hidden states [N, D]."""
-        cfg = self.cfg
-        h = self.model.model.embed_tokens(input_ids)  # [N, D]
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, h.dtype)  # [N, Dh] each
-        for i, layer in enumerate(self.model.model.layers):
-            attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)  # [N, Hq, Dh], [N, Hkv, Dh] x2
-            o = attend(i, q, k, v)  # [N, Hq, Dh]
-            h = h + attn.o_proj(o.reshape(o.shape[0], -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        self.forward_calls += 1
-        return self.model.model.norm(h)
+        m = self.model.model
+        h = m.embed_tokens(input_ids)  # [N, D]
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)  # [N, Dh] each
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """LM head on the rows that sample, in float32 (float64 models stay float64): [R, V]."""
-        work = torch.float64 if h.dtype == torch.float64 else torch.float32
-        return self.model.lm_head(h).to(work)  # the head in the model's dtype; only logits widened
+        def attention(i: int, attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+            o = attend(i, *attn.qkv(x, cos, sin))  # q [N, Hq, Dh], k and v [N, Hkv, Dh] -> [N, Hq, Dh]
+            return attn.o_proj(o.reshape(o.shape[0], -1))
+
+        h, residual = m.run_layers(h, cos, sin, attention)
+        self.forward_calls += 1
+        return add_norm(h, residual, m.norm)[0]
 
     def _prefill(self, req: _SlotRequest, c: int, n: int) -> torch.Tensor | None:
         """Compute prompt positions c..c+n-1 of one request in its own pass. Returns the logits
@@ -373,7 +370,7 @@ class SlotEngine:
         h = self._run_layers(ids, pos, attend)  # [n, D]
         if c + n < req.num_prompt_tokens:
             return None
-        return self._logits(h[-1:])[0]
+        return self.model.compute_logits(h[-1:])[0]
 
     def _decode(self, reqs: list[_SlotRequest]) -> torch.Tensor:
         """One pass for every decoding request: each feeds its newest token. Returns [B, V]."""
@@ -393,4 +390,4 @@ class SlotEngine:
                                      self.cfg.sliding_window)
 
         h = self._run_layers(ids, pos, attend)  # [B, D]
-        return self._logits(h)
+        return self.model.compute_logits(h)
