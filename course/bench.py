@@ -289,7 +289,7 @@ def scaling_point(model, backend: str, num_requests: int, steps: int = 20, promp
     release_memory()
     # A pool that holds every request to the end: the point measures R requests decoding, not a
     # preempting scheduler (a memory-sized default pool is too small for R = 256 on bigger models).
-    bs = EngineConfig.block_size
+    bs = EngineConfig().block_size
     num_blocks = num_requests * -(-(prompt_len + steps + 8) // bs) + 1
     core = EngineCore(model, EngineConfig(attention_backend=backend, max_num_seqs=max(256, num_requests),
                                           max_num_batched_tokens=max(2048, num_requests), num_blocks=num_blocks,

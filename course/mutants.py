@@ -223,8 +223,8 @@ MUTANTS: list[Mutant] = [
            "        if rid not in self.num_published:\n            self.num_published[rid] = 0",
            "adopted blocks are not counted as published in num_published"),
     Mutant("prompt-logprobs-duplicated-after-recompute", "serve/engine.py", ("EngineCore.step",),
-           "                del lps[start:]\n",
-           "",
+           "req.prompt_logprobs = (req.prompt_logprobs or [])[:start] + ",
+           "req.prompt_logprobs = (req.prompt_logprobs or []) + ",
            "after a recompute preemption the re-prefilled prompt's logprobs are appended a second time"),
     # ---- more bugs a learner may write, reading each docstring ----------------------------------
     Mutant("seq-len-without-computed", "serve/batch.py", ("build_batch",),

@@ -90,7 +90,7 @@ class LLM(VllmExtras):
         from engine.serve import EngineConfig, EngineCore
         from engine.serve.sizing import num_blocks_for_memory
 
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        known = set(EngineConfig.field_names())
         options, front = split_options({**engine_options, "seed": seed, "kv_cache_memory_bytes": kv_cache_memory_bytes,
                                         "gpu_memory_utilization": gpu_memory_utilization}, known)
         config = EngineConfig(**options)  # checked before loading: a typo should not cost a multi-GB load

@@ -152,5 +152,46 @@ if request.num_tokens >= self.max_model_len:
     return Status.FINISHED_LENGTH
 return None
 """,
+        "EngineCore.step": """
+plan = self.scheduler.schedule()
+try:
+    for request, blocks in plan.swap_out:
+        self.runner.swap_out(request, blocks)
+    for request, blocks in plan.swap_in:
+        self.runner.swap_in(request, blocks)
+    if len(plan.scheduled) == 0:
+        return []
+    batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)
+    logits = self.runner.execute(batch)
+    rows = batch.num_sample_rows
+    owners = []
+    for (request, _), count in zip(plan.scheduled, batch.sample_counts):
+        owners += [request] * count
+    sampled = self.sampler(logits[:rows], owners, self.generators)
+    entries = self._prompt_logprobs(batch, logits[rows:])
+except BaseException:
+    self.recover_failed_step(plan)
+    raise
+self.steps += 1
+results = []
+next_row = 0
+for (request, n), count in zip(plan.scheduled, batch.sample_counts):
+    before = request.num_computed_tokens
+    request.num_computed_tokens = before + n
+    mine = list(sampled[next_row:next_row + count])
+    next_row += count
+    for token in mine:
+        request.append(token)
+    if request.params.prompt_logprobs is not None:
+        kept = list(request.prompt_logprobs or [])[:before]
+        request.prompt_logprobs = kept + entries.get(request.request_id, [])
+    self.blocks.cache_full_blocks(request)
+    stopped = self.check_stop(request) if mine else None
+    if stopped is not None:
+        self.scheduler.finish(request, stopped)
+    if mine or stopped is not None:
+        results.append(self._output(request, mine))
+return results
+""",
     },
 }

@@ -8,6 +8,7 @@ Import path for everything the chapter names::
 from engine.serve.attention import ReferenceBackend, get_backend, write_kv
 from engine.serve.batch import Batch, BatchMeta, build_batch
 from engine.serve.blocks import BlockManager, hash_block
+from engine.serve.cache_config import CacheConfig
 from engine.serve.engine import EngineConfig, EngineCore, RequestOutput
 from engine.serve.flat import FlatModel, add_norm
 from engine.serve.params import SamplingParams
@@ -18,7 +19,7 @@ from engine.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.serve.sizing import kv_bytes_per_block, num_blocks_for_memory, profile_num_blocks
 
 __all__ = [
-    "Batch", "BatchMeta", "BlockManager", "EngineConfig", "EngineCore", "FlatModel", "ModelRunner",
+    "Batch", "BatchMeta", "BlockManager", "CacheConfig", "EngineConfig", "EngineCore", "FlatModel", "ModelRunner",
     "ReferenceBackend", "Request", "RequestOutput", "SamplingParams", "Scheduler", "SchedulerConfig",
     "SchedulerOutput", "SimpleSampler", "Status", "add_norm", "build_batch", "get_backend", "hash_block",
     "kv_bytes_per_block", "num_blocks_for_memory", "profile_num_blocks", "write_kv",

@@ -59,7 +59,9 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: int | None = None  # the stop token that ended the request, if any
-    extra: dict[str, Any] = field(default_factory=dict)
+    # params.prompt_logprobs set: entry i scores prompt token i + 1 ({token: logprob} + top-k), filled step by step
+    prompt_logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
+    extra: dict[str, Any] = field(default_factory=dict)  # for later chapters' features
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -1,14 +1,17 @@
-"""ModelRunner: owns the K/V pools, turns a schedule into a Batch, and runs the model once."""
+"""ModelRunner: owns the K/V pools (and sizes them), turns a schedule into a Batch, and runs the model once."""
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from engine.serve.attention import AttentionBackend, KVCache
 from engine.serve.batch import Batch, build_batch
+from engine.serve.cache_config import CacheConfig
 from engine.serve.flat import FlatModel
+from engine.serve.params import SamplingParams
 from engine.serve.request import Request
+from engine.serve.sizing import kv_bytes_per_block, num_blocks_for_memory, profile_num_blocks
 
 
 class ModelRunner:
@@ -16,22 +19,61 @@ class ModelRunner:
 
     Holds one (K, V) pool per layer, each ``[num_blocks + 1, block_size, Hkv, D]`` (the +1 is the
     scratch block padding rows write to), and the host copies of swapped-out requests' K/V.
-    Invariant: ``swapped`` holds an entry exactly for requests that are swapped out and not
-    finished.
+    ``ModelRunner(flat, backend, num_blocks, block_size)`` allocates the pools at once; with
+    ``num_blocks=None`` the engine first asks ``determine_num_blocks`` how many fit, then calls
+    ``initialize_kv_cache``. Invariant: ``swapped`` holds an entry exactly for requests that are
+    swapped out and not finished.
     """
 
-    def __init__(self, flat: FlatModel, backend: AttentionBackend, num_blocks: int, block_size: int,
+    def __init__(self, flat: FlatModel, backend: AttentionBackend, num_blocks: int | None, block_size: int,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         self.flat = flat
         self.backend = backend
-        self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device(device) if device is not None else flat.device
         self.dtype = dtype or flat.dtype
-        layers, kv_heads, head_dim = flat.kv_spec()
-        shape = (num_blocks + 1, block_size, kv_heads, head_dim)
-        self.kv_caches: list[KVCache] = [backend.allocate(shape, self.dtype, self.device) for _ in range(layers)]
+        self.num_blocks: int | None = None
+        self.kv_caches: list[KVCache] = []
         self.swapped: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        if num_blocks is not None:
+            self.initialize_kv_cache(num_blocks)
+
+    # ----- the pool ----------------------------------------------------------------------
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate every layer's (K, V) pool for ``num_blocks`` blocks (plus the scratch block)."""
+        layers, kv_heads, head_dim = self.flat.kv_spec()
+        shape = (num_blocks + 1, self.block_size, kv_heads, head_dim)
+        self.kv_caches = [self.backend.allocate(shape, self.dtype, self.device) for _ in range(layers)]
+        self.num_blocks = num_blocks
+
+    def determine_num_blocks(self, cache: CacheConfig, max_num_tokens: int,
+                             mem_info: Callable[[], tuple[int, int]] | None = None,
+                             peak_bytes: Callable[[], int] | None = None) -> int:
+        """How many blocks the pool can have: ``cache.kv_cache_bytes`` over the bytes per block on a
+        CPU; on CUDA, what ``profile_run(max_num_tokens)`` leaves of ``gpu_memory_utilization``.
+
+        ``mem_info`` and ``peak_bytes`` (``profile_num_blocks``' fakes for tests) take the CUDA
+        path on any device. Call it before ``initialize_kv_cache``: the measurement assumes no pool.
+        """
+        layers, kv_heads, head_dim = self.flat.kv_spec()
+        if self.device.type != "cuda" and mem_info is None:
+            return num_blocks_for_memory(cache.kv_cache_bytes, layers, kv_heads, head_dim, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(layers, kv_heads, head_dim, self.block_size, self.dtype)
+        return profile_num_blocks(lambda: self.profile_run(max_num_tokens), per_block,
+                                  cache.gpu_memory_utilization, self.device, mem_info, peak_bytes)
+
+    def profile_run(self, num_tokens: int) -> None:
+        """Run the largest step the engine will schedule — one request's ``num_tokens`` prompt
+        tokens — against a pool just big enough for it, then free that pool."""
+        if self.kv_caches:
+            raise RuntimeError("profile_run measures the model without its pool; call it before initialize_kv_cache")
+        blocks = -(-num_tokens // self.block_size)
+        self.initialize_kv_cache(blocks)
+        try:
+            req = Request("profile", [0] * num_tokens, SamplingParams(max_tokens=1, temperature=0.0))
+            self.execute(self.prepare([(req, num_tokens)], [list(range(blocks))]))
+        finally:
+            self.kv_caches, self.num_blocks = [], None
 
     # ----- swapping ----------------------------------------------------------------------
     def swap_out(self, request: Request, blocks: Sequence[int]) -> None:

@@ -40,8 +40,10 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0 = no cap), "
                              f"got {self.long_prefill_token_threshold!r}")

@@ -41,8 +41,8 @@ def profile_num_blocks(run_max_step: Callable[[], None], bytes_per_block: int,
                        peak_bytes: Callable[[], int] | None = None) -> int:
     """Blocks for the pool on a CUDA device, measured rather than guessed.
 
-    ``run_max_step`` runs one step of the largest size the engine will schedule (against a
-    one-request dummy pool). Afterwards the peak allocated memory is what weights plus activations
+    ``run_max_step`` runs one step of the largest size the engine will schedule
+    (``ModelRunner.profile_run``, against a pool just big enough for it). Afterwards the peak allocated memory is what weights plus activations
     need; the pool gets the rest of ``total * gpu_memory_utilization``. ``mem_info`` (returns
     (free, total)) and ``peak_bytes`` default to torch.cuda's counters; tests pass fakes.
     """

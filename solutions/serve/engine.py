@@ -1,14 +1,17 @@
 """EngineCore: one scheduler, one block pool, one flattened forward pass per step."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from engine.serve.attention import get_backend
 from engine.serve.blocks import BlockManager, encode_cache_key
+from engine.serve.cache_config import CacheConfig
 from engine.serve.flat import FlatModel
 from engine.serve.observer import Observer, install as install_observer
 from engine.serve.params import SEED_MAX, SEED_MIN, SamplingParams
@@ -16,71 +19,87 @@ from engine.serve.request import Request, Status
 from engine.serve.runner import ModelRunner
 from engine.serve.sampler import SimpleSampler
 from engine.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.serve.sizing import kv_bytes_per_block, num_blocks_for_memory, profile_num_blocks
 
-SAMPLERS = ("simple", "full")
+SAMPLERS = ("simple",)  # chapter 34 adds "full"
 
 
-@dataclass
+@dataclass(init=False)
 class EngineConfig:
-    """Every knob of the engine core; ``scheduler_config()`` extracts the scheduler's part.
+    """Every knob of the engine core, composed as vLLM's ``VllmConfig``: ``cache`` (CacheConfig:
+    block_size, num_blocks, kv_cache_bytes, gpu_memory_utilization, enable_prefix_caching),
+    ``scheduler`` (SchedulerConfig: the token budget, max_num_seqs, chunking, policy, preemption
+    mode), and the model-level knobs declared here.
 
-    ``num_blocks=None`` sizes the pool from memory: ``kv_cache_bytes`` on a CPU, profiling plus
-    ``gpu_memory_utilization`` on CUDA. ``max_model_len=None`` means the model's
-    ``max_position_embeddings``. ``attention_backend``: "torch" (vectorized, the default),
-    "reference" (the chapter's Python loop, the oracle), "cpu" (decode attention read in place
-    by a C++ kernel) or "triton" (chapter 32, GPU).
+    Every field is declared once, in the config that owns it; EngineConfig speaks for all of them
+    by name. The constructor hands each keyword to the config that declares it
+    (``EngineConfig(block_size=4, policy="priority")`` builds ``CacheConfig(block_size=4)`` and
+    ``SchedulerConfig(policy="priority")``, each validating its own fields), and each sub-config
+    field is a property of EngineConfig that reads and writes it there
+    (``config.max_num_batched_tokens`` is ``config.scheduler.max_num_batched_tokens``).
+    ``field_names()`` lists every keyword. ``scheduler_config()`` returns a copy of ``scheduler``.
+
+    ``max_model_len=None`` means the model's ``max_position_embeddings``. ``attention_backend``:
+    "torch" (vectorized, the default), "reference" (the chapter's Python loop, the oracle), "cpu"
+    (decode attention read in place by a C++ kernel) or "triton" (chapter 32, GPU).
     """
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_bytes: int = 128 * 2**20  # 16,384 tokens of the bench's small model in float32: no bench workload preempts
-    gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
-    preemption_mode: str = "recompute"
-    enable_prefix_caching: bool = True
+    cache: CacheConfig
+    scheduler: SchedulerConfig
     attention_backend: str = "torch"
     max_model_len: int | None = None
     seed: int = 0
     sampler: str = "simple"
     fuse_ops: bool = False  # run the model through FusedFlatModel (merged projections, fused elementwise ops)
 
-    def __post_init__(self) -> None:
-        def positive(name: str) -> None:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
+    def __init__(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None,
+                 **options: Any) -> None:
+        def take(sub: type) -> dict[str, Any]:  # the keywords that ``sub`` declares
+            return {f.name: options.pop(f.name) for f in dataclasses.fields(sub) if f.name in options}
 
-        positive("block_size")
-        positive("kv_cache_bytes")
-        positive("max_num_batched_tokens")
-        positive("max_num_seqs")
-        for flag in ("enable_chunked_prefill", "enable_prefix_caching", "fuse_ops"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"EngineConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
+        # replace() copies the given sub-config (nothing is shared with the caller) and validates it
+        self.cache = dataclasses.replace(cache or CacheConfig(), **take(CacheConfig))
+        self.scheduler = dataclasses.replace(scheduler or SchedulerConfig(), **take(SchedulerConfig))
+        for f in dataclasses.fields(self)[2:]:  # after cache and scheduler: the model-level knobs
+            setattr(self, f.name, options.pop(f.name, f.default))
+        if options:
+            raise TypeError(f"EngineConfig() got an unexpected keyword argument {next(iter(options))!r}")
+        self._check()
+
+    def _check(self) -> None:
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int)
+                                               or isinstance(self.max_model_len, bool) or self.max_model_len < 1):
+            raise ValueError(f"EngineConfig.max_model_len must be an integer >= 1, got {self.max_model_len!r}")
+        if not isinstance(self.fuse_ops, bool):
+            raise ValueError(f"EngineConfig.fuse_ops must be True or False, got {self.fuse_ops!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"EngineConfig.seed must be an integer in [0, 2**64), got {self.seed!r}")
-        if self.num_blocks is not None:
-            positive("num_blocks")
-        if self.max_model_len is not None:
-            positive("max_model_len")
-        util = self.gpu_memory_utilization
-        if not isinstance(util, (int, float)) or isinstance(util, bool) or not 0.0 < util <= 1.0:
-            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.sampler == "full":
+            raise ValueError("sampler='full' is chapter 34's sampler, not part of this chapter; use 'simple'")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"unknown sampler {self.sampler!r}: choose one of {SAMPLERS}")
-        self.scheduler_config()  # validates budget, max_num_seqs, threshold, policy, preemption mode
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """Every keyword the constructor takes besides ``cache``/``scheduler``: theirs, then its own."""
+        return [f.name for sub in _SUB_CONFIGS for f in dataclasses.fields(sub)] + \
+            [f.name for f in dataclasses.fields(cls)[2:]]
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            policy=self.policy, preemption_mode=self.preemption_mode)
+        return dataclasses.replace(self.scheduler)
+
+
+_SUB_CONFIGS = {CacheConfig: "cache", SchedulerConfig: "scheduler"}  # sub-config -> EngineConfig's field
+
+
+def _forwarded(sub: str, name: str) -> property:
+    return property(lambda self: getattr(getattr(self, sub), name),
+                    lambda self, value: setattr(getattr(self, sub), name, value),
+                    doc=f"``{sub}.{name}``")
+
+
+for _cls, _sub in _SUB_CONFIGS.items():
+    for _f in dataclasses.fields(_cls):
+        setattr(EngineConfig, _f.name, _forwarded(_sub, _f.name))
 
 
 @dataclass(slots=True)
@@ -120,12 +139,13 @@ class EngineCore:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"{cfg.max_position_embeddings} positions")
-        if config.sampler == "full":
-            raise ValueError("sampler='full' is chapter 34's sampler, not part of this chapter; use 'simple'")
         backend = get_backend(config.attention_backend)
-        num_blocks = config.num_blocks or self._size_pool(backend)
-        # Two views of one pool: the runner owns its tensors, the block manager its bookkeeping.
-        self.runner = ModelRunner(self.flat, backend, num_blocks, config.block_size)
+        # The runner sizes the pool (the largest step it will run, against the memory left), then
+        # allocates it; the block manager keeps the bookkeeping of those same blocks.
+        self.runner = ModelRunner(self.flat, backend, num_blocks=None, block_size=config.block_size)
+        num_blocks = config.num_blocks or self.runner.determine_num_blocks(
+            config.cache, max_num_tokens=min(config.max_num_batched_tokens, self.max_model_len))
+        self.runner.initialize_kv_cache(num_blocks)
         self.blocks = BlockManager(num_blocks=num_blocks, block_size=config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching)
         scheduler = Scheduler(config.scheduler_config(), block_manager=self.blocks)
@@ -140,25 +160,6 @@ class EngineCore:
         self.parent_of: dict[str, str] = {}
         self.live_children: dict[str, int] = {}
         self.steps = 0
-
-    # ----- set-up --------------------------------------------------------------------------
-    def _size_pool(self, backend) -> int:
-        layers, kv_heads, head_dim = self.flat.kv_spec()
-        bs = self.config.block_size
-        per_block = kv_bytes_per_block(layers, kv_heads, head_dim, bs, self.flat.dtype)
-        if self.flat.device.type != "cuda":
-            return num_blocks_for_memory(self.config.kv_cache_bytes, layers, kv_heads, head_dim, bs, self.flat.dtype)
-
-        def run_max_step() -> None:
-            # One request filling the whole budget, against a pool just big enough for it.
-            n = min(self.config.max_num_batched_tokens, self.max_model_len)
-            dummy = ModelRunner(self.flat, backend, -(-n // bs), bs)
-            req = Request("profile", [0] * n, SamplingParams(max_tokens=1, temperature=0.0))
-            batch = dummy.prepare([(req, n)], [list(range(-(-n // bs)))])
-            dummy.execute(batch)
-            del dummy
-
-        return profile_num_blocks(run_max_step, per_block, self.config.gpu_memory_utilization, self.flat.device)
 
     @property
     def preemptions(self) -> int:
@@ -295,39 +296,52 @@ class EngineCore:
         return None
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass over every scheduled token, sample, and book-keep.
+        """Schedule, run one forward pass over every scheduled token, sample, and update the requests.
         (Your engine: Chapter 31)
 
-        Order: ``scheduler.schedule()``; the runner's swap-outs, then swap-ins; one batch from
-        every (request, n) with its block table; one forward; sample the rows that need it — the
-        sampler returns one token per SAMPLE ROW, so request r's tokens are the next
-        ``batch.sample_counts[r]`` of them (a request with 0 sample rows takes none).
-        Then each scheduled request advances ``num_computed_tokens`` by n, appends its sample (if
-        it had a sample row), publishes its newly full blocks, and is checked for stop — a
-        finished request is finished in the scheduler at once, freeing its blocks. A request
-        with ``params.prompt_logprobs`` collects them in ``req.extra["prompt_logprobs"]``, a list
-        whose entry i scores prompt token i + 1: a span starting at c (``_prompt_logprobs`` gives
-        each request's entries of this step) writes entries from index c on, replacing any that a
-        recompute preemption made stale. Returns one RequestOutput per request that produced a
-        token or finished (a mid-prompt chunk reports nothing). If anything from the swaps to the
-        sampling raises (the forward pass ran out of memory, Ctrl-C), call
-        ``self.recover_failed_step(plan)`` before letting the exception propagate, and count no
-        step: the engine must be left as if the step never ran.
+        The chapter's order:
+        1. ``plan = self.scheduler.schedule()``.
+        2. The runner's copies, before the forward pass: every ``plan.swap_out`` (request, blocks)
+           first, then every ``plan.swap_in``. If ``plan.scheduled`` is empty, return [] now
+           (no forward pass: the step is not counted).
+        3. ``batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)``.
+        4. ``logits = self.runner.execute(batch)``: the sample rows first, then the prompt-logprob
+           rows.
+        5. Sample: ``self.sampler(logits[:batch.num_sample_rows], reqs, self.generators)``, where
+           ``reqs`` names each sample row's request (request r has ``batch.sample_counts[r]`` rows,
+           0 or 1 here); it returns one token per row, so request r's token is the next
+           ``batch.sample_counts[r]`` of them. ``self._prompt_logprobs(batch, logits[num_sample_rows:])``
+           gives each request's prompt-logprob entries of this step.
+        6. Update each scheduled (request, n), in plan order: advance ``num_computed_tokens`` by n;
+           append its sampled token, if it had a sample row; if ``params.prompt_logprobs`` is set,
+           write its entries into the list ``request.prompt_logprobs`` (None before the first;
+           entry i scores prompt token i + 1) from index c on, c being ``num_computed_tokens``
+           before this step — replacing the entries a recompute preemption made stale; publish
+           its newly full blocks (``self.blocks.cache_full_blocks``); check a request that got a
+           token for stop (``check_stop``) and finish one that stopped in the scheduler at once
+           (freeing its blocks). Report, with ``self._output(request, new_tokens)``, each request
+           that produced a token or finished (a mid-prompt chunk reports nothing); return those
+           outputs.
+
+        If anything in steps 2-5 raises (any BaseException: the forward pass ran out of memory,
+        Ctrl-C), call ``self.recover_failed_step(plan)`` before letting the exception propagate,
+        and count no step; otherwise ``self.steps += 1`` before step 6. The engine must be left
+        as if a failed step never ran.
         """
         plan = self.scheduler.schedule()
         try:
-            # Host <-> pool copies come before the forward pass: it may overwrite the blocks a
-            # swap-out saves, and it reads the blocks a swap-in restores. Swap-outs run first.
-            copies = ((self.runner.swap_out, plan.swap_out), (self.runner.swap_in, plan.swap_in))
-            for copy, pairs in copies:
-                for req, blocks in pairs:
-                    copy(req, blocks)
+            # Swap-outs save blocks this step's forward pass may overwrite; swap-ins restore
+            # blocks it reads. Both come first, swap-outs before swap-ins.
+            for req, blocks in plan.swap_out:
+                self.runner.swap_out(req, blocks)
+            for req, blocks in plan.swap_in:
+                self.runner.swap_in(req, blocks)
             if not plan.scheduled:
                 return []  # nothing to compute (every running request may have been preempted)
             batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)  # tables looked up by id
             logits = self.runner.execute(batch)  # [sample rows + prompt-logprob rows, V]
-            sample_reqs = [req for (req, _), k in zip(plan.scheduled, batch.sample_counts) for _ in range(k)]
             num_sample = batch.num_sample_rows
+            sample_reqs = [req for (req, _), k in zip(plan.scheduled, batch.sample_counts) for _ in range(k)]
             tokens = self.sampler(logits[:num_sample], sample_reqs, self.generators)
             prompt_lp = self._prompt_logprobs(batch, logits[num_sample:])
         except BaseException:  # out of memory, Ctrl-C ...: nothing this step wrote can be trusted
@@ -342,26 +356,10 @@ class EngineCore:
             req.num_computed_tokens += n
             new = tokens[row:row + k]
             row += k
-            if k > 1:  # a verification span (drafts, chapter 37): keep drafts while they match
-                drafts, accepted = req.spec_token_ids, [new[0]]
-                for j, d in enumerate(drafts[:k - 1]):
-                    if d != new[j]:
-                        break
-                    accepted.append(new[j + 1])
-                new = accepted
-            if req.spec_token_ids:
-                req.spec_token_ids = []
             for t in new:
                 req.append(t)
-            if req.num_computed_tokens > req.num_tokens - 1:  # rejected drafts' K/V are not kept
-                req.num_computed_tokens = req.num_tokens - 1
-                self.blocks.trim(req, req.num_computed_tokens + 1)
-            if req.params.prompt_logprobs is not None:
-                # Entry i scores prompt token i + 1, so this span's entries start at its first
-                # position; after a recompute preemption they replace the earlier ones.
-                lps = req.extra.setdefault("prompt_logprobs", [])
-                del lps[start:]
-                lps.extend(prompt_lp.get(req.request_id, []))
+            if req.params.prompt_logprobs is not None:  # a recompute's entries replace the stale ones
+                req.prompt_logprobs = (req.prompt_logprobs or [])[:start] + prompt_lp.get(req.request_id, [])
             self.blocks.cache_full_blocks(req)
             status = self.check_stop(req) if new else None
             if status is not None:
@@ -415,7 +413,7 @@ class EngineCore:
         finished = reason is not None
         return RequestOutput(
             req.request_id, new, req.output_token_ids, finished, reason, req.stop_reason,
-            req.num_cached_tokens, req.extra.get("prompt_logprobs") if finished else None)
+            req.num_cached_tokens, req.prompt_logprobs if finished else None)
 
     def run_until_done(self, max_steps: int = 1_000_000) -> dict[str, list[int]]:
         """Step until idle; returns every finished request's output tokens by id."""
