@@ -299,3 +299,13 @@ def test_cpu_backend_dtypes():
     assert (got - ReferenceBackend().forward(q, cache, meta, scale=0.3)).abs().max().item() < 1e-12
     with pytest.raises(ValueError, match="'cpu' attention backend serves"):
         CPUBackend().allocate((2, 4, 2, 8), torch.float16, "cpu")
+
+
+def test_cpu_kernel_cache_key_names_the_cpu(monkeypatch):
+    """The kernel is built with -march=native: another CPU (model or feature flags) gets its own build."""
+    from engine.serve import cpu_attention
+
+    here = cpu_attention.kernel_path("c++")
+    assert here == cpu_attention.kernel_path("c++"), "the cache key must be stable on one machine"
+    monkeypatch.setattr(cpu_attention, "cpu_signature", lambda: "x86_64|model name=Other CPU|flags=sse2")
+    assert cpu_attention.kernel_path("c++") != here, "a kernel built for one CPU was keyed for every CPU"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -48,8 +49,32 @@ def cache_dir() -> Path:
     return Path(root) if root else Path(tempfile.gettempdir()) / f"engine-kernels-{os.getuid()}"
 
 
+def cpu_signature() -> str:
+    """What ``-march=native`` compiles for: the machine, and on Linux the CPU's model name and
+    feature flags (a cache shared by several machines must not hand one a kernel built for another)."""
+    parts = [platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            seen = set()
+            for line in f:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name in ("model name", "flags", "Features", "CPU part") and name not in seen:
+                    seen.add(name)
+                    parts.append(f"{name}={value.strip()}")
+    except OSError:
+        pass
+    return "|".join(parts)
+
+
+def kernel_path(compiler: str) -> Path:
+    """The cached library for this source, compiler, flags and CPU."""
+    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join((compiler, *FLAGS, cpu_signature())).encode())
+    return cache_dir() / f"cpu_paged_kernel-{key.hexdigest()[:16]}.so"
+
+
 def load_kernel() -> ctypes.CDLL:
-    """The compiled kernel library (built once per source, compiler and flags; then reused)."""
+    """The compiled kernel library (built once per source, compiler, flags and CPU; then reused)."""
     global _library
     if _library is not None:
         return _library
@@ -57,9 +82,7 @@ def load_kernel() -> ctypes.CDLL:
     if not compiler:
         raise ValueError("the 'cpu' attention backend compiles a small C++ kernel and found no C++ compiler "
                          "(set CXX, or install g++); attention_backend='torch' needs none")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    lib = cache_dir() / f"cpu_paged_kernel-{key}.so"
+    lib = kernel_path(compiler)
     lib.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = lib.parent.stat()
     if info.st_uid != os.getuid() or info.st_mode & 0o022:
