@@ -47,6 +47,7 @@ class EngineConfig:
     seed: int = 0
     sampler: str = "simple"
     fuse_ops: bool = False  # run the model through FusedFlatModel (merged projections, fused elementwise ops)
+    compile: bool = False  # with fuse_ops: the layers as one TorchInductor graph (CompiledFlatModel; compiles on first steps)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -58,11 +59,13 @@ class EngineConfig:
         positive("kv_cache_bytes")
         positive("max_num_batched_tokens")
         positive("max_num_seqs")
-        for flag in ("enable_chunked_prefill", "enable_prefix_caching", "fuse_ops"):
+        for flag in ("enable_chunked_prefill", "enable_prefix_caching", "fuse_ops", "compile"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"EngineConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"EngineConfig.seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if self.compile and not self.fuse_ops:
+            raise ValueError("EngineConfig.compile=True compiles FusedFlatModel's layers: it needs fuse_ops=True")
         if self.num_blocks is not None:
             positive("num_blocks")
         if self.max_model_len is not None:
@@ -108,7 +111,11 @@ class EngineCore:
         self.config = config = config or EngineConfig()
         self.model = model
         self.eos_token_id = eos_token_id
-        if config.fuse_ops:
+        if config.fuse_ops and config.compile:
+            from engine.serve.compiled import CompiledFlatModel
+
+            self.flat = CompiledFlatModel(model)
+        elif config.fuse_ops:
             from engine.serve.fused import FusedFlatModel
 
             self.flat = FusedFlatModel(model)

@@ -1,0 +1,148 @@
+"""CompiledFlatModel: FusedFlatModel's layers as one TorchInductor graph (``EngineConfig(compile=True)``).
+
+Eager PyTorch pays a few microseconds of dispatch for each of the ~30 small operations of a layer
+(norms, RoPE, SiLU-mul, residual adds, casts) and makes a pass over memory for each. Compiled as
+small separate regions they cost more per call than they save at decode sizes (docs/performance.md);
+compiled as ONE graph for all layers — vLLM's design — the elementwise work fuses into a few
+generated C++ loops next to the matmuls, and the per-call cost is paid once per step.
+
+Attention is the one thing the graph does not trace: it calls ``engine_serve::paged_attention``, a
+custom op that writes the layer's K/V into the pool and runs the engine's attention backend on
+the step's ``BatchMeta``, both taken from a per-step context this class sets before calling the
+graph (the op's declared inputs are only q, k, v and the layer's constants, so nothing of the
+pool is copied). With ``torch._inductor.config.freezing`` the weights are folded into the graph as
+constants and the matmuls prepacked for oneDNN, as ``FusedFlatModel`` does by hand.
+
+Shapes: the row count N is dynamic (one graph serves every step size; a step of one row compiles
+a second one). Compilation happens on the first steps, needs a C++ compiler (TorchInductor's CPU
+code is C++), and takes 10-60 s on a small CPU; one compiled graph is shared by every engine built
+on the same model object (the bench builds a fresh engine per run). Results equal FusedFlatModel's
+up to summation order. Dense (non-MoE) Qwen3 models only.
+"""
+from __future__ import annotations
+
+import shutil
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.qwen3 import Qwen3MLP
+from engine.rope import rope_cos_sin
+from engine.serve.attention import AttentionBackend, KVCache
+from engine.serve.batch import BatchMeta
+from engine.serve.fused import FusedFlatModel
+
+# The step being run: (meta, backend, kv_caches). Set around each compiled call, read by the op.
+_step: tuple[BatchMeta, AttentionBackend, list[KVCache]] | None = None
+
+
+@torch.library.custom_op("engine_serve::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+                    window: int) -> torch.Tensor:
+    """Write k, v [N, Hkv, Dh] into layer ``layer``'s pool and attend: q [N, Hq, Dh] -> [N, Hq, Dh]."""
+    assert _step is not None, "paged_attention runs only inside CompiledFlatModel.forward"
+    meta, backend, kv_caches = _step
+    cache = kv_caches[layer]
+    backend.write(cache, k, v, meta)
+    return backend.forward(q, cache, meta, scale=scale, window=window)
+
+
+@paged_attention.register_fake
+def _(q, k, v, layer, scale, window):
+    return torch.empty_like(q)
+
+
+class _Layers(nn.Module):
+    """Every decoder layer of the model, hidden [N, D] -> final normed hidden [N, D]; the weights
+    are this module's (frozen) parameters, in ``work`` dtype."""
+
+    def __init__(self, fused: FusedFlatModel) -> None:
+        super().__init__()
+        m, cfg = fused.model.model, fused.cfg
+        work = fused.linear_dtype
+        p = lambda t: nn.Parameter(t.detach().to(work).contiguous(), requires_grad=False)  # noqa: E731
+        self.w = nn.ParameterList()
+        for layer, weights in zip(m.layers, fused.layers):
+            self.w.extend([p(layer.input_layernorm.weight), p(weights["qkv"].weight), p(weights["qk_norm"]),
+                           p(weights["o"].weight), p(layer.post_attention_layernorm.weight),
+                           p(weights["gate_up"].weight), p(weights["down"].weight)])
+        self.final_norm = p(m.norm.weight)
+        self.eps = [(layer.input_layernorm.eps, layer.self_attn.q_norm.eps, layer.post_attention_layernorm.eps)
+                    for layer in m.layers]
+        self.scales = [float(layer.self_attn.scale) for layer in m.layers]
+        self.final_eps = m.norm.eps
+        self.shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size)
+        self.window = cfg.sliding_window or 0
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_dtype: torch.dtype
+                ) -> torch.Tensor:
+        hq, hkv, dh, dim = self.shape
+        half = dh // 2
+        residual = None
+        for i, (in_eps, qk_eps, post_eps) in enumerate(self.eps):
+            w_in, w_qkv, w_qk, w_o, w_post, w_gu, w_down = self.w[7 * i:7 * i + 7]
+            if residual is not None:
+                hidden = hidden + residual
+            residual = hidden
+            x = F.rms_norm(hidden, (dim,), w_in, in_eps)
+            qkv = F.linear(x, w_qkv)  # [N, (Hq + 2 Hkv) Dh]
+            qk = qkv[:, :(hq + hkv) * dh].reshape(-1, hq + hkv, dh)
+            qk = F.rms_norm(qk, (dh,), None, qk_eps) * w_qk
+            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
+            v = qkv[:, (hq + hkv) * dh:].reshape(-1, hkv, dh)
+            o = torch.ops.engine_serve.paged_attention(qk[:, :hq].to(pool_dtype), qk[:, hq:], v, i,
+                                                       self.scales[i], self.window)
+            hidden = F.linear(o.reshape(-1, hq * dh).to(x.dtype), w_o) + residual
+            residual = hidden
+            x = F.rms_norm(hidden, (dim,), w_post, post_eps)
+            gate, up = F.linear(x, w_gu).chunk(2, dim=-1)
+            hidden = F.linear(F.silu(gate) * up, w_down)
+        return F.rms_norm(hidden + residual, (dim,), self.final_norm, self.final_eps)
+
+
+_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (linear dtype, compiled fn)
+
+
+def inductor_available() -> str | None:
+    """None when TorchInductor can compile for the CPU here, else why not."""
+    if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+        return "no C++ compiler (TorchInductor's CPU code is C++; install g++)"
+    return None
+
+
+class CompiledFlatModel(FusedFlatModel):
+    """FusedFlatModel whose decoder layers run as one compiled graph; same contract.
+
+    Invariant: the compiled graph holds the weights the model had when the first engine on it
+    was built (shared through ``_compiled``); weights changed later are not seen.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        why = inductor_available()
+        if why:
+            raise ValueError(f"compile=True needs TorchInductor: {why}; use compile=False")
+        super().__init__(model)
+        if any(not isinstance(layer.mlp, Qwen3MLP) for layer in model.model.layers):
+            raise ValueError("compile=True serves dense models only (this one has MoE layers); use compile=False")
+        entry = _compiled.get(model)
+        if entry is None or entry[0] != self.linear_dtype:
+            # freezing: the weights become constants of the graph, the linears prepacked (oneDNN).
+            entry = (self.linear_dtype, torch.compile(_Layers(self).eval(), dynamic=True, fullgraph=True,
+                                                      options={"freezing": True}))
+            _compiled[model] = entry
+        self._run = entry[1]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions [N] -> final hidden [N, D] in ``linear_dtype``."""
+        global _step
+        cfg, work = self.cfg, self.linear_dtype
+        hidden = self.model.model.embed_tokens(input_ids).to(work)  # [N, D]
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, work)  # [N, Dh]
+        _step = (meta, backend, kv_caches)
+        try:
+            return self._run(hidden, cos[:, None, :], sin[:, None, :], kv_caches[0][0].dtype)
+        finally:
+            _step = None
