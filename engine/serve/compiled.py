@@ -10,7 +10,7 @@ Attention is the one thing the graph does not trace: it calls ``engine_serve::pa
 custom op that writes the layer's K/V into the pool and runs the engine's attention backend on
 the step's ``BatchMeta``, both taken from a per-step context this class sets before calling the
 graph (the op's declared inputs are only q, k, v and the layer's constants, so nothing of the
-pool is copied). With ``torch._inductor.config.freezing`` the weights are folded into the graph as
+pool is copied). With TorchInductor's ``freezing`` the weights are folded into the graph as
 constants and the matmuls prepacked for oneDNN, as ``FusedFlatModel`` does by hand.
 
 Shapes: the row count N is dynamic (one graph serves every step size; a step of one row compiles
@@ -25,6 +25,7 @@ import shutil
 import weakref
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import nn
 
@@ -128,9 +129,7 @@ class CompiledFlatModel(FusedFlatModel):
             raise ValueError("compile=True serves dense models only (this one has MoE layers); use compile=False")
         entry = _compiled.get(model)
         if entry is None or entry[0] != self.linear_dtype:
-            # freezing: the weights become constants of the graph, the linears prepacked (oneDNN).
-            entry = (self.linear_dtype, torch.compile(_Layers(self).eval(), dynamic=True, fullgraph=True,
-                                                      options={"freezing": True}))
+            entry = (self.linear_dtype, torch.compile(_Layers(self).eval(), dynamic=True, fullgraph=True))
             _compiled[model] = entry
         self._run = entry[1]
 
@@ -143,6 +142,9 @@ class CompiledFlatModel(FusedFlatModel):
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, work)  # [N, Dh]
         _step = (meta, backend, kv_caches)
         try:
-            return self._run(hidden, cos[:, None, :], sin[:, None, :], kv_caches[0][0].dtype)
+            # freezing (read whenever a shape compiles): the weights become constants of the graph,
+            # the linears prepacked for oneDNN, residual adds fused into them.
+            with inductor_config.patch(freezing=True):
+                return self._run(hidden, cos[:, None, :], sin[:, None, :], kv_caches[0][0].dtype)
         finally:
             _step = None

@@ -5,7 +5,8 @@
 // -march=native) and called through ctypes; it depends on no header beyond the C++ standard
 // library. One call serves rows [row_begin, row_end) of a batch, so that the caller can split a
 // step's rows over threads (ctypes releases the GIL for the call). A row is any query: a decode,
-// or one row of a prefill chunk (its q_pos tells how many keys it sees).
+// or one row of a prefill chunk (its q_pos tells how many keys it sees); q_pos < 0 marks a
+// padding row, whose output is zeros.
 //
 // For row r, kv head h and each of its `group` query heads, over the visible key positions p
 // (window_start <= p <= q_pos[r]; key p sits at pool slot tables[r][p / bs] * bs + p % bs):
@@ -259,6 +260,10 @@ void attend_rows(const T* q, const T* k_pool, const T* v_pool, T* out, const int
     const int64_t last = q_pos[r];
     const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
     const int32_t* table = tables + r * table_stride;
+    if (last < 0) {  // a padding row (no keys): zeros
+      std::memset(static_cast<void*>(out + r * hq * d), 0, sizeof(T) * hq * d);
+      continue;
+    }
     const T* src = q + r * hq * d;
     for (int64_t i = 0; i < hq * d; ++i) qv[i] = widen(src[i]) * static_cast<W>(scale);
     T* dst = out + r * hq * d;
