@@ -106,11 +106,15 @@ def step(args) -> None:
 
     def engine(name: str, prefill: bool) -> EngineCore:
         rng = random.Random(0)
-        backend = name.split("+")[0]
-        core = EngineCore(model, EngineConfig(attention_backend=backend.removesuffix("/tiles"), fuse_ops="+" in name,
-                                              compile=name.endswith("+compiled"), num_blocks=args.requests * 20 + 1))
+        backend, _, fuse = name.partition("+")
+        core = EngineCore(model, EngineConfig(attention_backend=backend.removesuffix("/tiles"), fuse_ops=bool(fuse),
+                                              compile=fuse.startswith("compiled"), num_blocks=args.requests * 20 + 1))
         if backend == "cpu/tiles":  # the cpu backend's previous design: only decode rows in the kernel
             core.runner.backend.prefill_in_place = False
+        if fuse.endswith("/onednn"):  # every linear through oneDNN, none through the small-batch kernel
+            for linear in [core.flat.lm_head, *(w for entry in core.flat.layers for w in entry.values())]:
+                if hasattr(linear, "small"):
+                    linear.small = None
         for i in range(args.requests):
             core.add_request(f"s{i}", [rng.randrange(512) for _ in range(args.context)],
                              SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0))
@@ -198,7 +202,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants", default="torch,cpu,cpu+fused,cpu+compiled",
                     help="step: engines to compare (backend, +fused: fuse_ops, +compiled: fuse_ops and compile; "
-                         "cpu/tiles: the cpu backend with prefill tiles gathered for SDPA)")
+                         "cpu/tiles: the cpu backend with prefill tiles gathered for SDPA; +fused/onednn: "
+                         "no small-batch linear kernel)")
     ap.add_argument("--prefill", action="store_true", help="step: time a fresh engine's first (prefill) step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

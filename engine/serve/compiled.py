@@ -13,10 +13,13 @@ graph (the op's declared inputs are only q, k, v and the layer's constants, so n
 pool is copied). With TorchInductor's ``freezing`` the weights are folded into the graph as
 constants and the matmuls prepacked for oneDNN, as ``FusedFlatModel`` does by hand.
 
-Shapes: the row count N is dynamic (one graph serves every step size; a step of one row compiles
-a second one). Compilation happens on the first steps, needs a C++ compiler (TorchInductor's CPU
-code is C++), and takes 10-60 s on a small CPU; one compiled graph is shared by every engine built
-on the same model object (the bench builds a fresh engine per run). Results equal FusedFlatModel's
+Shapes: the row count N is dynamic (one graph serves every step size; a step of one row would
+compile a second one). Compilation happens when the first engine on a model is built (a dummy
+step of ``WARM_UP_ROWS`` rows), needs a C++ compiler (TorchInductor's CPU code is C++), and takes
+10-60 s on a small CPU; one compiled graph is shared by every engine built on the same model
+object (the bench builds a fresh engine per run). In float32 on a CPU, steps of at most
+``SMALL_ROWS`` rows (decodes) skip the graph for FusedFlatModel's eager path and its small-batch
+linear kernel, which beats the graph's oneDNN matmuls there (docs/performance.md). Results equal FusedFlatModel's
 up to summation order. Dense (non-MoE) Qwen3 models only.
 """
 from __future__ import annotations
@@ -33,7 +36,9 @@ from engine.models.qwen3 import Qwen3MLP
 from engine.rope import rope_cos_sin
 from engine.serve.attention import AttentionBackend, KVCache
 from engine.serve.batch import BatchMeta
-from engine.serve.fused import FusedFlatModel
+from engine.serve.fused import SMALL_ROWS, FusedFlatModel
+
+WARM_UP_ROWS = 256  # the start-up compile's step size (also oneDNN's packing hint for the graph's linears)
 
 # The step being run: (meta, backend, kv_caches). Set around each compiled call, read by the op.
 _step: tuple[BatchMeta, AttentionBackend, list[KVCache]] | None = None
@@ -53,6 +58,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
 @paged_attention.register_fake
 def _(q, k, v, layer, scale, window):
     return torch.empty_like(q)
+
+
+class _ZeroAttention:
+    """The warm-up step's attention backend: writes nothing, attends to nothing (zeros)."""
+
+    def write(self, cache, k, v, meta) -> None:
+        pass
+
+    def forward(self, q, cache, meta, scale=None, window=0) -> torch.Tensor:
+        return torch.zeros_like(q)
 
 
 class _Layers(nn.Module):
@@ -131,20 +146,39 @@ class CompiledFlatModel(FusedFlatModel):
         if entry is None or entry[0] != self.linear_dtype:
             entry = (self.linear_dtype, torch.compile(_Layers(self).eval(), dynamic=True, fullgraph=True))
             _compiled[model] = entry
+            self._run = entry[1]
+            self._warm_up()
         self._run = entry[1]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions [N] -> final hidden [N, D] in ``linear_dtype``."""
-        global _step
+    def _warm_up(self, rows: int = WARM_UP_ROWS) -> None:
+        """Compile now (start-up), on a dummy step of ``rows`` rows whose attention returns zeros:
+        the graph is dynamic in N, so every later step size above ``SMALL_ROWS`` reuses it."""
         cfg, work = self.cfg, self.linear_dtype
-        hidden = self.model.model.embed_tokens(input_ids).to(work)  # [N, D]
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, work)  # [N, Dh]
-        _step = (meta, backend, kv_caches)
+        with torch.inference_mode():
+            hidden = torch.zeros((rows, cfg.hidden_size), dtype=work, device=self.device)
+            cos, sin = rope_cos_sin(torch.arange(rows, device=self.device), cfg.head_dim, cfg.rope_theta, work)
+            self._call(hidden, cos, sin, (None, _ZeroAttention(), [None] * cfg.num_hidden_layers), self.dtype)
+
+    def _call(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: tuple,
+              pool_dtype: torch.dtype) -> torch.Tensor:
+        global _step
+        _step = step
         try:
             # freezing (read whenever a shape compiles): the weights become constants of the graph,
             # the linears prepacked for oneDNN, residual adds fused into them.
             with inductor_config.patch(freezing=True):
-                return self._run(hidden, cos[:, None, :], sin[:, None, :], kv_caches[0][0].dtype)
+                return self._run(hidden, cos[:, None, :], sin[:, None, :], pool_dtype)
         finally:
             _step = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions [N] -> final hidden [N, D] in ``linear_dtype``. Steps of at most
+        ``SMALL_ROWS`` rows take FusedFlatModel's eager path when its small-batch linear kernel
+        is in use (faster there than the graph's oneDNN matmuls)."""
+        if self.small and input_ids.shape[0] <= SMALL_ROWS:
+            return super().forward(input_ids, positions, kv_caches, meta, backend)
+        cfg, work = self.cfg, self.linear_dtype
+        hidden = self.model.model.embed_tokens(input_ids).to(work)  # [N, D]
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, work)  # [N, Dh]
+        return self._call(hidden, cos, sin, (meta, backend, kv_caches), kv_caches[0][0].dtype)

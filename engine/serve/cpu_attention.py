@@ -70,22 +70,20 @@ def cpu_signature() -> str:
     return "|".join(parts)
 
 
-def kernel_path(compiler: str) -> Path:
+def kernel_path(compiler: str, source: Path = SOURCE) -> Path:
     """The cached library for this source, compiler, flags and CPU."""
-    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join((compiler, *FLAGS, cpu_signature())).encode())
-    return cache_dir() / f"cpu_paged_kernel-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256(source.read_bytes() + "\0".join((compiler, *FLAGS, cpu_signature())).encode())
+    return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
-def load_kernel() -> ctypes.CDLL:
-    """The compiled kernel library (built once per source, compiler, flags and CPU; then reused)."""
-    global _library
-    if _library is not None:
-        return _library
+def build_library(source: Path) -> ctypes.CDLL:
+    """``source`` compiled with the host's C++ compiler (once per source, compiler, flags and CPU;
+    then reused from ``cache_dir()``) and loaded; ValueError when there is no compiler or it fails."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         raise ValueError("the 'cpu' attention backend compiles a small C++ kernel and found no C++ compiler "
                          "(set CXX, or install g++); attention_backend='torch' needs none")
-    lib = kernel_path(compiler)
+    lib = kernel_path(compiler, source)
     lib.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = lib.parent.stat()
     if info.st_uid != os.getuid() or info.st_mode & 0o022:
@@ -93,11 +91,19 @@ def load_kernel() -> ctypes.CDLL:
                          "a kernel from it (set ENGINE_KERNEL_CACHE to a private directory)")
     if not lib.exists():
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *FLAGS, str(source), "-o", str(tmp)], capture_output=True, text=True)
         if done.returncode != 0:
-            raise ValueError(f"building the 'cpu' attention kernel failed ({compiler}):\n{done.stderr[-2000:]}")
+            raise ValueError(f"building {source.name} failed ({compiler}):\n{done.stderr[-2000:]}")
         os.replace(tmp, lib)  # atomic: a concurrent build never loads a half-written file
-    _library = ctypes.CDLL(str(lib))
+    return ctypes.CDLL(str(lib))
+
+
+def load_kernel() -> ctypes.CDLL:
+    """The compiled attention kernel library (built once per source, compiler, flags and CPU)."""
+    global _library
+    if _library is not None:
+        return _library
+    _library = build_library(SOURCE)
     for name in DTYPES.values():
         fn = getattr(_library, f"paged_decode_{name}")
         fn.restype = None

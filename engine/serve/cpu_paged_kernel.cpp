@@ -22,6 +22,7 @@
 // of std::exp) and the accumulators of the weighted sum stay in registers for head sizes up to
 // 128. Other head sizes take the same loops one lane at a time.
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -298,3 +299,4 @@ void attend_rows(const T* q, const T* k_pool, const T* v_pool, T* out, const int
 ENTRY(paged_decode_float32, float, float)
 ENTRY(paged_decode_bfloat16, BF16, float)
 ENTRY(paged_decode_float64, double, double)
+
