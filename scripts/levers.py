@@ -111,6 +111,8 @@ def step(args) -> None:
                                               compile=fuse.startswith("compiled"), num_blocks=args.requests * 20 + 1))
         if backend == "cpu/tiles":  # the cpu backend's previous design: only decode rows in the kernel
             core.runner.backend.prefill_in_place = False
+        if fuse == "compiled/all":  # every step through the graph (by default decodes take the eager path)
+            core.flat.eager_rows = 0
         if fuse.endswith("/onednn"):  # every linear through oneDNN, none through the small-batch kernel
             for linear in [core.flat.lm_head, *(w for entry in core.flat.layers for w in entry.values())]:
                 if hasattr(linear, "small"):

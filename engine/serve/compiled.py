@@ -60,6 +60,21 @@ def _(q, k, v, layer, scale, window):
     return torch.empty_like(q)
 
 
+# The graphs' small-batch linears, by id: held by their _Layers (weakly here), called by the op.
+_linears: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("engine_serve::linear", mutates_args=())
+def linear(x: torch.Tensor, index: int) -> torch.Tensor:
+    """x [N, K] -> [N, out] through the packed ``cpu_linear.SmallLinear`` registered as ``index``."""
+    return _linears[index](x)
+
+
+@linear.register_fake
+def _(x, index):
+    return x.new_empty((x.shape[0], _linears[index].n))
+
+
 class _ZeroAttention:
     """The warm-up step's attention backend: writes nothing, attends to nothing (zeros)."""
 
@@ -80,10 +95,16 @@ class _Layers(nn.Module):
         work = fused.linear_dtype
         p = lambda t: nn.Parameter(t.detach().to(work).contiguous(), requires_grad=False)  # noqa: E731
         self.w = nn.ParameterList()
+        self.small = []  # the SmallLinear of each linear, in order, when FusedFlatModel uses them
         for layer, weights in zip(m.layers, fused.layers):
             self.w.extend([p(layer.input_layernorm.weight), p(weights["qkv"].weight), p(weights["qk_norm"]),
                            p(weights["o"].weight), p(layer.post_attention_layernorm.weight),
                            p(weights["gate_up"].weight), p(weights["down"].weight)])
+            if fused.small:
+                self.small.extend(weights[k].small for k in ("qkv", "o", "gate_up", "down"))
+        for small in self.small:
+            _linears[id(small)] = small
+        self.small_ids = [id(small) for small in self.small]
         self.final_norm = p(m.norm.weight)
         self.eps = [(layer.input_layernorm.eps, layer.self_attn.q_norm.eps, layer.post_attention_layernorm.eps)
                     for layer in m.layers]
@@ -91,6 +112,12 @@ class _Layers(nn.Module):
         self.final_eps = m.norm.eps
         self.shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size)
         self.window = cfg.sliding_window or 0
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, i: int) -> torch.Tensor:
+        """The i-th linear: the small-batch kernel (a custom op) where in use, else a frozen matmul."""
+        if self.small_ids:
+            return torch.ops.engine_serve.linear(x, self.small_ids[i])
+        return F.linear(x, weight)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_dtype: torch.dtype
                 ) -> torch.Tensor:
@@ -103,18 +130,18 @@ class _Layers(nn.Module):
                 hidden = hidden + residual
             residual = hidden
             x = F.rms_norm(hidden, (dim,), w_in, in_eps)
-            qkv = F.linear(x, w_qkv)  # [N, (Hq + 2 Hkv) Dh]
+            qkv = self._linear(x, w_qkv, 4 * i)  # [N, (Hq + 2 Hkv) Dh]
             qk = qkv[:, :(hq + hkv) * dh].reshape(-1, hq + hkv, dh)
             qk = F.rms_norm(qk, (dh,), None, qk_eps) * w_qk
             qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
             v = qkv[:, (hq + hkv) * dh:].reshape(-1, hkv, dh)
             o = torch.ops.engine_serve.paged_attention(qk[:, :hq].to(pool_dtype), qk[:, hq:], v, i,
                                                        self.scales[i], self.window)
-            hidden = F.linear(o.reshape(-1, hq * dh).to(x.dtype), w_o) + residual
+            hidden = self._linear(o.reshape(-1, hq * dh).to(x.dtype), w_o, 4 * i + 1) + residual
             residual = hidden
             x = F.rms_norm(hidden, (dim,), w_post, post_eps)
-            gate, up = F.linear(x, w_gu).chunk(2, dim=-1)
-            hidden = F.linear(F.silu(gate) * up, w_down)
+            gate, up = self._linear(x, w_gu, 4 * i + 2).chunk(2, dim=-1)
+            hidden = self._linear(F.silu(gate) * up, w_down, 4 * i + 3)
         return F.rms_norm(hidden + residual, (dim,), self.final_norm, self.final_eps)
 
 
@@ -149,6 +176,7 @@ class CompiledFlatModel(FusedFlatModel):
             self._run = entry[1]
             self._warm_up()
         self._run = entry[1]
+        self.eager_rows = SMALL_ROWS
 
     def _warm_up(self, rows: int = WARM_UP_ROWS) -> None:
         """Compile now (start-up), on a dummy step of ``rows`` rows whose attention returns zeros:
@@ -176,7 +204,7 @@ class CompiledFlatModel(FusedFlatModel):
         """input_ids, positions [N] -> final hidden [N, D] in ``linear_dtype``. Steps of at most
         ``SMALL_ROWS`` rows take FusedFlatModel's eager path when its small-batch linear kernel
         is in use (faster there than the graph's oneDNN matmuls)."""
-        if self.small and input_ids.shape[0] <= SMALL_ROWS:
+        if self.small and input_ids.shape[0] <= self.eager_rows:
             return super().forward(input_ids, positions, kv_caches, meta, backend)
         cfg, work = self.cfg, self.linear_dtype
         hidden = self.model.model.embed_tokens(input_ids).to(work)  # [N, D]

@@ -1,6 +1,6 @@
 """Linear layers for the few rows of a CPU decode step (``cpu_linear_kernel.cpp``), float32.
 
-At 1-64 rows oneDNN's and MKL's matmuls leave part of the CPU's FMA throughput unused (they are
+At up to a few hundred rows oneDNN's and MKL's matmuls leave part of the CPU's FMA throughput unused (they are
 blocked for many rows); a decode step of the bench's small model at 16 requests spends ~70% of
 its time in them. ``SmallLinear`` packs a weight once into 16-column panels that a small C++
 kernel streams once per call, every row of the input meeting each panel while it is in cache.
@@ -19,7 +19,6 @@ from engine.serve.cpu_attention import build_library
 
 SOURCE = Path(__file__).with_name("cpu_linear_kernel.cpp")
 PANEL = 16  # output columns per packed panel (two 8-float vectors)
-MAX_ROWS = 64  # more rows than this: oneDNN's prepacked matmul is as fast or faster
 MIN_PANELS_PER_THREAD = 8  # fewer panels than this per thread: one thread does them all
 _library: ctypes.CDLL | None = None
 _failed: str | None = None
