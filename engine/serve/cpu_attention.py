@@ -17,7 +17,7 @@ gather plus ``bmm`` it replaces; the copy's cost moved into poorly vectorised in
 The kernel is compiled on first use with the host's C++ compiler (``$CXX``, else ``c++``; the
 same compiler TorchInductor needs) into a cache directory, and loaded with ctypes: no extension
 build, no torch headers, about a second. With ``torch.get_num_threads()`` > 1 the step's rows
-are split over that many threads (ctypes releases the GIL during the call).
+are shared by that many threads in small chunks (``run_shared``; ctypes releases the GIL).
 """
 from __future__ import annotations
 
@@ -107,9 +107,31 @@ def load_kernel() -> ctypes.CDLL:
     for name in DTYPES.values():
         fn = getattr(_library, f"paged_decode_{name}")
         fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 \
-            + [ctypes.c_double, ctypes.c_int64]
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                               ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_double, ctypes.c_int64]
     return _library
+
+
+_helpers: ThreadPoolExecutor | None = None
+
+
+def run_shared(call, total: int, threads: int, chunks_per_thread: int = 4) -> None:
+    """Run a kernel entry over ``total`` items on ``threads`` threads: ``call(chunk, counters,
+    wait)`` calls the entry, whose threads claim ``chunk`` items at a time from the shared int64
+    ``counters`` (see ``share`` in the .cpp files). This thread works too and returns when every
+    item is done; a helper thread that starts late (a busy machine) finds nothing left, so no
+    step waits for a thread the OS has not scheduled."""
+    global _helpers
+    counters = np.zeros(2, dtype=np.int64)
+    if threads <= 1 or total < 2:
+        call(max(total, 1), counters.ctypes.data, 1)
+        return
+    if _helpers is None or _helpers._max_workers < threads - 1:
+        _helpers = ThreadPoolExecutor(threads - 1)
+    chunk = max(1, -(-total // (threads * chunks_per_thread)))
+    for _ in range(threads - 1):  # the work item holds ``counters`` until a helper has run it
+        _helpers.submit(lambda c=counters: call(chunk, c.ctypes.data, 0))
+    call(chunk, counters.ctypes.data, 1)
 
 
 class CPUBackend(TorchBackend):
@@ -134,7 +156,6 @@ class CPUBackend(TorchBackend):
         super().__init__(**options)
         self.prefill_in_place = prefill_in_place
         self._lib = load_kernel()
-        self._pool: ThreadPoolExecutor | None = None
         self._rows_key: tuple[BatchMeta, int] | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
 
@@ -152,12 +173,12 @@ class CPUBackend(TorchBackend):
         n, hq, d = q.shape
         if hq % cache[0].shape[2] != 0:
             raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({cache[0].shape[2]})")
-        tables, q_pos, cuts = self._row_plan(meta, n)
-        return self._run(q, cache, tables, q_pos, cuts, 1.0 / math.sqrt(d) if scale is None else scale, window)
+        tables, q_pos = self._row_plan(meta, n)
+        return self._run(q, cache, tables, q_pos, 1.0 / math.sqrt(d) if scale is None else scale, window)
 
-    def _row_plan(self, meta: BatchMeta, n: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def _row_plan(self, meta: BatchMeta, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row: its request's block table (int32 [N, W]) and position (int64 [N]; -1 for a
-        padding row), and where to cut the rows for the kernel's threads (equal shares of keys)."""
+        padding row)."""
         if self._rows_key is not None and self._rows_key[0] is meta and self._rows_key[1] == n:
             return self._rows
         qsl = meta.query_start_loc_cpu.numpy().astype(np.int64)  # [R + 1]
@@ -177,12 +198,7 @@ class CPUBackend(TorchBackend):
         if tables.shape[0] < n:  # padding rows past the requests' rows: any table, no keys read
             tables = torch.cat([tables, tables.new_zeros((n - tables.shape[0], width))])
         tables = tables.to(torch.int32).contiguous()
-        threads = min(torch.get_num_threads(), n // MIN_ROWS_PER_THREAD)
-        cuts = [0, n]
-        if threads > 1:  # equal shares of keys read, not of rows (a prefill's last rows read the most)
-            work = np.cumsum(np.maximum(q_pos, 0) + 1)
-            cuts = [0, *np.searchsorted(work, work[-1] * np.arange(1, threads) / threads).tolist(), n]
-        self._rows_key, self._rows = (meta, n), (tables, torch.from_numpy(q_pos), cuts)
+        self._rows_key, self._rows = (meta, n), (tables, torch.from_numpy(q_pos))
         return self._rows
 
     def _forward_identity(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float,
@@ -198,15 +214,11 @@ class CPUBackend(TorchBackend):
 
     def _decode(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float, window: int) -> torch.Tensor:
         """One query row per tile: q [G, Hq, D] -> [G, Hq, D], keys read through ``group.tables``."""
-        g = q.shape[0]
-        threads = min(torch.get_num_threads(), g // MIN_ROWS_PER_THREAD)
-        cuts = [g * i // max(threads, 1) for i in range(max(threads, 1) + 1)]
-        return self._run(q, cache, group.tables, group.q_pos[:, 0], cuts, scale, window)
+        return self._run(q, cache, group.tables, group.q_pos[:, 0], scale, window)
 
-    def _run(self, q: torch.Tensor, cache: KVCache, tables: torch.Tensor, q_pos: torch.Tensor, cuts: list[int],
-             scale: float, window: int) -> torch.Tensor:
-        """The kernel on rows q [G, Hq, D] with their tables [G, W] and positions [G] -> [G, Hq, D];
-        rows cuts[i]:cuts[i + 1] on thread i."""
+    def _run(self, q: torch.Tensor, cache: KVCache, tables: torch.Tensor, q_pos: torch.Tensor, scale: float,
+             window: int) -> torch.Tensor:
+        """The kernel on rows q [G, Hq, D] with their tables [G, W] and positions [G] -> [G, Hq, D]."""
         k_pool, v_pool = cache
         if q.dtype != k_pool.dtype:
             raise ValueError(f"queries ({q.dtype}) and pool ({k_pool.dtype}) must share a dtype")
@@ -218,14 +230,9 @@ class CPUBackend(TorchBackend):
         g, hq, d = q.shape
         _, bs, hkv, _ = k_pool.shape
         fn = getattr(self._lib, f"paged_decode_{DTYPES[q.dtype]}")
-        args = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(),
-                tables.stride(0), q_pos.data_ptr())
+        head = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(),
+                tables.stride(0), q_pos.data_ptr(), g)
         tail = (hq, hkv, d, bs, float(scale), int(window))
-        if len(cuts) <= 2:
-            fn(*args, 0, g, *tail)
-            return out
-        threads = len(cuts) - 1
-        if self._pool is None or self._pool._max_workers != threads:
-            self._pool = ThreadPoolExecutor(threads)
-        list(self._pool.map(lambda i: fn(*args, cuts[i], cuts[i + 1], *tail), range(threads)))
+        threads = min(torch.get_num_threads(), g // MIN_ROWS_PER_THREAD)
+        run_shared(lambda chunk, counters, wait: fn(*head, chunk, counters, wait, *tail), g, threads)
         return out

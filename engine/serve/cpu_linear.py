@@ -10,19 +10,17 @@ like the attention kernel; ``available()`` says whether it could be built here.
 from __future__ import annotations
 
 import ctypes
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from engine.serve.cpu_attention import build_library
+from engine.serve.cpu_attention import build_library, run_shared
 
 SOURCE = Path(__file__).with_name("cpu_linear_kernel.cpp")
 PANEL = 16  # output columns per packed panel (two 8-float vectors)
 MIN_PANELS_PER_THREAD = 8  # fewer panels than this per thread: one thread does them all
 _library: ctypes.CDLL | None = None
 _failed: str | None = None
-_pool: ThreadPoolExecutor | None = None
 
 
 def library() -> ctypes.CDLL | None:
@@ -35,7 +33,7 @@ def library() -> ctypes.CDLL | None:
             _failed = str(exc)
             return None
         lib.linear_float32.restype = None
-        lib.linear_float32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
+        lib.linear_float32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64]
         _library = lib
     return _library
 
@@ -56,18 +54,11 @@ class SmallLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 -> [M, N]."""
-        global _pool
         x = x.contiguous()
         m = x.shape[0]
         y = x.new_empty((m, self.n))
         p = self.panels.shape[0]
         args = (x.data_ptr(), self.panels.data_ptr(), y.data_ptr(), m, self.k, self.n)
         threads = min(torch.get_num_threads(), p // MIN_PANELS_PER_THREAD)
-        if threads <= 1:
-            self.fn(*args, 0, p)
-            return y
-        if _pool is None or _pool._max_workers != threads:
-            _pool = ThreadPoolExecutor(threads)
-        cuts = [p * i // threads for i in range(threads + 1)]
-        list(_pool.map(lambda i: self.fn(*args, cuts[i], cuts[i + 1]), range(threads)))
+        run_shared(lambda chunk, counters, wait: self.fn(*args, chunk, counters, wait), p, threads)
         return y
