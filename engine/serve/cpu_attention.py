@@ -115,7 +115,7 @@ def load_kernel() -> ctypes.CDLL:
 _helpers: ThreadPoolExecutor | None = None
 
 
-def run_shared(call, total: int, threads: int, chunks_per_thread: int = 4) -> None:
+def run_shared(call, total: int, threads: int, chunks_per_thread: int = 8) -> None:
     """Run a kernel entry over ``total`` items on ``threads`` threads: ``call(chunk, counters,
     wait)`` calls the entry, whose threads claim ``chunk`` items at a time from the shared int64
     ``counters`` (see ``share`` in the .cpp files). This thread works too and returns when every
