@@ -17,7 +17,8 @@ gather plus ``bmm`` it replaces; the copy's cost moved into poorly vectorised in
 The kernel is compiled on first use with the host's C++ compiler (``$CXX``, else ``c++``; the
 same compiler TorchInductor needs) into a cache directory, and loaded with ctypes: no extension
 build, no torch headers, about a second. With ``torch.get_num_threads()`` > 1 the step's rows
-are shared by that many threads in small chunks (``run_shared``; ctypes releases the GIL).
+are shared by that many threads in small chunks (the kernel's own helper threads; ctypes
+releases the GIL during the call).
 """
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -72,7 +72,8 @@ def cpu_signature() -> str:
 
 def kernel_path(compiler: str, source: Path = SOURCE) -> Path:
     """The cached library for this source, compiler, flags and CPU."""
-    key = hashlib.sha256(source.read_bytes() + "\0".join((compiler, *FLAGS, cpu_signature())).encode())
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("cpu_*.h")))  # what the sources include
+    key = hashlib.sha256(source.read_bytes() + headers + "\0".join((compiler, *FLAGS, cpu_signature())).encode())
     return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
@@ -107,31 +108,9 @@ def load_kernel() -> ctypes.CDLL:
     for name in DTYPES.values():
         fn = getattr(_library, f"paged_decode_{name}")
         fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                               ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_double, ctypes.c_int64]
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 \
+            + [ctypes.c_double, ctypes.c_int64]
     return _library
-
-
-_helpers: ThreadPoolExecutor | None = None
-
-
-def run_shared(call, total: int, threads: int, chunks_per_thread: int = 8) -> None:
-    """Run a kernel entry over ``total`` items on ``threads`` threads: ``call(chunk, counters,
-    wait)`` calls the entry, whose threads claim ``chunk`` items at a time from the shared int64
-    ``counters`` (see ``share`` in the .cpp files). This thread works too and returns when every
-    item is done; a helper thread that starts late (a busy machine) finds nothing left, so no
-    step waits for a thread the OS has not scheduled."""
-    global _helpers
-    counters = np.zeros(2, dtype=np.int64)
-    if threads <= 1 or total < 2:
-        call(max(total, 1), counters.ctypes.data, 1)
-        return
-    if _helpers is None or _helpers._max_workers < threads - 1:
-        _helpers = ThreadPoolExecutor(threads - 1)
-    chunk = max(1, -(-total // (threads * chunks_per_thread)))
-    for _ in range(threads - 1):  # the work item holds ``counters`` until a helper has run it
-        _helpers.submit(lambda c=counters: call(chunk, c.ctypes.data, 0))
-    call(chunk, counters.ctypes.data, 1)
 
 
 class CPUBackend(TorchBackend):
@@ -233,6 +212,5 @@ class CPUBackend(TorchBackend):
         head = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(),
                 tables.stride(0), q_pos.data_ptr(), g)
         tail = (hq, hkv, d, bs, float(scale), int(window))
-        threads = min(torch.get_num_threads(), g // MIN_ROWS_PER_THREAD)
-        run_shared(lambda chunk, counters, wait: fn(*head, chunk, counters, wait, *tail), g, threads)
+        fn(*head, max(1, min(torch.get_num_threads(), g // MIN_ROWS_PER_THREAD)), *tail)
         return out

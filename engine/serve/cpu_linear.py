@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.serve.cpu_attention import build_library, run_shared
+from engine.serve.cpu_attention import build_library
 
 SOURCE = Path(__file__).with_name("cpu_linear_kernel.cpp")
 PANEL = 16  # output columns per packed panel (two 8-float vectors)
@@ -33,7 +33,7 @@ def library() -> ctypes.CDLL | None:
             _failed = str(exc)
             return None
         lib.linear_float32.restype = None
-        lib.linear_float32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64]
+        lib.linear_float32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
         _library = lib
     return _library
 
@@ -59,6 +59,5 @@ class SmallLinear:
         y = x.new_empty((m, self.n))
         p = self.panels.shape[0]
         args = (x.data_ptr(), self.panels.data_ptr(), y.data_ptr(), m, self.k, self.n)
-        threads = min(torch.get_num_threads(), p // MIN_PANELS_PER_THREAD)
-        run_shared(lambda chunk, counters, wait: self.fn(*args, chunk, counters, wait), p, threads)
+        self.fn(*args, max(1, min(torch.get_num_threads(), p // MIN_PANELS_PER_THREAD)))
         return y

@@ -6,12 +6,13 @@
 // once into panels of 16 output columns: panel j holds W[16 j .. 16 j + 15][k] for k = 0 .. K-1,
 // k-major (N padded to a multiple of 16 with zero rows). Each call streams each panel once, and
 // the panel meets every row of x while it sits in cache, 6 rows at a time: 12 vector
-// accumulators, two vector loads and six broadcasts per k. Threads calling it with the same
-// counters share the panels (`share`), so that the caller can split the columns over threads.
+// accumulators, two vector loads and six broadcasts per k. With threads > 1 the panels are
+// shared by the caller and the library's helper threads (`share`, cpu_kernel_share.h).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <thread>
+
+#include "cpu_kernel_share.h"
 
 namespace {
 
@@ -46,31 +47,12 @@ void panel_rows(const float* x, int64_t ldx, const float* panel, int64_t k_dim, 
   }
 }
 
-// Work sharing for a call split over threads: every thread (the caller's included) claims chunks
-// of `chunk` items from counters[0] until none are left, and adds what it finished to
-// counters[1]. The caller (wait != 0) then waits until every item is done; a helper thread that
-// starts late (a busy machine) finds nothing left and returns at once, so nobody waits for it.
-template <typename F>
-void share(int64_t total, int64_t chunk, int64_t* counters, int64_t wait, F&& run) {
-  for (;;) {
-    const int64_t c = __atomic_fetch_add(&counters[0], 1, __ATOMIC_RELAXED);
-    const int64_t begin = c * chunk;
-    if (begin >= total) break;
-    const int64_t end = std::min(total, begin + chunk);
-    run(begin, end);
-    __atomic_fetch_add(&counters[1], end - begin, __ATOMIC_RELEASE);
-  }
-  if (wait) {
-    while (__atomic_load_n(&counters[1], __ATOMIC_ACQUIRE) < total) std::this_thread::yield();
-  }
-}
-
 }  // namespace
 
 extern "C" void linear_float32(const float* x, const float* packed, float* y, int64_t m, int64_t k_dim, int64_t n,
-                               int64_t chunk, int64_t* counters, int64_t wait) {
+                               int64_t threads) {
   const int64_t panels = (n + 15) / 16;
-  share(panels, chunk, counters, wait, [&](int64_t panel_begin, int64_t panel_end) {
+  share(panels, threads, [&](int64_t panel_begin, int64_t panel_end) {
     for (int64_t j = panel_begin; j < panel_end; ++j) {
       const float* panel = packed + j * k_dim * 16;
       const int64_t cols = std::min<int64_t>(16, n - j * 16);

@@ -3,8 +3,8 @@
 //
 // Built at first use by engine/serve/cpu_attention.py (the host's C++ compiler, -O3
 // -march=native) and called through ctypes; it depends on no header beyond the C++ standard
-// library. Each thread that calls it with the same counters takes chunks of the batch's rows
-// (`share`), so that the caller can split a step over threads (ctypes releases the GIL). A row is any query: a decode,
+// library. With threads > 1 the batch's rows are shared by the caller and the library's helper
+// threads (`share`, cpu_kernel_share.h). A row is any query: a decode,
 // or one row of a prefill chunk (its q_pos tells how many keys it sees); q_pos < 0 marks a
 // padding row, whose output is zeros.
 //
@@ -25,8 +25,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <vector>
+
+#include "cpu_kernel_share.h"
 
 namespace {
 
@@ -285,33 +286,14 @@ void attend_rows(const T* q, const T* k_pool, const T* v_pool, T* out, const int
   }
 }
 
-// Work sharing for a call split over threads: every thread (the caller's included) claims chunks
-// of `chunk` items from counters[0] until none are left, and adds what it finished to
-// counters[1]. The caller (wait != 0) then waits until every item is done; a helper thread that
-// starts late (a busy machine) finds nothing left and returns at once, so nobody waits for it.
-template <typename F>
-void share(int64_t total, int64_t chunk, int64_t* counters, int64_t wait, F&& run) {
-  for (;;) {
-    const int64_t c = __atomic_fetch_add(&counters[0], 1, __ATOMIC_RELAXED);
-    const int64_t begin = c * chunk;
-    if (begin >= total) break;
-    const int64_t end = std::min(total, begin + chunk);
-    run(begin, end);
-    __atomic_fetch_add(&counters[1], end - begin, __ATOMIC_RELEASE);
-  }
-  if (wait) {
-    while (__atomic_load_n(&counters[1], __ATOMIC_ACQUIRE) < total) std::this_thread::yield();
-  }
-}
-
 }  // namespace
 
 #define ENTRY(NAME, T, W)                                                                        \
   extern "C" void NAME(const void* q, const void* k, const void* v, void* out,                  \
                        const int32_t* tables, int64_t table_stride, const int64_t* q_pos,       \
-                       int64_t rows, int64_t chunk, int64_t* counters, int64_t wait, int64_t hq,  \
+                       int64_t rows, int64_t threads, int64_t hq,                               \
                        int64_t hkv, int64_t d, int64_t bs, double scale, int64_t window) {      \
-    share(rows, chunk, counters, wait, [&](int64_t begin, int64_t end) {                         \
+    share(rows, threads, [&](int64_t begin, int64_t end) {                                       \
       attend_rows<T, W>(static_cast<const T*>(q), static_cast<const T*>(k),                     \
                         static_cast<const T*>(v), static_cast<T*>(out), tables, table_stride,   \
                         q_pos, begin, end, hq, hkv, d, bs, scale, window);                      \
