@@ -35,7 +35,7 @@ from engine.serve.flat import FlatModel
 
 
 PACK_BATCH = 256  # the row count oneDNN lays packed weights out for (a hint; any row count works)
-SMALL_ROWS = 256  # at most this many rows (decode steps): the small-batch kernel, where it is used (FusedFlatModel.small)
+SMALL_ROWS = 256  # at most this many rows (decode steps): the small-batch kernel, where used (.small)
 
 
 def packable(dtype: torch.dtype, device: torch.device) -> bool:

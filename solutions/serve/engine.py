@@ -47,7 +47,7 @@ class EngineConfig:
     seed: int = 0
     sampler: str = "simple"
     fuse_ops: bool = False  # run the model through FusedFlatModel (merged projections, fused elementwise ops)
-    compile: bool = False  # with fuse_ops: the layers as one TorchInductor graph (CompiledFlatModel; compiles on first steps)
+    compile: bool = False  # with fuse_ops: the layers as one TorchInductor graph (CompiledFlatModel)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
