@@ -17,10 +17,11 @@ Shapes: the row count N is dynamic (one graph serves every step size; a step of 
 compile a second one). Compilation happens when the first engine on a model is built (a dummy
 step of ``WARM_UP_ROWS`` rows), needs a C++ compiler (TorchInductor's CPU code is C++), and takes
 10-60 s on a small CPU; one compiled graph is shared by every engine built on the same model
-object (the bench builds a fresh engine per run). In float32 on a CPU, steps of at most
-``SMALL_ROWS`` rows (decodes) skip the graph for FusedFlatModel's eager path and its small-batch
-linear kernel, which beats the graph's oneDNN matmuls there (docs/performance.md). Results equal FusedFlatModel's
-up to summation order. Dense (non-MoE) Qwen3 models only.
+object (the bench builds a fresh engine per run). Where FusedFlatModel uses the small-batch
+linear kernel (float32 linears on a CPU), the graph calls it too (custom op
+``engine_serve::linear``), and steps of at most ``SMALL_ROWS`` rows (decodes) skip the graph for
+FusedFlatModel's eager path, which is faster there (docs/performance.md). Results equal
+FusedFlatModel's up to summation order. Dense (non-MoE) Qwen3 models only.
 """
 from __future__ import annotations
 
@@ -145,7 +146,8 @@ class _Layers(nn.Module):
         return F.rms_norm(hidden + residual, (dim,), self.final_norm, self.final_eps)
 
 
-_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (linear dtype, compiled fn)
+# model -> ((linear dtype, model dtype), compiled fn)
+_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def inductor_available() -> str | None:
@@ -170,8 +172,8 @@ class CompiledFlatModel(FusedFlatModel):
         if any(not isinstance(layer.mlp, Qwen3MLP) for layer in model.model.layers):
             raise ValueError("compile=True serves dense models only (this one has MoE layers); use compile=False")
         entry = _compiled.get(model)
-        if entry is None or entry[0] != self.linear_dtype:
-            entry = (self.linear_dtype, torch.compile(_Layers(self).eval(), dynamic=True, fullgraph=True))
+        if entry is None or entry[0] != (self.linear_dtype, self.dtype):
+            entry = ((self.linear_dtype, self.dtype), torch.compile(_Layers(self).eval(), dynamic=True, fullgraph=True))
             _compiled[model] = entry
             self._run = entry[1]
             self._warm_up()
@@ -203,7 +205,7 @@ class CompiledFlatModel(FusedFlatModel):
                 meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [N] -> final hidden [N, D] in ``linear_dtype``. Steps of at most
         ``SMALL_ROWS`` rows take FusedFlatModel's eager path when its small-batch linear kernel
-        is in use (faster there than the graph's oneDNN matmuls)."""
+        is in use (there the graph's per-call cost outweighs what its fusion saves)."""
         if self.small and input_ids.shape[0] <= self.eager_rows:
             return super().forward(input_ids, positions, kv_caches, meta, backend)
         cfg, work = self.cfg, self.linear_dtype
