@@ -239,7 +239,7 @@ def compare_engines(model, workload: Workload, fast_backend: str, engines: list[
     factories = {
         "ch24": lambda: SlotRunner(model, slots, max_len),
         "reference": lambda: CoreRunner(model, "reference", max_num_seqs=256),
-        "fast": lambda: CoreRunner(model, fast_backend, max_num_seqs=256, fuse_ops=True),
+        "fast": lambda: CoreRunner(model, fast_backend, max_num_seqs=256, **fast_config(fast_backend)),
         "hf": (lambda: HFRunner(hf, hf_batch)) if hf is not None else None,
         **(peers or {}),
     }
@@ -282,7 +282,7 @@ class _StepClock:
 
 
 def scaling_point(model, backend: str, num_requests: int, steps: int = 20, prompt_len: int = 64,
-                  seed: int = 0, fuse_ops: bool = False) -> dict:
+                  seed: int = 0, fuse_ops: bool = False, compile: bool = False) -> dict:
     """``num_requests`` distinct prompts decoding together: median step time, its split, tok/s."""
     rng = random.Random(seed)
     vocab = model.cfg.vocab_size
@@ -293,7 +293,7 @@ def scaling_point(model, backend: str, num_requests: int, steps: int = 20, promp
     num_blocks = num_requests * -(-(prompt_len + steps + 8) // bs) + 1
     core = EngineCore(model, EngineConfig(attention_backend=backend, max_num_seqs=max(256, num_requests),
                                           max_num_batched_tokens=max(2048, num_requests), num_blocks=num_blocks,
-                                          fuse_ops=fuse_ops))
+                                          fuse_ops=fuse_ops, compile=compile))
     for i in range(num_requests):
         core.add_request(f"s{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
                          SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=0.0))
@@ -404,6 +404,12 @@ def default_fast_backend(device: torch.device) -> str:
         return "torch"
 
 
+def fast_config(fast_backend: str) -> dict:
+    """The fast core's EngineConfig options: fuse_ops, plus the layers compiled by TorchInductor
+    (``CompiledFlatModel``) with the ``cpu`` backend (which implies a C++ compiler)."""
+    return {"fuse_ops": True, "compile": fast_backend == "cpu"}
+
+
 def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str | None = None,
               scaling: tuple[int, ...] = SCALING_POINTS, scaling_backends: tuple[str, ...] | None = None,
               scaling_steps: int = 20, scale: float = 1.0, seed: int = 0, hf_batch: int = 64,
@@ -435,7 +441,7 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
     for backend in scaling_backends or ("reference", fast_backend):
         for r in scaling:
             points.append(scaling_point(model, backend, r, steps=scaling_steps, seed=seed,
-                                        fuse_ops=backend == fast_backend))
+                                        **(fast_config(fast_backend) if backend == fast_backend else {})))
             print(f"  scaling {backend} R={r}: {points[-1]['step_ms']:.2f} ms/step", flush=True)
     if points:
         print_scaling(points)

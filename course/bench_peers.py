@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from course.bench import (MODEL_PRESETS, WORKLOADS, CoreRunner, compare_engines, make_workload,
+from course.bench import (MODEL_PRESETS, WORKLOADS, CoreRunner, compare_engines, fast_config, make_workload,
                           print_results, release_memory, scaling_point)
 from course.workloads import WorkItem
 
@@ -136,7 +136,7 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
     print(f"\n=== {str(dtype).removeprefix('torch.')}, {threads} thread(s): core/{backend} vs vLLM-CPU "
           f"(block sizes {', '.join(map(str, block_sizes))}) ===", flush=True)
     core_start = time.perf_counter()
-    CoreRunner(model, backend, fuse_ops=True).serve([WorkItem("warm", list(range(8)), 4)])
+    CoreRunner(model, backend, **fast_config(backend)).serve([WorkItem("warm", list(range(8)), 4)])
     core_startup = round(time.perf_counter() - core_start, 2)
     peers = {}
     try:
@@ -159,7 +159,8 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
         for r_count in decode_points:
             row = {"requests": r_count}
             for _ in range(decode_tries):  # round-robin: each engine in turn, the fastest kept
-                ms = scaling_point(model, backend, r_count, steps=decode_steps, prompt_len=64, fuse_ops=True)["step_ms"]
+                ms = scaling_point(model, backend, r_count, steps=decode_steps, prompt_len=64,
+                                   **fast_config(backend))["step_ms"]
                 row[f"core/{backend}"] = min(row.get(f"core/{backend}", ms), ms)
                 release_memory()
                 for k, runner in peers.items():

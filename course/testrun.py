@@ -28,8 +28,8 @@ CHAPTER_TESTS = "tests/test_ch31_engine_v2.py"
 # The variable that redirects what a test session imports; a child gets it only when asked to.
 REDIRECTS = ("ENGINE_IMPL",)
 # What a workspace leaves out of the copy of this repository.
-_NOT_COPIED = shutil.ignore_patterns(".git", ".venv", "grades", "__pycache__", ".pytest_cache", ".hypothesis",
-                                     "*.egg-info", ".skeleton-backup", "bench_results", "notebooks", "chapters")
+_NOT_COPIED = shutil.ignore_patterns(".git", ".venv", ".venv-peers", "grades", "__pycache__", ".pytest_cache",
+                                     ".hypothesis", "*.egg-info", ".skeleton-backup", "bench_results", "notebooks", "chapters")
 
 
 def chapter_files() -> list[str]:

@@ -2,14 +2,16 @@
 
     python scripts/levers.py attention [--requests 64] [--context 200]   decode attention, one layer
     python scripts/levers.py step [--requests 64] [--dtype float32]      one engine decode step
+    python scripts/levers.py step --prefill [--requests 8]               one prefill step (a fresh engine's first)
     python scripts/levers.py elementwise                                  eager vs compiled norms/RoPE/SiLU
 
 ``attention`` times one layer's decode attention on the bench's small-model shapes (8 query / 4
 kv heads of 64, blocks of 16): TorchBackend (gather, then bmm), CPUBackend (the C++ kernel reading
 the pool in place) and the same gather-free attention written as tensor indexing and compiled by
 TorchInductor (the lever measured first and not kept). ``step`` times the core's decode step with
-R requests of ~200-token contexts, for the torch backend, the cpu backend, and the cpu backend with
-``fuse_ops``. ``elementwise`` times one layer's residual adds, norms, RoPE and SiLU-mul, eager
+R requests of ~200-token contexts (``--prefill``: a fresh engine's first step over R prompts), for
+the torch backend, the cpu backend, the cpu backend with ``fuse_ops``, and with ``fuse_ops`` and
+``compile`` (``--variants`` picks). ``elementwise`` times one layer's residual adds, norms, RoPE and SiLU-mul, eager
 against TorchInductor-compiled, at 16, 64 and 600 rows.
 """
 from __future__ import annotations
@@ -100,20 +102,56 @@ def step(args) -> None:
 
     dtype = getattr(torch, args.dtype)
     model = tiny_model(seed=0, **MODEL_PRESETS["small"]).to(dtype)
-    cores = {}
-    for name in ("torch", "cpu", "cpu+fused"):
+    variants = args.variants.split(",")
+
+    def engine(name: str, prefill: bool) -> EngineCore:
         rng = random.Random(0)
-        core = EngineCore(model, EngineConfig(attention_backend=name.split("+")[0], fuse_ops=name.endswith("+fused"),
-                                              num_blocks=args.requests * 20 + 1))
+        backend, _, fuse = name.partition("+")
+        core = EngineCore(model, EngineConfig(attention_backend=backend.removesuffix("/tiles"), fuse_ops=bool(fuse),
+                                              compile=fuse.startswith("compiled"), num_blocks=args.requests * 20 + 1))
+        if backend == "cpu/tiles":  # the cpu backend's previous design: only decode rows in the kernel
+            core.runner.backend.prefill_in_place = False
+        if fuse == "compiled/all":  # every step through the graph (by default decodes take the eager path)
+            core.flat.eager_rows = 0
+        if fuse.endswith("/onednn"):  # every linear through oneDNN, none through the small-batch kernel
+            for linear in [core.flat.lm_head, *(w for entry in core.flat.layers for w in entry.values())]:
+                if hasattr(linear, "small"):
+                    linear.small = None
         for i in range(args.requests):
             core.add_request(f"s{i}", [rng.randrange(512) for _ in range(args.context)],
                              SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0))
-        while any(r.num_computed_tokens < r.num_prompt_tokens - 1 for r in core.scheduler.requests.values()):
-            core.step()
-        cores[name] = core
-    res = interleaved({k: c.step for k, c in cores.items()}, args.rounds)
-    print(f"decode step, R={args.requests}, context ~{args.context}, {args.dtype}, "
-          f"{torch.get_num_threads()} thread(s): {res}")
+        if not prefill:
+            while any(r.num_computed_tokens < r.num_prompt_tokens - 1 for r in core.scheduler.requests.values()):
+                core.step()
+        return core
+
+    if args.prefill:  # the first step of a fresh engine: every prompt's first chunk
+        pending = {name: engine(name, True) for name in variants}
+
+        def first_step(name):
+            def run():
+                core = pending.pop(name)
+                start = time.perf_counter()
+                core.step()
+                took = time.perf_counter() - start
+                pending[name] = engine(name, True)  # built outside the timed part
+                return took
+            return run
+        fns = {name: first_step(name) for name in variants}
+        times = {k: [] for k in fns}
+        for f in fns.values():
+            f()
+        for _ in range(args.rounds):
+            for k, f in fns.items():
+                times[k].append(f())
+        res = {k: round(statistics.median(v) * 1000, 3) for k, v in times.items()}
+        what = f"prefill step ({min(args.requests * args.context, 2048)} rows)"
+    else:
+        cores = {name: engine(name, False) for name in variants}
+        res = interleaved({k: c.step for k, c in cores.items()}, args.rounds)
+        what = "decode step"
+    print(f"{what}, R={args.requests}, context ~{args.context}, {args.dtype}, "
+          f"{torch.get_num_threads()} thread(s), ms: {res}")
 
 
 def elementwise(args) -> None:
@@ -164,6 +202,11 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--variants", default="torch,cpu,cpu+fused,cpu+compiled",
+                    help="step: engines to compare (backend, +fused: fuse_ops, +compiled: fuse_ops and compile; "
+                         "cpu/tiles: the cpu backend with prefill tiles gathered for SDPA; +fused/onednn: "
+                         "no small-batch linear kernel)")
+    ap.add_argument("--prefill", action="store_true", help="step: time a fresh engine's first (prefill) step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     {"attention": attention, "step": step, "elementwise": elementwise}[args.what](args)

@@ -273,17 +273,18 @@ def test_engine_with_cascade_attention_matches_generate():
 # ----- the CPU backend: decode rows read the pool in place (a C++ kernel) ----------------------
 @pytest.mark.parametrize("seed,block_size,hq,hkv,window", CASES)
 def test_cpu_backend_matches_reference(seed, block_size, hq, hkv, window):
-    """Mixed batches: decode rows through the kernel, multi-row requests through the tile path."""
+    """Mixed batches: every row through the kernel (the default), or multi-row requests through the tile path."""
     from engine.serve.backends.cpu_attention import CPUBackend
 
     q, cache, meta = random_paged_batch(seed, block_size, hq, hkv)
     want = ReferenceBackend().forward(q, cache, meta, window=window)
-    got = CPUBackend().forward(q, cache, meta, window=window)
-    err = (got - want).abs().max().item()
-    assert err < 1e-5, (f"CPUBackend differs from the reference by {err:.2e} (block_size={block_size}, "
-                        f"Hq={hq}, Hkv={hkv}, window={window})")
-    num_real = int((meta.seq_lens_cpu > 0).sum())
-    assert got[int(meta.query_start_loc_cpu[num_real]):].abs().max().item() == 0.0, "padding rows must be zeros"
+    for in_place in (True, False):  # every row through the kernel / prefill tiles through SDPA
+        got = CPUBackend(prefill_in_place=in_place).forward(q, cache, meta, window=window)
+        err = (got - want).abs().max().item()
+        assert err < 1e-5, (f"CPUBackend(prefill_in_place={in_place}) differs from the reference by {err:.2e} "
+                            f"(block_size={block_size}, Hq={hq}, Hkv={hkv}, window={window})")
+        num_real = int((meta.seq_lens_cpu > 0).sum())
+        assert got[int(meta.query_start_loc_cpu[num_real]):].abs().max().item() == 0.0, "padding rows must be zeros"
 
 
 def test_cpu_backend_dtypes():
@@ -299,3 +300,13 @@ def test_cpu_backend_dtypes():
     assert (got - ReferenceBackend().forward(q, cache, meta, scale=0.3)).abs().max().item() < 1e-12
     with pytest.raises(ValueError, match="'cpu' attention backend serves"):
         CPUBackend().allocate((2, 4, 2, 8), torch.float16, "cpu")
+
+
+def test_cpu_kernel_cache_key_names_the_cpu(monkeypatch):
+    """The kernel is built with -march=native: another CPU (model or feature flags) gets its own build."""
+    from engine.serve.backends import cpu_attention
+
+    here = cpu_attention.kernel_path("c++")
+    assert here == cpu_attention.kernel_path("c++"), "the cache key must be stable on one machine"
+    monkeypatch.setattr(cpu_attention, "cpu_signature", lambda: "x86_64|model name=Other CPU|flags=sse2")
+    assert cpu_attention.kernel_path("c++") != here, "a kernel built for one CPU was keyed for every CPU"

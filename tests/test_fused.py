@@ -87,3 +87,22 @@ def test_fused_float32_prepacked_matches_generate():
     out = core.run_until_done()
     for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
         assert out[f"r{i}"] == generate(model, p, m), f"prepacked float32: request r{i} differs from generate()"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_small_linear_matches_f_linear(threads, monkeypatch):
+    """The small-batch float32 kernel (decode steps' linears): F.linear's result up to summation
+    order, for row counts around its 6-row blocks and a column count that is not a multiple of 16."""
+    from engine.serve.backends.cpu_linear import SmallLinear, library
+
+    assert library() is not None, "the small-batch linear kernel did not build (is there a C++ compiler?)"
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the kernel splits panels by torch's setting
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(296, 72, generator=gen)  # 19 panels, the last one 8 columns wide
+    small = SmallLinear(weight)
+    for rows in (1, 5, 6, 7, 13, 64):
+        x = torch.randn(rows, 72, generator=gen)
+        err = (small(x) - torch.nn.functional.linear(x, weight)).abs().max().item()
+        assert err < 1e-4, f"SmallLinear differs from F.linear by {err:.2e} at {rows} rows ({threads} thread(s))"
+    with pytest.raises(ValueError, match="float32"):
+        SmallLinear(weight.double())

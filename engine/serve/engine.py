@@ -51,6 +51,7 @@ class EngineConfig:
     seed: int = 0
     sampler: str = "simple"
     fuse_ops: bool = False  # run the model through FusedFlatModel (merged projections, fused elementwise ops)
+    compile: bool = False  # with fuse_ops: the layers as one TorchInductor graph (CompiledFlatModel)
 
     def __init__(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None,
                  **options: Any) -> None:
@@ -70,8 +71,11 @@ class EngineConfig:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int)
                                                or isinstance(self.max_model_len, bool) or self.max_model_len < 1):
             raise ValueError(f"EngineConfig.max_model_len must be an integer >= 1, got {self.max_model_len!r}")
-        if not isinstance(self.fuse_ops, bool):
-            raise ValueError(f"EngineConfig.fuse_ops must be True or False, got {self.fuse_ops!r}")
+        for flag in ("fuse_ops", "compile"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"EngineConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.compile and not self.fuse_ops:
+            raise ValueError("EngineConfig.compile=True compiles FusedFlatModel's layers: it needs fuse_ops=True")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"EngineConfig.seed must be an integer in [0, 2**64), got {self.seed!r}")
         if self.sampler == "full":
@@ -129,7 +133,11 @@ class EngineCore:
         self.config = config = config or EngineConfig()
         self.model = model
         self.eos_token_id = eos_token_id
-        if config.fuse_ops:
+        if config.fuse_ops and config.compile:
+            from engine.serve.backends.compiled import CompiledFlatModel
+
+            self.flat = CompiledFlatModel(model)
+        elif config.fuse_ops:
             from engine.serve.backends.fused import FusedFlatModel
 
             self.flat = FusedFlatModel(model)

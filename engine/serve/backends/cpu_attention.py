@@ -17,22 +17,26 @@ gather plus ``bmm`` it replaces; the copy's cost moved into poorly vectorised in
 The kernel is compiled on first use with the host's C++ compiler (``$CXX``, else ``c++``; the
 same compiler TorchInductor needs) into a cache directory, and loaded with ctypes: no extension
 build, no torch headers, about a second. With ``torch.get_num_threads()`` > 1 the step's rows
-are split over that many threads (ctypes releases the GIL during the call).
+are shared by that many threads in small chunks (the kernel's own helper threads; ctypes
+releases the GIL during the call).
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.serve.attention import KVCache
+from engine.serve.batch import BatchMeta
 from engine.serve.backends.torch_attention import TorchBackend, _TileGroup
 
 SOURCE = Path(__file__).with_name("cpu_paged_kernel.cpp")
@@ -48,18 +52,39 @@ def cache_dir() -> Path:
     return Path(root) if root else Path(tempfile.gettempdir()) / f"engine-kernels-{os.getuid()}"
 
 
-def load_kernel() -> ctypes.CDLL:
-    """The compiled kernel library (built once per source, compiler and flags; then reused)."""
-    global _library
-    if _library is not None:
-        return _library
+def cpu_signature() -> str:
+    """What ``-march=native`` compiles for: the machine, and on Linux the CPU's model name and
+    feature flags (a cache shared by several machines must not hand one a kernel built for another)."""
+    parts = [platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            seen = set()
+            for line in f:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name in ("model name", "flags", "Features", "CPU part") and name not in seen:
+                    seen.add(name)
+                    parts.append(f"{name}={value.strip()}")
+    except OSError:
+        pass
+    return "|".join(parts)
+
+
+def kernel_path(compiler: str, source: Path = SOURCE) -> Path:
+    """The cached library for this source, compiler, flags and CPU."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("cpu_*.h")))  # what the sources include
+    key = hashlib.sha256(source.read_bytes() + headers + "\0".join((compiler, *FLAGS, cpu_signature())).encode())
+    return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+
+
+def build_library(source: Path) -> ctypes.CDLL:
+    """``source`` compiled with the host's C++ compiler (once per source, compiler, flags and CPU;
+    then reused from ``cache_dir()``) and loaded; ValueError when there is no compiler or it fails."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         raise ValueError("the 'cpu' attention backend compiles a small C++ kernel and found no C++ compiler "
                          "(set CXX, or install g++); attention_backend='torch' needs none")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    lib = cache_dir() / f"cpu_paged_kernel-{key}.so"
+    lib = kernel_path(compiler, source)
     lib.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = lib.parent.stat()
     if info.st_uid != os.getuid() or info.st_mode & 0o022:
@@ -67,11 +92,19 @@ def load_kernel() -> ctypes.CDLL:
                          "a kernel from it (set ENGINE_KERNEL_CACHE to a private directory)")
     if not lib.exists():
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *FLAGS, str(source), "-o", str(tmp)], capture_output=True, text=True)
         if done.returncode != 0:
-            raise ValueError(f"building the 'cpu' attention kernel failed ({compiler}):\n{done.stderr[-2000:]}")
+            raise ValueError(f"building {source.name} failed ({compiler}):\n{done.stderr[-2000:]}")
         os.replace(tmp, lib)  # atomic: a concurrent build never loads a half-written file
-    _library = ctypes.CDLL(str(lib))
+    return ctypes.CDLL(str(lib))
+
+
+def load_kernel() -> ctypes.CDLL:
+    """The compiled attention kernel library (built once per source, compiler, flags and CPU)."""
+    global _library
+    if _library is not None:
+        return _library
+    _library = build_library(SOURCE)
     for name in DTYPES.values():
         fn = getattr(_library, f"paged_decode_{name}")
         fn.restype = None
@@ -81,27 +114,71 @@ def load_kernel() -> ctypes.CDLL:
 
 
 class CPUBackend(TorchBackend):
-    """TorchBackend whose decode rows read the pool in place through a C++ kernel (name "cpu");
-    same contract and results as the reference. Cascade attention is off: with no per-request
-    copy there is nothing for a shared prefix to save.
+    """TorchBackend whose rows read the pool in place through a C++ kernel (name "cpu"); same
+    contract and results as the reference. Cascade attention is off: with no per-request copy
+    there is nothing for a shared prefix to save.
 
-    Invariant: decode tiles (one query row) never copy K/V out of the pool; tiles of several rows
-    take ``TorchBackend``'s gather-and-SDPA path.
+    ``prefill_in_place=True`` (the default): every row of the batch — decodes and prefill chunks
+    alike — goes through the kernel, each with its request's block table and its own position
+    (the causal limit), so no K/V is ever copied out of the pool. ``False``: only decode tiles
+    take the kernel; tiles of several rows take ``TorchBackend``'s gather-and-SDPA path (the
+    previous design, kept to measure against).
+
+    Invariant: ``_rows`` caches the per-row plan of exactly one BatchMeta (``_rows_key``); every
+    layer of a step reuses it.
     """
 
     name = "cpu"
 
-    def __init__(self, **options) -> None:
+    def __init__(self, prefill_in_place: bool = True, **options) -> None:
         options.setdefault("cascade_min_reqs", 0)
         super().__init__(**options)
+        self.prefill_in_place = prefill_in_place
         self._lib = load_kernel()
-        self._pool: ThreadPoolExecutor | None = None
+        self._rows_key: tuple[BatchMeta, int] | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
         if torch.device(device).type != "cpu" or dtype not in DTYPES:
             raise ValueError(f"the 'cpu' attention backend serves CPU pools of {sorted(map(str, DTYPES))}, "
                              f"not {dtype} on {device}; use attention_backend='torch'")
         return super().allocate(shape, dtype, device)
+
+    def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
+                window: int = 0) -> torch.Tensor:
+        """q: [N, Hq, D] -> [N, Hq, D]; the same contract as ``ReferenceBackend.forward``."""
+        if not self.prefill_in_place:
+            return super().forward(q, cache, meta, scale=scale, window=window)
+        n, hq, d = q.shape
+        if hq % cache[0].shape[2] != 0:
+            raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({cache[0].shape[2]})")
+        tables, q_pos = self._row_plan(meta, n)
+        return self._run(q, cache, tables, q_pos, 1.0 / math.sqrt(d) if scale is None else scale, window)
+
+    def _row_plan(self, meta: BatchMeta, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row: its request's block table (int32 [N, W]) and position (int64 [N]; -1 for a
+        padding row)."""
+        if self._rows_key is not None and self._rows_key[0] is meta and self._rows_key[1] == n:
+            return self._rows
+        qsl = meta.query_start_loc_cpu.numpy().astype(np.int64)  # [R + 1]
+        seq_lens = meta.seq_lens_cpu.numpy().astype(np.int64)  # [R]
+        num_rows = np.diff(qsl)  # [R]
+        req = np.repeat(np.arange(num_rows.size), num_rows)  # [rows] the request of each row
+        q_pos = np.full(n, -1, dtype=np.int64)
+        first_row = qsl[:-1][req]
+        # A request's t rows end its context: row j of them is position seq_len - t + j.
+        pos = seq_lens[req] - num_rows[req] + (np.arange(req.size) - first_row)
+        q_pos[:req.size] = np.where(seq_lens[req] > 0, pos, -1)
+        width = max(1, -(-meta.max_seq_len // meta.block_size))
+        if req.size == meta.num_reqs and (num_rows == 1).all():
+            tables = meta.block_table[:, :width]  # pure decode: row r is request r
+        else:
+            tables = meta.block_table[:, :width].index_select(0, torch.from_numpy(req))
+        if tables.shape[0] < n:  # padding rows past the requests' rows: any table, no keys read
+            tables = torch.cat([tables, tables.new_zeros((n - tables.shape[0], width))])
+        tables = tables.to(torch.int32).contiguous()
+        self._rows_key, self._rows = (meta, n), (tables, torch.from_numpy(q_pos))
+        return self._rows
 
     def _forward_identity(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float,
                           window: int) -> torch.Tensor:
@@ -116,27 +193,24 @@ class CPUBackend(TorchBackend):
 
     def _decode(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float, window: int) -> torch.Tensor:
         """One query row per tile: q [G, Hq, D] -> [G, Hq, D], keys read through ``group.tables``."""
+        return self._run(q, cache, group.tables, group.q_pos[:, 0], scale, window)
+
+    def _run(self, q: torch.Tensor, cache: KVCache, tables: torch.Tensor, q_pos: torch.Tensor, scale: float,
+             window: int) -> torch.Tensor:
+        """The kernel on rows q [G, Hq, D] with their tables [G, W] and positions [G] -> [G, Hq, D]."""
         k_pool, v_pool = cache
         if q.dtype != k_pool.dtype:
             raise ValueError(f"queries ({q.dtype}) and pool ({k_pool.dtype}) must share a dtype")
         q = q.contiguous()
-        tables = group.tables
         if tables.stride(1) != 1 or tables.dtype != torch.int32:
             tables = tables.to(torch.int32).contiguous()
-        q_pos = group.q_pos[:, 0].contiguous()  # int64 [G]
+        q_pos = q_pos.contiguous()  # int64 [G]
         out = torch.empty_like(q)
         g, hq, d = q.shape
         _, bs, hkv, _ = k_pool.shape
         fn = getattr(self._lib, f"paged_decode_{DTYPES[q.dtype]}")
-        args = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(),
-                tables.stride(0), q_pos.data_ptr())
+        head = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(),
+                tables.stride(0), q_pos.data_ptr(), g)
         tail = (hq, hkv, d, bs, float(scale), int(window))
-        threads = min(torch.get_num_threads(), g // MIN_ROWS_PER_THREAD)
-        if threads <= 1:
-            fn(*args, 0, g, *tail)
-            return out
-        if self._pool is None or self._pool._max_workers != threads:
-            self._pool = ThreadPoolExecutor(threads)
-        cuts = [g * i // threads for i in range(threads + 1)]
-        list(self._pool.map(lambda i: fn(*args, cuts[i], cuts[i + 1], *tail), range(threads)))
+        fn(*head, max(1, min(torch.get_num_threads(), g // MIN_ROWS_PER_THREAD)), *tail)
         return out

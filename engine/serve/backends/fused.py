@@ -8,7 +8,8 @@ and, on a CPU, a few microseconds of dispatch. This class serves the same comput
   built once at start-up);
 - q and k normalised and rotated together, as one ``[N, Hq + Hkv, Dh]`` tensor;
 - SiLU and the gate product done in place on the merged output;
-- on a CPU, the weights prepacked for oneDNN's matmul (float32, or bfloat16 with bf16 units).
+- on a CPU, the weights prepacked for oneDNN's matmul (float32, or bfloat16 with bf16 units),
+  and in float32 steps of at most ``SMALL_ROWS`` rows (decodes) through ``cpu_linear``'s kernel.
 
 Float64 results are those of ``FlatModel`` up to summation order (tests check the engine against
 ``generate()`` token for token); float32 ones differ from it by summation order too (oneDNN's
@@ -26,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.qwen3 import Qwen3MLP
+from engine.models.layers import Qwen3MLP
+from engine.precision import work_dtype
 from engine.rope import rope_cos_sin
 from engine.serve.attention import AttentionBackend, KVCache
 from engine.serve.batch import BatchMeta
@@ -34,6 +36,7 @@ from engine.serve.flat import FlatModel
 
 
 PACK_BATCH = 256  # the row count oneDNN lays packed weights out for (a hint; any row count works)
+SMALL_ROWS = 256  # at most this many rows (decode steps): the small-batch kernel, where used (.small)
 
 
 def packable(dtype: torch.dtype, device: torch.device) -> bool:
@@ -47,13 +50,21 @@ def packable(dtype: torch.dtype, device: torch.device) -> bool:
 class Linear:
     """A weight [out, in] and the fastest way to apply it: oneDNN's prepacked matmul where
     ``packable``, else ``F.linear``. (Packing reorders the weight once into the blocked layout the
-    matmul kernel reads, instead of on every call.)"""
+    matmul kernel reads, instead of on every call.) With ``small``, inputs of at most
+    ``SMALL_ROWS`` rows go through ``cpu_linear.SmallLinear`` (float32 CPU weights)."""
 
-    def __init__(self, weight: torch.Tensor, pack: bool) -> None:
+    def __init__(self, weight: torch.Tensor, pack: bool, small: bool = False) -> None:
         self.weight = weight
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=PACK_BATCH) if pack else None
+        self.small = None
+        if small:
+            from engine.serve.backends.cpu_linear import SmallLinear
+
+            self.small = SmallLinear(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None and x.shape[0] <= SMALL_ROWS:
+            return self.small(x)
         if self.packed is None:
             return F.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
@@ -78,14 +89,20 @@ class FusedFlatModel(FlatModel):
     construction; the model is not modified (weights changed later are not seen).
     """
 
-    def __init__(self, model: nn.Module, linear_dtype: torch.dtype | None = None, pack: bool | None = None) -> None:
+    def __init__(self, model: nn.Module, linear_dtype: torch.dtype | None = None, pack: bool | None = None,
+                 small: bool | None = None) -> None:
         super().__init__(model)
         dtype, device = self.dtype, self.device
         if linear_dtype is None:
             linear_dtype = dtype if fast_16bit_matmul(dtype, device) else torch.float32
         self.linear_dtype = linear_dtype
         self.pack = packable(linear_dtype, device) if pack is None else pack
-        cast = lambda w: Linear(w.detach().to(linear_dtype), self.pack)  # noqa: E731 - no copy when no cast
+        if small is None:  # float32 on a CPU where the small-batch kernel builds
+            from engine.serve.backends import cpu_linear
+
+            small = linear_dtype == torch.float32 and device.type == "cpu" and cpu_linear.library() is not None
+        self.small = small
+        cast = lambda w: Linear(w.detach().to(linear_dtype), self.pack, small)  # noqa: E731 - no copy when no cast
         self.layers = []
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -154,5 +171,5 @@ class FusedFlatModel(FlatModel):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, D] -> logits [M, V] in float32 (float64 for float64 models): the LM head in
         ``linear_dtype``, only the logits widened."""
-        work = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        work = work_dtype(hidden.dtype)
         return self.lm_head(hidden.to(self.linear_dtype)).to(work)

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.precision import work_dtype
 from engine.serve.attention import KVCache, write_kv, zero_pools
 from engine.serve.batch import BatchMeta
 
@@ -319,7 +320,7 @@ class TorchBackend:
         rows, hq, d = q.shape
         hkv = k_pool.shape[2]
         group_size = hq // hkv
-        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        work = work_dtype(q.dtype)
         kv_rows = group.kv_rows[tiles]  # [G', Hkv, keys]
         g = kv_rows.shape[0]
         t = rows // g

@@ -1,0 +1,63 @@
+"""Linear layers for the few rows of a CPU decode step (``cpu_linear_kernel.cpp``), float32.
+
+At up to a few hundred rows oneDNN's and MKL's matmuls leave part of the CPU's FMA throughput unused (they are
+blocked for many rows); a decode step of the bench's small model at 16 requests spends ~70% of
+its time in them. ``SmallLinear`` packs a weight once into 16-column panels that a small C++
+kernel streams once per call, every row of the input meeting each panel while it is in cache.
+Results equal ``F.linear``'s up to summation order (float32). Built with the host's C++ compiler
+like the attention kernel; ``available()`` says whether it could be built here.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from engine.serve.backends.cpu_attention import build_library
+
+SOURCE = Path(__file__).with_name("cpu_linear_kernel.cpp")
+PANEL = 16  # output columns per packed panel (two 8-float vectors)
+MIN_PANELS_PER_THREAD = 8  # fewer panels than this per thread: one thread does them all
+_library: ctypes.CDLL | None = None
+_failed: str | None = None
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None when it cannot be built here (no C++ compiler, a failed build)."""
+    global _library, _failed
+    if _library is None and _failed is None:
+        try:
+            lib = build_library(SOURCE)
+        except ValueError as exc:
+            _failed = str(exc)
+            return None
+        lib.linear_float32.restype = None
+        lib.linear_float32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+        _library = lib
+    return _library
+
+
+class SmallLinear:
+    """A float32 weight [N, K] packed into ceil(N / 16) panels [P, K, 16] (zero rows past N)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(f"SmallLinear packs 2-D float32 CPU weights, not {weight.dtype} {tuple(weight.shape)} "
+                             f"on {weight.device}")
+        self.n, self.k = weight.shape
+        panels = -(-self.n // PANEL)
+        padded = weight.new_zeros((panels * PANEL, self.k))
+        padded[:self.n] = weight.detach()
+        self.panels = padded.view(panels, PANEL, self.k).transpose(1, 2).contiguous()  # [P, K, 16]
+        self.fn = library().linear_float32
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 -> [M, N]."""
+        x = x.contiguous()
+        m = x.shape[0]
+        y = x.new_empty((m, self.n))
+        p = self.panels.shape[0]
+        args = (x.data_ptr(), self.panels.data_ptr(), y.data_ptr(), m, self.k, self.n)
+        self.fn(*args, max(1, min(torch.get_num_threads(), p // MIN_PANELS_PER_THREAD)))
+        return y
