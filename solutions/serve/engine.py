@@ -193,50 +193,10 @@ class EngineCore:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
-            raise ValueError(f"request {request_id!r}: prompt_token_ids must be a list of token ids (ints), "
-                             f"got {type(prompt_token_ids).__name__}; tokenize text first")
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: prompt_token_ids is empty; give at least one token")
-        vocab = self.model.cfg.vocab_size
-        for t in prompt:
-            if not isinstance(t, int) or isinstance(t, bool):
-                raise ValueError(f"request {request_id!r}: token ids must be ints, got {t!r}")
-            if not 0 <= t < vocab:
-                raise ValueError(f"request {request_id!r}: token id {t} is outside the vocabulary [0, {vocab})")
-        if params.max_tokens is None:  # vLLM's "as many as the context allows"
-            params = SamplingParams(**{**params.__dict__, "max_tokens": max(1, self.max_model_len - len(prompt))})
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
-                f"exceeds max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens")
-        try:
-            encode_cache_key(cache_key)  # the prefix cache hashes it at every block boundary
-        except ValueError as e:
-            raise ValueError(f"request {request_id!r}: {e}") from None
-        # Both end up in the queues' sort keys: a value that can't be compared would fail mid-step.
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"request {request_id!r}: priority must be an int (lower runs first), got {priority!r}")
-        if arrival_time is not None and (not isinstance(arrival_time, (int, float)) or isinstance(arrival_time, bool)
-                                         or not math.isfinite(arrival_time)):
-            raise ValueError(f"request {request_id!r}: arrival_time must be a finite number of seconds "
-                             f"(time.monotonic()) or None, got {arrival_time!r}")
-        self.sampler.check(params)
-        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
-            raise ValueError(f"request {request_id!r}: prompt_logprobs={params.prompt_logprobs} asks for more "
-                             f"alternatives than the vocabulary has ({vocab})")
-        if params.seed is not None and not SEED_MIN <= params.seed <= SEED_MAX - (params.n - 1):
-            # SamplingParams checked this when it was built; it may have been changed since
-            raise ValueError(f"request {request_id!r}: seed {params.seed} is outside [0, 2**64 - n]; child i of an "
-                             "n > 1 request uses seed + i, and generator seeds are 64-bit unsigned")
-        ids = [request_id] if params.n == 1 else [f"{request_id}:{i}" for i in range(params.n)]
-        for rid in ids + ([request_id] if params.n > 1 else []):
-            if rid in self.scheduler.requests or rid in self.children or rid in self.parent_of:
-                owner = self.parent_of.get(rid)
-                raise ValueError(f"request id {rid!r} is already in use"
-                                 + (f" (by n > 1 request {owner!r}, which is still running)" if owner else "")
-                                 + "; pick a new id")
+        prompt = self._checked_prompt(request_id, prompt_token_ids)
+        params = self._checked_params(request_id, params, len(prompt))
+        self._check_queue_keys(request_id, priority, cache_key, arrival_time)
+        ids = self._new_ids(request_id, params.n)
         reqs = []
         for i, rid in enumerate(ids):
             child = SamplingParams(**{**params.__dict__, "n": 1,
@@ -253,6 +213,70 @@ class EngineCore:
             self.children[request_id] = ids
             self.live_children[request_id] = len(ids)
             self.parent_of.update((rid, request_id) for rid in ids)
+        return ids
+
+    def _checked_prompt(self, request_id: str, prompt_token_ids: Any) -> list[int]:
+        """The prompt as a list of token ids inside the vocabulary, or ValueError."""
+        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must be a list of token ids (ints), "
+                             f"got {type(prompt_token_ids).__name__}; tokenize text first")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids is empty; give at least one token")
+        vocab = self.model.cfg.vocab_size
+        for t in prompt:
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise ValueError(f"request {request_id!r}: token ids must be ints, got {t!r}")
+            if not 0 <= t < vocab:
+                raise ValueError(f"request {request_id!r}: token id {t} is outside the vocabulary [0, {vocab})")
+        return prompt
+
+    def _checked_params(self, request_id: str, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """``params`` with ``max_tokens=None`` resolved to what the context allows; ValueError for a
+        length past ``max_model_len`` or a feature this engine cannot serve."""
+        if params.max_tokens is None:  # vLLM's "as many as the context allows"
+            params = SamplingParams(**{**params.__dict__, "max_tokens": max(1, self.max_model_len - num_prompt_tokens)})
+        if num_prompt_tokens + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt ({num_prompt_tokens}) + max_tokens ({params.max_tokens}) "
+                f"exceeds max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens")
+        self.sampler.check(params)
+        vocab = self.model.cfg.vocab_size
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise ValueError(f"request {request_id!r}: prompt_logprobs={params.prompt_logprobs} asks for more "
+                             f"alternatives than the vocabulary has ({vocab})")
+        if params.seed is not None and not SEED_MIN <= params.seed <= SEED_MAX - (params.n - 1):
+            # SamplingParams checked this when it was built; it may have been changed since
+            raise ValueError(f"request {request_id!r}: seed {params.seed} is outside [0, 2**64 - n]; child i of an "
+                             "n > 1 request uses seed + i, and generator seeds are 64-bit unsigned")
+        return params
+
+    @staticmethod
+    def _check_queue_keys(request_id: str, priority: Any, cache_key: Any, arrival_time: Any) -> None:
+        """ValueError unless the prefix cache can hash ``cache_key`` (it does at every block
+        boundary) and ``priority`` and ``arrival_time`` can be compared in the queues' sort keys
+        (a value that can't would fail mid-step)."""
+        try:
+            encode_cache_key(cache_key)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"request {request_id!r}: priority must be an int (lower runs first), got {priority!r}")
+        if arrival_time is not None and (not isinstance(arrival_time, (int, float)) or isinstance(arrival_time, bool)
+                                         or not math.isfinite(arrival_time)):
+            raise ValueError(f"request {request_id!r}: arrival_time must be a finite number of seconds "
+                             f"(time.monotonic()) or None, got {arrival_time!r}")
+
+    def _new_ids(self, request_id: str, n: int) -> list[str]:
+        """The ids a request of ``n`` completions reports under; ValueError if one (or, for n > 1,
+        the parent id) is in use."""
+        ids = [request_id] if n == 1 else [f"{request_id}:{i}" for i in range(n)]
+        for rid in ids + ([request_id] if n > 1 else []):
+            if rid in self.scheduler.requests or rid in self.children or rid in self.parent_of:
+                owner = self.parent_of.get(rid)
+                raise ValueError(f"request id {rid!r} is already in use"
+                                 + (f" (by n > 1 request {owner!r}, which is still running)" if owner else "")
+                                 + "; pick a new id")
         return ids
 
     def abort_request(self, request_id: str) -> None:
