@@ -41,7 +41,7 @@ class EngineConfig:
 
     ``max_model_len=None`` means the model's ``max_position_embeddings``. ``attention_backend``:
     "torch" (vectorized, the default), "reference" (the chapter's Python loop, the oracle), "cpu"
-    (decode attention read in place by a C++ kernel) or "triton" (chapter 32, GPU).
+    (attention read in place from the pool by a C++ kernel) or "triton" (chapter 32, GPU).
     """
 
     cache: CacheConfig

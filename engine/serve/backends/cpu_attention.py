@@ -1,4 +1,4 @@
-"""CPUBackend: decode attention that reads K/V where they lie in the pool (a small C++ kernel).
+"""CPUBackend: attention that reads K/V where they lie in the pool (a small C++ kernel).
 
 ``TorchBackend`` copies every decode request's whole context out of the pool (``index_select``)
 in every layer of every step, then multiplies the copy; at a few hundred tokens of context that
