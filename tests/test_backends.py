@@ -310,3 +310,27 @@ def test_cpu_kernel_cache_key_names_the_cpu(monkeypatch):
     assert here == cpu_attention.kernel_path("c++"), "the cache key must be stable on one machine"
     monkeypatch.setattr(cpu_attention, "cpu_signature", lambda: "x86_64|model name=Other CPU|flags=sse2")
     assert cpu_attention.kernel_path("c++") != here, "a kernel built for one CPU was keyed for every CPU"
+
+
+def test_cpu_kernels_on_two_real_threads():
+    """Both CPU kernels split their work over torch's OpenMP workers (``cpu_kernel_share.h``): on
+    two real torch threads a mixed float64 batch still equals the reference, and the small-batch
+    linear kernel equals ``F.linear``."""
+    from engine.serve.backends import cpu_linear
+    from engine.serve.backends.cpu_attention import CPUBackend
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, cache, meta = random_paged_batch(21, 4, 4, 2, num_reqs=12, dtype=torch.float64)
+        want = ReferenceBackend().forward(q, cache, meta, window=7)
+        got = CPUBackend().forward(q, cache, meta, window=7)
+        assert (got - want).abs().max().item() < 1e-12, "the kernel's rows split over two threads changed a result"
+        if cpu_linear.library() is not None:
+            gen = torch.Generator().manual_seed(3)
+            w = torch.randn(300, 64, generator=gen, dtype=torch.float64)
+            x = torch.randn(40, 64, generator=gen, dtype=torch.float64)
+            got = cpu_linear.SmallLinear(w.float())(x.float()).double()
+            assert (got - x @ w.T).abs().max().item() < 1e-4, "the small-batch linear kernel on two threads"
+    finally:
+        torch.set_num_threads(before)

@@ -17,8 +17,10 @@ gather plus ``bmm`` it replaces; the copy's cost moved into poorly vectorised in
 The kernel is compiled on first use with the host's C++ compiler (``$CXX``, else ``c++``; the
 same compiler TorchInductor needs) into a cache directory, and loaded with ctypes: no extension
 build, no torch headers, about a second. With ``torch.get_num_threads()`` > 1 the step's rows
-are shared by that many threads in small chunks (the kernel's own helper threads; ctypes
-releases the GIL during the call).
+are shared by that many threads in small chunks: OpenMP's, and the same workers torch's own ops
+run on, since the library links the OpenMP runtime torch has already loaded
+(``cpu_kernel_share.h``; a compiler without OpenMP builds it single-threaded). ctypes releases the
+GIL during the call.
 """
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ from engine.serve.batch import BatchMeta
 from engine.serve.backends.torch_attention import TorchBackend, _TileGroup
 
 SOURCE = Path(__file__).with_name("cpu_paged_kernel.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # -fopenmp: cpu_kernel_share.h
+SERIAL_FLAGS = tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in FLAGS)  # a compiler without OpenMP
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 MIN_ROWS_PER_THREAD = 4  # fewer decode rows than this per thread: one thread does them all
 _library: ctypes.CDLL | None = None
@@ -70,10 +73,10 @@ def cpu_signature() -> str:
     return "|".join(parts)
 
 
-def kernel_path(compiler: str, source: Path = SOURCE) -> Path:
+def kernel_path(compiler: str, source: Path = SOURCE, flags: tuple[str, ...] = FLAGS) -> Path:
     """The cached library for this source, compiler, flags and CPU."""
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("cpu_*.h")))  # what the sources include
-    key = hashlib.sha256(source.read_bytes() + headers + "\0".join((compiler, *FLAGS, cpu_signature())).encode())
+    key = hashlib.sha256(source.read_bytes() + headers + "\0".join((compiler, *flags, cpu_signature())).encode())
     return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
@@ -84,7 +87,14 @@ def build_library(source: Path) -> ctypes.CDLL:
     if not compiler:
         raise ValueError("the 'cpu' attention backend compiles a small C++ kernel and found no C++ compiler "
                          "(set CXX, or install g++); attention_backend='torch' needs none")
-    lib = kernel_path(compiler, source)
+    try:
+        return _build(compiler, source, FLAGS)
+    except ValueError:  # no OpenMP runtime for this compiler: the same kernel on one thread
+        return _build(compiler, source, SERIAL_FLAGS)
+
+
+def _build(compiler: str, source: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
+    lib = kernel_path(compiler, source, flags)
     lib.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = lib.parent.stat()
     if info.st_uid != os.getuid() or info.st_mode & 0o022:
@@ -92,7 +102,7 @@ def build_library(source: Path) -> ctypes.CDLL:
                          "a kernel from it (set ENGINE_KERNEL_CACHE to a private directory)")
     if not lib.exists():
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        done = subprocess.run([compiler, *FLAGS, str(source), "-o", str(tmp)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True)
         if done.returncode != 0:
             raise ValueError(f"building {source.name} failed ({compiler}):\n{done.stderr[-2000:]}")
         os.replace(tmp, lib)  # atomic: a concurrent build never loads a half-written file
