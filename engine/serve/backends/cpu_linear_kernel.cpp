@@ -7,7 +7,7 @@
 // k-major (N padded to a multiple of 16 with zero rows). Each call streams each panel once, and
 // the panel meets every row of x while it sits in cache, 6 rows at a time: 12 vector
 // accumulators, two vector loads and six broadcasts per k. With threads > 1 the panels are
-// shared by the caller and the library's helper threads (`share`, cpu_kernel_share.h).
+// shared by torch's OpenMP workers (`share`, cpu_kernel_share.h).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>

@@ -3,8 +3,8 @@
 //
 // Built at first use by engine/serve/backends/cpu_attention.py (the host's C++ compiler, -O3
 // -march=native) and called through ctypes; it depends on no header beyond the C++ standard
-// library. With threads > 1 the batch's rows are shared by the caller and the library's helper
-// threads (`share`, cpu_kernel_share.h). A row is any query: a decode,
+// library and OpenMP. With threads > 1 the batch's rows are shared by torch's OpenMP workers
+// (`share`, cpu_kernel_share.h). A row is any query: a decode,
 // or one row of a prefill chunk (its q_pos tells how many keys it sees); q_pos < 0 marks a
 // padding row, whose output is zeros.
 //
