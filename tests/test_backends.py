@@ -334,3 +334,31 @@ def test_cpu_kernels_on_two_real_threads():
             assert (got - x @ w.T).abs().max().item() < 1e-4, "the small-batch linear kernel on two threads"
     finally:
         torch.set_num_threads(before)
+
+
+def test_cpu_kernel_build_boundaries(tmp_path, monkeypatch):
+    """The kernel cache must be private; a compiler without OpenMP still gets a (one-thread) kernel;
+    a compiler that fails outright is a ValueError naming the source."""
+    import shutil
+    import stat
+
+    from engine.serve.backends import cpu_attention
+
+    real = shutil.which("c++") or shutil.which("g++")
+    open_cache = tmp_path / "shared-cache"
+    open_cache.mkdir()
+    open_cache.chmod(0o777)
+    monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(open_cache))
+    with pytest.raises(ValueError, match="only you can write"):
+        cpu_attention.build_library(cpu_attention.SOURCE)
+    monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(tmp_path / "cache"))
+    no_openmp = tmp_path / "no-openmp-c++"
+    no_openmp.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {real} "$@"\n')
+    no_openmp.chmod(no_openmp.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CXX", str(no_openmp))
+    cpu_attention.build_library(cpu_attention.SOURCE)
+    assert cpu_attention.kernel_path(str(no_openmp), cpu_attention.SOURCE, cpu_attention.SERIAL_FLAGS).exists()
+    assert not cpu_attention.kernel_path(str(no_openmp), cpu_attention.SOURCE).exists()
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(ValueError, match="building cpu_paged_kernel.cpp failed"):
+        cpu_attention.build_library(cpu_attention.SOURCE)

@@ -87,26 +87,31 @@ def build_library(source: Path) -> ctypes.CDLL:
     if not compiler:
         raise ValueError("the 'cpu' attention backend compiles a small C++ kernel and found no C++ compiler "
                          "(set CXX, or install g++); attention_backend='torch' needs none")
-    try:
-        return _build(compiler, source, FLAGS)
-    except ValueError:  # no OpenMP runtime for this compiler: the same kernel on one thread
-        return _build(compiler, source, SERIAL_FLAGS)
-
-
-def _build(compiler: str, source: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
-    lib = kernel_path(compiler, source, flags)
-    lib.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = lib.parent.stat()
+    directory = cache_dir()
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = directory.stat()
     if info.st_uid != os.getuid() or info.st_mode & 0o022:
-        raise ValueError(f"{lib.parent} is not a directory only you can write to: the 'cpu' backend will not load "
+        raise ValueError(f"{directory} is not a directory only you can write to: the 'cpu' backend will not load "
                          "a kernel from it (set ENGINE_KERNEL_CACHE to a private directory)")
-    if not lib.exists():
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        done = subprocess.run([compiler, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise ValueError(f"building {source.name} failed ({compiler}):\n{done.stderr[-2000:]}")
-        os.replace(tmp, lib)  # atomic: a concurrent build never loads a half-written file
-    return ctypes.CDLL(str(lib))
+    failed = None
+    for flags in (FLAGS, SERIAL_FLAGS):  # a compiler without OpenMP: the same kernel on one thread
+        lib = kernel_path(compiler, source, flags)
+        if not lib.exists():
+            failed = _compile(compiler, source, flags, lib)
+            if failed is not None:
+                continue
+        return ctypes.CDLL(str(lib))
+    raise ValueError(f"building {source.name} failed ({compiler}):\n{failed[-2000:]}")
+
+
+def _compile(compiler: str, source: Path, flags: tuple[str, ...], lib: Path) -> str | None:
+    """Build ``lib``; None on success, else the compiler's error output."""
+    tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+    done = subprocess.run([compiler, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True)
+    if done.returncode != 0:
+        return done.stderr
+    os.replace(tmp, lib)  # atomic: a concurrent build never loads a half-written file
+    return None
 
 
 def load_kernel() -> ctypes.CDLL:
