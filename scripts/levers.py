@@ -3,6 +3,7 @@
     python scripts/levers.py attention [--requests 64] [--context 200]   decode attention, one layer
     python scripts/levers.py step [--requests 64] [--dtype float32]      one engine decode step
     python scripts/levers.py step --prefill [--requests 8]               one prefill step (a fresh engine's first)
+    python scripts/levers.py linear [--threads 1]                          one step's linears: the kernel, prefetch on/off, oneDNN
     python scripts/levers.py elementwise                                  eager vs compiled norms/RoPE/SiLU
 
 ``attention`` times one layer's decode attention on the bench's small-model shapes (8 query / 4
@@ -17,6 +18,7 @@ against TorchInductor-compiled, at 16, 64 and 600 rows.
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import sys
@@ -99,6 +101,7 @@ def step(args) -> None:
     from course.bench import MODEL_PRESETS
     from engine.models import tiny_model
     from engine.serve import EngineConfig, EngineCore, SamplingParams
+    from engine.serve.backends.torch_attention import TorchBackend
 
     dtype = getattr(torch, args.dtype)
     model = tiny_model(seed=0, **MODEL_PRESETS["small"]).to(dtype)
@@ -113,6 +116,14 @@ def step(args) -> None:
             core.runner.backend.prefill_in_place = False
         if fuse == "compiled/all":  # every step through the graph (by default decodes take the eager path)
             core.flat.eager_rows = 0
+        if fuse.endswith("/torch-ew"):  # the PyTorch elementwise ops and the reference's write_kv
+            core.flat.elementwise = False
+            core.runner.backend.write = functools.partial(TorchBackend.write, core.runner.backend)
+        if fuse.endswith("/no-prefetch"):  # the small-batch linear kernel without its software prefetch
+            for entry in core.flat.layers:
+                for linear in entry.values():
+                    if getattr(linear, "small", None) is not None:
+                        linear.small.prefetch = False
         if fuse.endswith("/onednn"):  # every linear through oneDNN, none through the small-batch kernel
             for linear in [core.flat.lm_head, *(w for entry in core.flat.layers for w in entry.values())]:
                 if hasattr(linear, "small"):
@@ -152,6 +163,38 @@ def step(args) -> None:
         what = "decode step"
     print(f"{what}, R={args.requests}, context ~{args.context}, {args.dtype}, "
           f"{torch.get_num_threads()} thread(s), ms: {res}")
+
+
+def linear(args) -> None:
+    """The small-batch kernel on one step's linears (every layer's weights: they do not fit in
+    the caches together), with and without its software prefetch, and oneDNN's prepacked matmul."""
+    from course.bench import MODEL_PRESETS
+    from engine.serve.backends.cpu_linear import SmallLinear
+    from engine.serve.backends.fused import Linear
+
+    p = MODEL_PRESETS["small"]
+    d, inter, hq, hkv, dh = p["hidden_size"], p["intermediate_size"], p["num_attention_heads"], \
+        p["num_key_value_heads"], p["head_dim"]
+    shapes = [((hq + 2 * hkv) * dh, d), (d, hq * dh), (2 * inter, d), (d, inter)] * p["num_hidden_layers"]
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) for n, k in shapes]
+    small = [SmallLinear(w) for w in weights]
+    onednn = [Linear(w, pack=True) for w in weights]
+    for rows in (16, 64, 256):
+        xs = [torch.randn(rows, w.shape[1], generator=gen) for w in weights]
+        flops = sum(2 * rows * w.numel() for w in weights)
+
+        def run(layers, prefetch=True):
+            def f():
+                for lin, x in zip(layers, xs):
+                    if isinstance(lin, SmallLinear):
+                        lin.prefetch = prefetch
+                    lin(x)
+            return f
+        res = interleaved({"prefetch": run(small), "no prefetch": run(small, False), "onednn": run(onednn)},
+                          args.rounds)
+        print(f"{rows} rows, {len(weights)} linears, {torch.get_num_threads()} thread(s): "
+              + ", ".join(f"{k} {v} ms ({flops / v / 1e6:.0f} GFLOP/s)" for k, v in res.items()))
 
 
 def elementwise(args) -> None:
@@ -196,7 +239,7 @@ def elementwise(args) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("attention", "step", "elementwise"))
+    ap.add_argument("what", choices=("attention", "step", "linear", "elementwise"))
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--dtype", default="float32")
@@ -205,11 +248,12 @@ def main() -> int:
     ap.add_argument("--variants", default="torch,cpu,cpu+fused,cpu+compiled",
                     help="step: engines to compare (backend, +fused: fuse_ops, +compiled: fuse_ops and compile; "
                          "cpu/tiles: the cpu backend with prefill tiles gathered for SDPA; +fused/onednn: "
-                         "no small-batch linear kernel)")
+                         "no small-batch linear kernel; +fused/torch-ew: PyTorch elementwise ops and write_kv; "
+                         "+fused/no-prefetch: the linear kernel without software prefetch)")
     ap.add_argument("--prefill", action="store_true", help="step: time a fresh engine's first (prefill) step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    {"attention": attention, "step": step, "elementwise": elementwise}[args.what](args)
+    {"attention": attention, "step": step, "linear": linear, "elementwise": elementwise}[args.what](args)
     return 0
 
 

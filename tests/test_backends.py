@@ -7,6 +7,8 @@ heads, sliding windows, padding requests, block sizes from 1 up. Then the whole 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -300,6 +302,34 @@ def test_cpu_backend_dtypes():
     assert (got - ReferenceBackend().forward(q, cache, meta, scale=0.3)).abs().max().item() < 1e-12
     with pytest.raises(ValueError, match="'cpu' attention backend serves"):
         CPUBackend().allocate((2, 4, 2, 8), torch.float16, "cpu")
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cpu_backend_write_matches_write_kv(pool_dtype):
+    """CPUBackend.write (one kernel call) stores what the reference's write_kv stores: k and v read
+    as strided views of a merged projection, padding rows (slot -1) into the last slot, bfloat16
+    pools rounded as torch rounds; a slot outside the pool is a ValueError that writes nothing."""
+    from engine.serve.attention import write_kv
+    from engine.serve.backends.cpu_attention import CPUBackend
+
+    _, cache, meta = random_paged_batch(13, 4, 4, 2, head_dim=8)
+    n = meta.slot_mapping.shape[0]
+    assert int((meta.slot_mapping < 0).sum()) > 0, "the batch must have padding rows"
+    source = torch.float32 if pool_dtype == torch.bfloat16 else pool_dtype
+    qkv = torch.randn(n, (4 + 2 + 2) * 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(source)
+    k, v = qkv[:, 32:48].view(n, 2, 8), qkv[:, 48:].view(n, 2, 8)  # views, row stride 64
+    want = tuple(p.to(pool_dtype).clone() for p in cache)
+    write_kv(*want, k.to(pool_dtype), v.to(pool_dtype), meta.slot_mapping)
+    got = tuple(p.to(pool_dtype).clone() for p in cache)
+    CPUBackend().write(got, k, v, meta)
+    for name, g, w in zip("kv", got, want):
+        assert torch.equal(g, w), f"CPUBackend.write stored different {name} than write_kv ({pool_dtype})"
+    bad = meta.slot_mapping.clone()
+    bad[0] = got[0].shape[0] * got[0].shape[1]  # one past the last slot
+    before = tuple(p.clone() for p in got)
+    with pytest.raises(ValueError, match="outside the pool"):
+        CPUBackend().write(got, k, v, dataclasses.replace(meta, slot_mapping=bad))
+    assert all(torch.equal(g, b) for g, b in zip(got, before)), "a refused write must store nothing"
 
 
 def test_cpu_kernel_cache_key_names_the_cpu(monkeypatch):

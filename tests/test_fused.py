@@ -106,3 +106,51 @@ def test_small_linear_matches_f_linear(threads, monkeypatch):
         assert err < 1e-4, f"SmallLinear differs from F.linear by {err:.2e} at {rows} rows ({threads} thread(s))"
     with pytest.raises(ValueError, match="float32"):
         SmallLinear(weight.double())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_elementwise_kernels_match_torch(threads, monkeypatch):
+    """The float32 elementwise kernels equal the PyTorch expressions they replace (float32, up to
+    summation order), on widths that are not a multiple of the 8-float vector and with enough rows
+    to be shared by two threads; the residual is updated in place and v is left alone."""
+    import torch.nn.functional as F
+
+    from engine.rope import rope_cos_sin
+    from engine.serve.backends import cpu_elementwise as ew
+
+    assert ew.library() is not None, "the elementwise kernels did not build (is there a C++ compiler?)"
+    monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", 1)  # share even these small calls
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(1)
+    n, d, hq, hkv, dh, inter = 37, 100, 3, 1, 18, 75
+    hidden, residual = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
+    weight = torch.rand(d, generator=gen) + 0.5
+    want_res = hidden + residual
+    want = F.rms_norm(want_res, (d,), weight, 1e-6)
+    got, res = ew.add_rms_norm(hidden, residual, weight, 1e-6)
+    assert res is residual and torch.allclose(residual, want_res, atol=1e-6), "residual += hidden, in place"
+    assert torch.allclose(got, want, atol=1e-5), "add_rms_norm differs from F.rms_norm(hidden + residual)"
+    got0, res0 = ew.add_rms_norm(hidden, None, weight, 1e-6)
+    assert res0 is hidden and torch.allclose(got0, F.rms_norm(hidden, (d,), weight, 1e-6), atol=1e-5)
+
+    qkv = torch.randn(n, (hq + 2 * hkv) * dh, generator=gen) * 3
+    qk_weight = torch.rand(hq + hkv, dh, generator=gen) + 0.5
+    cos, sin = rope_cos_sin(torch.randint(0, 500, (n,), generator=gen), dh, 10000.0)
+    qk = F.rms_norm(qkv[:, :(hq + hkv) * dh].view(n, hq + hkv, dh), (dh,), None, 1e-6) * qk_weight
+    rotated = torch.cat([-qk[..., dh // 2:], qk[..., :dh // 2]], dim=-1)
+    want_qk = qk * cos[:, None] + rotated * sin[:, None]
+    v_before = qkv[:, (hq + hkv) * dh:].clone()
+    q = ew.qk_norm_rope(qkv, hq, hkv, dh, qk_weight, cos, sin, 1e-6)
+    assert torch.allclose(q, want_qk[:, :hq], atol=1e-5), "q: the per-head norm and RoPE differ from torch's"
+    k = qkv[:, hq * dh:(hq + hkv) * dh].view(n, hkv, dh)
+    assert torch.allclose(k, want_qk[:, hq:], atol=1e-5), "k must be normed and rotated in place"
+    assert torch.equal(qkv[:, (hq + hkv) * dh:], v_before), "v must not be touched"
+
+    gate_up = torch.randn(n, 2 * inter, generator=gen) * 6  # exp's whole useful range, both signs
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -1e-30])
+    want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    got = ew.silu_mul(gate_up)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), \
+        f"silu_mul differs from F.silu(gate) * up by {(got - want).abs().max().item():.2e}"
+    with pytest.raises(ValueError, match="contiguous float32"):
+        ew.silu_mul(gate_up.double())

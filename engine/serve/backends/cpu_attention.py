@@ -125,6 +125,10 @@ def load_kernel() -> ctypes.CDLL:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 \
             + [ctypes.c_double, ctypes.c_int64]
+        fn = getattr(_library, f"write_kv_{name}")
+        fn.restype = ctypes.c_int64  # the number of slots out of range (then nothing is written)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] \
+            + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     return _library
 
 
@@ -158,6 +162,28 @@ class CPUBackend(TorchBackend):
             raise ValueError(f"the 'cpu' attention backend serves CPU pools of {sorted(map(str, DTYPES))}, "
                              f"not {dtype} on {device}; use attention_backend='torch'")
         return super().allocate(shape, dtype, device)
+
+    def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
+        """The reference's ``write_kv`` (padding rows into the last slot) in one kernel call, k and v
+        read where they lie (e.g. views of a merged qkv projection). Rows of another dtype than the
+        pool's (float32 rows into a bfloat16 pool are the exception: rounded on the way) take the
+        reference's path."""
+        k_pool, v_pool = cache
+        source = torch.float32 if k_pool.dtype == torch.bfloat16 else k_pool.dtype
+        n, hkv, d = k.shape
+        rows_ok = all(t.dtype == source and t.stride(2) == 1 and t.stride(1) == d for t in (k, v))
+        if not rows_ok or not k_pool.is_contiguous() or not v_pool.is_contiguous():
+            return super().write(cache, k, v, meta)
+        slots = meta.slot_mapping
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] != n:
+            return super().write(cache, k, v, meta)
+        fn = getattr(self._lib, f"write_kv_{DTYPES[k_pool.dtype]}")
+        num_slots = k_pool.shape[0] * k_pool.shape[1]
+        threads = max(1, min(torch.get_num_threads(), n // (16 * MIN_ROWS_PER_THREAD)))
+        bad = fn(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), n, hkv * d,
+                 k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
+        if bad:
+            raise ValueError(f"write: {bad} slot(s) of the slot mapping lie outside the pool's {num_slots} slots")
 
     def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
                 window: int = 0) -> torch.Tensor:

@@ -33,13 +33,16 @@ def library() -> ctypes.CDLL | None:
             _failed = str(exc)
             return None
         lib.linear_float32.restype = None
-        lib.linear_float32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+        lib.linear_float32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
         _library = lib
     return _library
 
 
 class SmallLinear:
-    """A float32 weight [N, K] packed into ceil(N / 16) panels [P, K, 16] (zero rows past N)."""
+    """A float32 weight [N, K] packed into ceil(N / 16) panels [P, K, 16] (zero rows past N).
+    ``prefetch``: the kernel prefetches each next panel while it reads one (off: to measure it)."""
+
+    prefetch = True
 
     def __init__(self, weight: torch.Tensor) -> None:
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
@@ -59,5 +62,5 @@ class SmallLinear:
         y = x.new_empty((m, self.n))
         p = self.panels.shape[0]
         args = (x.data_ptr(), self.panels.data_ptr(), y.data_ptr(), m, self.k, self.n)
-        self.fn(*args, max(1, min(torch.get_num_threads(), p // MIN_PANELS_PER_THREAD)))
+        self.fn(*args, max(1, min(torch.get_num_threads(), p // MIN_PANELS_PER_THREAD)), int(self.prefetch))
         return y

@@ -6,30 +6,35 @@
 // once into panels of 16 output columns: panel j holds W[16 j .. 16 j + 15][k] for k = 0 .. K-1,
 // k-major (N padded to a multiple of 16 with zero rows). Each call streams each panel once, and
 // the panel meets every row of x while it sits in cache, 6 rows at a time: 12 vector
-// accumulators, two vector loads and six broadcasts per k. With threads > 1 the panels are
+// accumulators, two vector loads and six broadcasts per k; meanwhile the next panel is prefetched,
+// a share of it by each block of rows (at 16 rows, 58 -> 77 GFLOP/s on the course's machine,
+// `scripts/levers.py linear`). With threads > 1 the panels are
 // shared by torch's OpenMP workers (`share`, cpu_kernel_share.h).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 #include "cpu_kernel_share.h"
+#include "cpu_kernel_vec.h"
 
 namespace {
 
-typedef float vfloat __attribute__((vector_size(32)));
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-template <int R>
+// y[0..R) = x[0..R) . panel, for one panel. With PREFETCH, one 64-byte line of the next panel is
+// prefetched every `every` k's, from `next` on: each of a panel's row blocks fetches its share of
+// the next panel, so the next panel arrives spread over the whole pass (one layer's weights do not
+// fit in L2, and left to the hardware prefetcher each panel's first pass waits on L3 / memory).
+template <int R, bool PREFETCH>
 void panel_rows(const float* x, int64_t ldx, const float* panel, int64_t k_dim, float* y, int64_t ldy,
-                int64_t cols) {
+                int64_t cols, const float* next, int64_t every) {
   vfloat acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vfloat{};
+  int64_t countdown = every;
   for (int64_t k = 0; k < k_dim; ++k) {
+    if (PREFETCH && --countdown == 0) {
+      countdown = every;
+      __builtin_prefetch(next, 0, 3);
+      next += 16;
+    }
     const vfloat b0 = load(panel + k * 16), b1 = load(panel + k * 16 + 8);
     for (int r = 0; r < R; ++r) {
       const float a = x[r * ldx + k];
@@ -47,24 +52,44 @@ void panel_rows(const float* x, int64_t ldx, const float* panel, int64_t k_dim, 
   }
 }
 
+template <int R>
+void rows(const float* x, int64_t k_dim, const float* panel, float* y, int64_t n, int64_t cols, const float* next,
+          int64_t every) {
+  if (next != nullptr) {
+    panel_rows<R, true>(x, k_dim, panel, k_dim, y, n, cols, next, every);
+  } else {
+    panel_rows<R, false>(x, k_dim, panel, k_dim, y, n, cols, next, every);
+  }
+}
+
 }  // namespace
 
+// prefetch = 0: no software prefetch (the hardware's alone; scripts/levers.py linear measures both).
+// Above kPrefetchMaxRows rows a panel's first pass is a small part of its time, and the prefetch
+// measured slower (256 rows) or even (64 rows): it is used at most up to there.
+constexpr int64_t kPrefetchMaxRows = 64;
+
 extern "C" void linear_float32(const float* x, const float* packed, float* y, int64_t m, int64_t k_dim, int64_t n,
-                               int64_t threads) {
+                               int64_t threads, int64_t prefetch) {
   const int64_t panels = (n + 15) / 16;
+  const int64_t blocks = std::max<int64_t>(1, (m + 5) / 6);  // row blocks per panel: each prefetches 1 / blocks of the next
+  const int64_t share_lines = (k_dim + blocks - 1) / blocks;
   share(panels, threads, [&](int64_t panel_begin, int64_t panel_end) {
     for (int64_t j = panel_begin; j < panel_end; ++j) {
       const float* panel = packed + j * k_dim * 16;
       const int64_t cols = std::min<int64_t>(16, n - j * 16);
       float* yj = y + j * 16;
-      int64_t i = 0;
-      for (; i + 6 <= m; i += 6) panel_rows<6>(x + i * k_dim, k_dim, panel, k_dim, yj + i * n, n, cols);
+      const float* next = prefetch && m <= kPrefetchMaxRows && j + 1 < panels ? panel + k_dim * 16 : nullptr;
+      auto next_share = [&](int64_t block) { return next == nullptr ? nullptr : next + block * share_lines * 16; };
+      int64_t i = 0, block = 0;
+      for (; i + 6 <= m; i += 6, ++block) rows<6>(x + i * k_dim, k_dim, panel, yj + i * n, n, cols, next_share(block), blocks);
+      const float* tail = next_share(block);
       switch (m - i) {
-        case 5: panel_rows<5>(x + i * k_dim, k_dim, panel, k_dim, yj + i * n, n, cols); break;
-        case 4: panel_rows<4>(x + i * k_dim, k_dim, panel, k_dim, yj + i * n, n, cols); break;
-        case 3: panel_rows<3>(x + i * k_dim, k_dim, panel, k_dim, yj + i * n, n, cols); break;
-        case 2: panel_rows<2>(x + i * k_dim, k_dim, panel, k_dim, yj + i * n, n, cols); break;
-        case 1: panel_rows<1>(x + i * k_dim, k_dim, panel, k_dim, yj + i * n, n, cols); break;
+        case 5: rows<5>(x + i * k_dim, k_dim, panel, yj + i * n, n, cols, tail, blocks); break;
+        case 4: rows<4>(x + i * k_dim, k_dim, panel, yj + i * n, n, cols, tail, blocks); break;
+        case 3: rows<3>(x + i * k_dim, k_dim, panel, yj + i * n, n, cols, tail, blocks); break;
+        case 2: rows<2>(x + i * k_dim, k_dim, panel, yj + i * n, n, cols, tail, blocks); break;
+        case 1: rows<1>(x + i * k_dim, k_dim, panel, yj + i * n, n, cols, tail, blocks); break;
         default: break;
       }
     }

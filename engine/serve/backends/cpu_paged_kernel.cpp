@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cpu_kernel_share.h"
+#include "cpu_kernel_vec.h"
 
 namespace {
 
@@ -35,12 +36,9 @@ struct BF16 {
   uint16_t bits;
 };
 
-constexpr int kBytes = 32;  // one vector
-typedef float vfloat __attribute__((vector_size(kBytes)));
 typedef double vdouble __attribute__((vector_size(kBytes)));
 typedef uint16_t vhalf __attribute__((vector_size(kBytes / 2)));
 typedef uint32_t vword __attribute__((vector_size(kBytes)));
-typedef int32_t vint __attribute__((vector_size(kBytes)));
 
 template <typename W> struct VecOf;
 template <> struct VecOf<float> { typedef vfloat type; };
@@ -56,11 +54,6 @@ inline float widen(BF16 x) {
 }
 
 // L consecutive elements of a row, widened to one vector of W.
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 inline vdouble load(const double* p) {
   vdouble v;
   std::memcpy(&v, p, sizeof v);
@@ -92,29 +85,6 @@ template <typename V> inline auto hsum(V v) {
   auto s = v[0];
   for (unsigned i = 1; i < sizeof(V) / sizeof(v[0]); ++i) s += v[i];
   return s;
-}
-
-// exp(x) for x <= 0, 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-7 Taylor
-// polynomial (relative error < 1e-8, under one ulp), times 2^n built in the exponent bits.
-// Below -87 (a weight under 2^-125 of the largest) the result is 0.
-inline vfloat exp_nonpositive(vfloat x) {
-  const vint under = x < -87.0f;
-  x = under ? vfloat{} - 87.0f : x;
-  const vint n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vint);  // round(x / ln2), x <= 0
-  const vfloat nf = __builtin_convertvector(n, vfloat);
-  const vfloat r = x - nf * 0.693145751953125f - nf * 1.428606765330187045e-06f;  // ln2 in two parts
-  vfloat p = vfloat{} + 1.0f / 5040;
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const vint bits = (n + 127) << 23;  // 2^n, n in [-126, 0]
-  vfloat two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return under ? vfloat{} : p * two_n;
 }
 
 // w[i] = exp(s[i] - m) for i < n; returns their sum.
@@ -303,3 +273,44 @@ void attend_rows(const T* q, const T* k_pool, const T* v_pool, T* out, const int
 ENTRY(paged_decode_float32, float, float)
 ENTRY(paged_decode_bfloat16, BF16, float)
 ENTRY(paged_decode_float64, double, double)
+
+// The step's K/V rows into their pool slots: row r of k / v ([rows, width] with row strides
+// ldk / ldv, width = Hkv * D) goes to slot slots[r] of each pool ([num_slots, width]); slot -1 (a
+// padding row) is the pool's last slot, as in the reference's write_kv. Stored in the pool's dtype
+// (bfloat16: rounded to nearest even, as torch's .to(bfloat16)). Returns the number of slots out of
+// [-1, num_slots), and then writes nothing.
+namespace {
+
+template <typename S, typename T>
+void write_rows(const S* k, int64_t ldk, const S* v, int64_t ldv, const int64_t* slots, int64_t begin, int64_t end,
+                int64_t width, T* k_pool, T* v_pool, int64_t num_slots) {
+  for (int64_t r = begin; r < end; ++r) {
+    const int64_t slot = slots[r] < 0 ? num_slots - 1 : slots[r];
+    T* kd = k_pool + slot * width;
+    T* vd = v_pool + slot * width;
+    const S* ks = k + r * ldk;
+    const S* vs = v + r * ldv;
+    for (int64_t i = 0; i < width; ++i) narrow(ks[i], kd + i);
+    for (int64_t i = 0; i < width; ++i) narrow(vs[i], vd + i);
+  }
+}
+
+}  // namespace
+
+#define WRITE_ENTRY(NAME, S, T)                                                                         \
+  extern "C" int64_t NAME(const void* k, int64_t ldk, const void* v, int64_t ldv, const int64_t* slots, \
+                          int64_t rows, int64_t width, void* k_pool, void* v_pool, int64_t num_slots,   \
+                          int64_t threads) {                                                            \
+    int64_t bad = 0;                                                                                    \
+    for (int64_t r = 0; r < rows; ++r) bad += slots[r] < -1 || slots[r] >= num_slots;                   \
+    if (bad) return bad;                                                                                \
+    share(rows, threads, [&](int64_t begin, int64_t end) {                                              \
+      write_rows<S, T>(static_cast<const S*>(k), ldk, static_cast<const S*>(v), ldv, slots, begin, end, \
+                       width, static_cast<T*>(k_pool), static_cast<T*>(v_pool), num_slots);            \
+    });                                                                                                 \
+    return 0;                                                                                           \
+  }
+
+WRITE_ENTRY(write_kv_float32, float, float)
+WRITE_ENTRY(write_kv_bfloat16, float, BF16)
+WRITE_ENTRY(write_kv_float64, double, double)

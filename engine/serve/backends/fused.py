@@ -9,7 +9,9 @@ and, on a CPU, a few microseconds of dispatch. This class serves the same comput
 - q and k normalised and rotated together, as one ``[N, Hq + Hkv, Dh]`` tensor;
 - SiLU and the gate product done in place on the merged output;
 - on a CPU, the weights prepacked for oneDNN's matmul (float32, or bfloat16 with bf16 units),
-  and in float32 steps of at most ``SMALL_ROWS`` rows (decodes) through ``cpu_linear``'s kernel.
+  and in float32 steps of at most ``SMALL_ROWS`` rows (decodes) through ``cpu_linear``'s kernel;
+- on a CPU in float32, each seam's elementwise work (residual add + norm, q/k norm + RoPE,
+  SiLU-mul) as one call of ``cpu_elementwise``'s kernels instead of ~25 PyTorch operations a layer.
 
 Float64 results are those of ``FlatModel`` up to summation order (tests check the engine against
 ``generate()`` token for token); float32 ones differ from it by summation order too (oneDNN's
@@ -90,7 +92,7 @@ class FusedFlatModel(FlatModel):
     """
 
     def __init__(self, model: nn.Module, linear_dtype: torch.dtype | None = None, pack: bool | None = None,
-                 small: bool | None = None) -> None:
+                 small: bool | None = None, elementwise: bool | None = None) -> None:
         super().__init__(model)
         dtype, device = self.dtype, self.device
         if linear_dtype is None:
@@ -102,6 +104,12 @@ class FusedFlatModel(FlatModel):
 
             small = linear_dtype == torch.float32 and device.type == "cpu" and cpu_linear.library() is not None
         self.small = small
+        if elementwise is None:  # float32 on a CPU where the elementwise kernels build
+            from engine.serve.backends import cpu_elementwise
+
+            elementwise = (linear_dtype == torch.float32 and device.type == "cpu"
+                           and cpu_elementwise.library() is not None)
+        self.elementwise = elementwise
         cast = lambda w: Linear(w.detach().to(linear_dtype), self.pack, small)  # noqa: E731 - no copy when no cast
         self.layers = []
         for layer in model.model.layers:
@@ -120,14 +128,18 @@ class FusedFlatModel(FlatModel):
         self.lm_head = cast(model.lm_head.weight)
         self._norm_weights: dict[int, torch.Tensor] = {}
 
+    def _norm_weight(self, norm: nn.Module) -> torch.Tensor:
+        """``norm``'s weight in ``linear_dtype`` (a copy of a 16-bit one, made once)."""
+        key = id(norm)
+        if key not in self._norm_weights:
+            self._norm_weights[key] = norm.weight.detach().to(self.linear_dtype).contiguous()
+        return self._norm_weights[key]
+
     def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """RMSNorm of ``x`` (in ``linear_dtype``): the module itself when that is the model's dtype."""
         if x.dtype == self.dtype:
             return norm(x)
-        key = id(norm)
-        if key not in self._norm_weights:  # the float32 copy of a 16-bit norm weight, made once
-            self._norm_weights[key] = norm.weight.detach().to(x.dtype)
-        return F.rms_norm(x, (x.shape[-1],), self._norm_weights[key], norm.eps)
+        return F.rms_norm(x, (x.shape[-1],), self._norm_weight(norm), norm.eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
@@ -138,35 +150,60 @@ class FusedFlatModel(FlatModel):
         hidden = m.embed_tokens(input_ids).to(work)  # [N, D]
         n = hidden.shape[0]
         cos, sin = rope_cos_sin(positions, dh, cfg.rope_theta, work)  # [N, Dh]
-        cos, sin, half = cos[:, None, :], sin[:, None, :], dh // 2
         residual = None
         for layer, weights, kv_cache in zip(m.layers, self.layers, kv_caches):
-            if residual is not None:
-                hidden = hidden + residual
-            residual = hidden
-            x = self._norm(hidden, layer.input_layernorm)
+            x, residual = self._add_norm(hidden, residual, layer.input_layernorm)
             qkv = weights["qkv"](x)  # [N, (Hq + 2 Hkv) Dh]
-            qk = qkv[:, :(hq + hkv) * dh].view(n, hq + hkv, dh)
-            qk = F.rms_norm(qk, (dh,), None, layer.self_attn.q_norm.eps) * weights["qk_norm"]  # [N, Hq + Hkv, Dh]
-            rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
-            qk = qk * cos + rotated * sin  # RoPE on q and k at once
-            pool_dtype = kv_cache[0].dtype
-            q = qk[:, :hq].to(pool_dtype).contiguous()  # [N, Hq, Dh]
-            k = qk[:, hq:]
+            q, k = self._qk_norm_rope(qkv, weights["qk_norm"], cos, sin, layer.self_attn.q_norm.eps)
+            q = q.to(kv_cache[0].dtype).contiguous()  # [N, Hq, Dh]
             v = qkv[:, (hq + hkv) * dh:].view(n, hkv, dh)
             backend.write(kv_cache, k, v, meta)
             o = backend.forward(q, kv_cache, meta, scale=layer.self_attn.scale, window=cfg.sliding_window)
             hidden = weights["o"](o.reshape(n, hq * dh).to(work))  # [N, D]
-            hidden = hidden + residual
-            residual = hidden
-            x = self._norm(hidden, layer.post_attention_layernorm)
+            x, residual = self._add_norm(hidden, residual, layer.post_attention_layernorm)
             if "gate_up" in weights:
-                gate_up = weights["gate_up"](x)  # [N, 2I]
-                gate, up = gate_up.chunk(2, dim=-1)
-                hidden = weights["down"](F.silu(gate, inplace=True).mul_(up))
+                hidden = weights["down"](self._silu_mul(weights["gate_up"](x)))  # [N, 2I] -> [N, D]
             else:
                 hidden = layer.mlp(x.to(self.dtype)).to(work)  # MoE: the block itself
-        return self._norm(hidden + residual, m.norm)
+        return self._add_norm(hidden, residual, m.norm)[0]
+
+    def _add_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(hidden + residual), hidden + residual), [N, D] each; residual None: no add."""
+        if self.elementwise:
+            from engine.serve.backends.cpu_elementwise import add_rms_norm
+
+            return add_rms_norm(hidden, residual, self._norm_weight(norm), norm.eps)
+        if residual is not None:
+            hidden = hidden + residual
+        return self._norm(hidden, norm), hidden
+
+    def _qk_norm_rope(self, qkv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv [N, (Hq + 2 Hkv) Dh], cos / sin [N, Dh] -> q [N, Hq, Dh], k [N, Hkv, Dh]: each head
+        normed (its weight row of [Hq + Hkv, Dh]) and rotated."""
+        cfg = self.cfg
+        n, hq, hkv, dh = qkv.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if self.elementwise:  # q to a buffer of its own, k in place in qkv
+            from engine.serve.backends.cpu_elementwise import qk_norm_rope
+
+            q = qk_norm_rope(qkv, hq, hkv, dh, weight, cos, sin, eps)
+            return q, qkv[:, hq * dh:(hq + hkv) * dh].view(n, hkv, dh)
+        half = dh // 2
+        qk = qkv[:, :(hq + hkv) * dh].view(n, hq + hkv, dh)
+        qk = F.rms_norm(qk, (dh,), None, eps) * weight  # [N, Hq + Hkv, Dh]
+        rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+        qk = qk * cos[:, None, :] + rotated * sin[:, None, :]  # RoPE on q and k at once
+        return qk[:, :hq], qk[:, hq:]
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [N, 2I] -> SiLU(gate) * up [N, I]."""
+        if self.elementwise:
+            from engine.serve.backends.cpu_elementwise import silu_mul
+
+            return silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate, inplace=True).mul_(up)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, D] -> logits [M, V] in float32 (float64 for float64 models): the LM head in
