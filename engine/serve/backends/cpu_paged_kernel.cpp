@@ -114,15 +114,27 @@ inline double exp_shifted(double* s, int64_t n, double m) {  // float64: the lib
 }
 
 // Calls fn(slot, i) for the visible key positions first..last in order (i = p - first), one
-// block-table lookup per block.
-template <typename F>
-inline void for_each_key(const int32_t* table, int64_t bs, int64_t first, int64_t last, F&& fn) {
+// block-table lookup per block. While it walks a block it prefetches the next one's slots from
+// `pool` (slots of `slot_bytes`), key for key: the blocks of a request lie anywhere in the pool,
+// so the hardware prefetcher cannot see the next one coming.
+template <typename T, typename F>
+inline void for_each_key(const int32_t* table, int64_t bs, int64_t first, int64_t last, const T* pool,
+                         int64_t slot_bytes, F&& fn) {
   int64_t p = first;
   while (p <= last) {
     const int64_t block = p / bs, within = p % bs;
     const int64_t base = static_cast<int64_t>(table[block]) * bs;
     const int64_t count = std::min<int64_t>(last - p + 1, bs - within);
-    for (int64_t j = 0; j < count; ++j) fn(base + within + j, p - first + j);
+    const bool has_next = (block + 1) * bs <= last;
+    const char* next = has_next ? reinterpret_cast<const char*>(pool) + static_cast<int64_t>(table[block + 1]) * bs * slot_bytes
+                                : nullptr;
+    for (int64_t j = 0; j < count; ++j) {
+      if (has_next) {
+        const char* line = next + (within + j) * slot_bytes;
+        for (int64_t b = 0; b < slot_bytes; b += 64) __builtin_prefetch(line + b, 0, 3);
+      }
+      fn(base + within + j, p - first + j);
+    }
     p += count;
   }
 }
@@ -142,7 +154,7 @@ void attend_row(const W* q, const T* k_pool, const T* v_pool, T* out, const int3
   scores.resize(static_cast<size_t>(n * hq));
   W* s = scores.data();
   // Pass 1: s[j][i] = q_j . k_i (q pre-scaled), query head j reading kv head j / group.
-  for_each_key(table, bs, first, last, [&](int64_t slot, int64_t i) {
+  for_each_key(table, bs, first, last, k_pool, stride * sizeof(T), [&](int64_t slot, int64_t i) {
     const T* kslot = k_pool + slot * stride;
     for (int64_t j = 0; j < hq; ++j) {
       const W* qj = q + j * d;
@@ -168,7 +180,7 @@ void attend_row(const W* q, const T* k_pool, const T* v_pool, T* out, const int3
   // Pass 2: out_j = sum_i w[j][i] v_i / l_j; accs [hq, nv] vectors.
   accs.assign(static_cast<size_t>(hq * nv), V{});
   V* acc = accs.data();
-  for_each_key(table, bs, first, last, [&](int64_t slot, int64_t i) {
+  for_each_key(table, bs, first, last, v_pool, stride * sizeof(T), [&](int64_t slot, int64_t i) {
     const T* vslot = v_pool + slot * stride;
     for (int64_t h = 0; h < hkv; ++h) {
       V vr[NV ? NV : 1];
@@ -199,7 +211,7 @@ void attend_head_scalar(const W* q, const T* k_pool, const T* v_pool, T* out, co
   const int64_t n = last - first + 1, stride = hkv * d;
   scores.resize(static_cast<size_t>(n * group));
   W* s = scores.data();
-  for_each_key(table, bs, first, last, [&](int64_t slot, int64_t i) {
+  for_each_key(table, bs, first, last, k_pool, stride * sizeof(T), [&](int64_t slot, int64_t i) {
     const T* krow = k_pool + slot * stride + h * d;
     for (int64_t g = 0; g < group; ++g) {
       W dot = 0;
@@ -213,7 +225,7 @@ void attend_head_scalar(const W* q, const T* k_pool, const T* v_pool, T* out, co
     for (int64_t i = 1; i < n; ++i) m = sg[i] > m ? sg[i] : m;
     const W inv = W(1) / exp_shifted(sg, n, m);
     std::vector<W> acc(d, W(0));
-    for_each_key(table, bs, first, last, [&](int64_t slot, int64_t i) {
+    for_each_key(table, bs, first, last, v_pool, stride * sizeof(T), [&](int64_t slot, int64_t i) {
       const T* vrow = v_pool + slot * stride + h * d;
       for (int64_t c = 0; c < d; ++c) acc[c] += sg[i] * widen(vrow[c]);
     });
