@@ -50,6 +50,38 @@ def test_fused_engine_matches_generate(name, backend, moe):
     assert core.blocks.num_free == core.blocks.num_blocks
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_kept_rows_match_every_row(backend):
+    """keep_rows (the last layer past its K/V write on the logits rows only) changes nothing: under
+    chunked prefill, with one request asking for prompt logprobs (so most of its rows are kept),
+    the fused engine's tokens and prompt logprobs equal the plain FlatModel engine's (float64)."""
+    model = tiny_model(seed=3, dtype=torch.float64)
+    prompts = prompts_for(model)
+    results = []
+    for fuse in (True, False):
+        core = EngineCore(model, EngineConfig(block_size=8, attention_backend=backend, fuse_ops=fuse,
+                                              **CONFIGS["chunked"]))
+        assert getattr(core.flat, "selects_rows", False) == fuse
+        for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+            core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0,
+                                                        prompt_logprobs=2 if i == 1 else None))
+        tokens, logprobs = {}, None
+        while core.has_unfinished():
+            for out in core.step():
+                if out.finished:
+                    tokens[out.request_id] = out.output_token_ids
+                    logprobs = out.prompt_logprobs if out.request_id == "r1" else logprobs
+        results.append((tokens, logprobs))
+    (tokens, logprobs), (want_tokens, want_logprobs) = results
+    assert tokens == want_tokens, "keep_rows changed the greedy tokens"
+    assert want_logprobs is not None and len(logprobs) == len(want_logprobs)
+    for got, want in zip(logprobs, want_logprobs):
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert got.keys() == want.keys() and all(abs(got[t] - want[t]) < 1e-9 for t in want), \
+                "keep_rows changed a prompt logprob"
+
+
 def test_fused_float32_linears_for_a_16bit_model():
     """A bfloat16 model whose linears run in float32 (a CPU without bf16 units) computes what the
     float32 model with the same (bfloat16-valued) weights computes, except that its K/V pool

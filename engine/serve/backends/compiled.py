@@ -13,8 +13,11 @@ graph (the op's declared inputs are only q, k, v and the layer's constants, so n
 pool is copied). With TorchInductor's ``freezing`` the weights are folded into the graph as
 constants and the matmuls prepacked for oneDNN, as ``FusedFlatModel`` does by hand.
 
-Shapes: the row count N is dynamic (one graph serves every step size; a step of one row would
-compile a second one). Compilation happens when the first engine on a model is built (a dummy
+The graph computes the last layer past its K/V write only for the rows whose logits are needed
+(``keep_rows``, as FusedFlatModel; custom op ``engine_serve::paged_attention_rows``).
+
+Shapes: the row count N and the kept rows' M are dynamic (one graph serves every step size; a
+step of one row would compile a second one, so M is padded to at least ``MIN_KEEP``). Compilation happens when the first engine on a model is built (a dummy
 step of ``WARM_UP_ROWS`` rows), needs a C++ compiler (TorchInductor's CPU code is C++), and takes
 10-60 s on a small CPU; one compiled graph is shared by every engine built on the same model
 object (the bench builds a fresh engine per run). Where FusedFlatModel uses the small-batch
@@ -37,9 +40,12 @@ from engine.models.qwen3 import Qwen3MLP
 from engine.rope import rope_cos_sin
 from engine.serve.attention import AttentionBackend, KVCache
 from engine.serve.batch import BatchMeta
-from engine.serve.backends.fused import SMALL_ROWS, FusedFlatModel
+from engine.serve.backends.fused import SMALL_ROWS, FusedFlatModel, attend_rows
 
 WARM_UP_ROWS = 256  # the start-up compile's step size (also oneDNN's packing hint for the graph's linears)
+# Fewer kept rows than this are padded up to it: TorchInductor specialises sizes 0 and 1, and a
+# step with one sample row (one prompt finishing) would compile a second graph in the middle of a run.
+MIN_KEEP = 2
 
 # The step being run: (meta, backend, kv_caches). Set around each compiled call, read by the op.
 _step: tuple[BatchMeta, AttentionBackend, list[KVCache]] | None = None
@@ -59,6 +65,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
 @paged_attention.register_fake
 def _(q, k, v, layer, scale, window):
     return torch.empty_like(q)
+
+
+@torch.library.custom_op("engine_serve::paged_attention_rows", mutates_args=())
+def paged_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, layer: int,
+                         scale: float, window: int) -> torch.Tensor:
+    """``paged_attention`` that writes every row's k, v but attends only ``rows``: -> [M, Hq, Dh]."""
+    assert _step is not None, "paged_attention_rows runs only inside CompiledFlatModel.forward"
+    meta, backend, kv_caches = _step
+    cache = kv_caches[layer]
+    backend.write(cache, k, v, meta)
+    return attend_rows(backend, q, cache, meta, rows, scale, window)
+
+
+@paged_attention_rows.register_fake
+def _(q, k, v, rows, layer, scale, window):
+    return q.new_empty((rows.shape[0], q.shape[1], q.shape[2]))
 
 
 # The graphs' small-batch linears, by id: held by their _Layers (weakly here), called by the op.
@@ -84,6 +106,9 @@ class _ZeroAttention:
 
     def forward(self, q, cache, meta, scale=None, window=0) -> torch.Tensor:
         return torch.zeros_like(q)
+
+    def forward_rows(self, q, cache, meta, rows, scale=None, window=0) -> torch.Tensor:
+        return q.new_zeros((rows.shape[0], *q.shape[1:]))
 
 
 class _Layers(nn.Module):
@@ -120,11 +145,13 @@ class _Layers(nn.Module):
             return torch.ops.engine_serve.linear(x, self.small_ids[i])
         return F.linear(x, weight)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_dtype: torch.dtype
-                ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_dtype: torch.dtype,
+                keep: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] -> the final normed hidden of the rows ``keep`` (int64 [M]), [M, D]."""
         hq, hkv, dh, dim = self.shape
         half = dh // 2
         residual = None
+        last = len(self.eps) - 1
         for i, (in_eps, qk_eps, post_eps) in enumerate(self.eps):
             w_in, w_qkv, w_qk, w_o, w_post, w_gu, w_down = self.w[7 * i:7 * i + 7]
             if residual is not None:
@@ -136,8 +163,13 @@ class _Layers(nn.Module):
             qk = F.rms_norm(qk, (dh,), None, qk_eps) * w_qk
             qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
             v = qkv[:, (hq + hkv) * dh:].reshape(-1, hkv, dh)
-            o = torch.ops.engine_serve.paged_attention(qk[:, :hq].to(pool_dtype), qk[:, hq:], v, i,
-                                                       self.scales[i], self.window)
+            if i == last:  # the last layer past its K/V write: the kept rows only
+                o = torch.ops.engine_serve.paged_attention_rows(qk[:, :hq].to(pool_dtype), qk[:, hq:], v, keep, i,
+                                                                self.scales[i], self.window)
+                residual = residual.index_select(0, keep)
+            else:
+                o = torch.ops.engine_serve.paged_attention(qk[:, :hq].to(pool_dtype), qk[:, hq:], v, i,
+                                                           self.scales[i], self.window)
             hidden = self._linear(o.reshape(-1, hq * dh).to(x.dtype), w_o, 4 * i + 1) + residual
             residual = hidden
             x = F.rms_norm(hidden, (dim,), w_post, post_eps)
@@ -187,28 +219,35 @@ class CompiledFlatModel(FusedFlatModel):
         with torch.inference_mode():
             hidden = torch.zeros((rows, cfg.hidden_size), dtype=work, device=self.device)
             cos, sin = rope_cos_sin(torch.arange(rows, device=self.device), cfg.head_dim, cfg.rope_theta, work)
-            self._call(hidden, cos, sin, (None, _ZeroAttention(), [None] * cfg.num_hidden_layers), self.dtype)
+            keep = torch.arange(MIN_KEEP + 6, device=self.device)  # M != N: traced as two sizes
+            self._call(hidden, cos, sin, (None, _ZeroAttention(), [None] * cfg.num_hidden_layers), self.dtype, keep)
 
     def _call(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: tuple,
-              pool_dtype: torch.dtype) -> torch.Tensor:
+              pool_dtype: torch.dtype, keep: torch.Tensor) -> torch.Tensor:
         global _step
         _step = step
         try:
             # freezing (read whenever a shape compiles): the weights become constants of the graph,
             # the linears prepacked for oneDNN, residual adds fused into them.
             with inductor_config.patch(freezing=True):
-                return self._run(hidden, cos[:, None, :], sin[:, None, :], pool_dtype)
+                return self._run(hidden, cos[:, None, :], sin[:, None, :], pool_dtype, keep)
         finally:
             _step = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions [N] -> final hidden [N, D] in ``linear_dtype``. Steps of at most
-        ``SMALL_ROWS`` rows take FusedFlatModel's eager path when its small-batch linear kernel
-        is in use (there the graph's per-call cost outweighs what its fusion saves)."""
+                meta: BatchMeta, backend: AttentionBackend, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [N] -> final hidden [N, D] in ``linear_dtype`` (with ``keep_rows``,
+        int64 [M]: those rows' [M, D]). Steps of at most ``SMALL_ROWS`` rows take FusedFlatModel's
+        eager path when its small-batch linear kernel is in use (there the graph's per-call cost
+        outweighs what its fusion saves)."""
         if self.small and input_ids.shape[0] <= self.eager_rows:
-            return super().forward(input_ids, positions, kv_caches, meta, backend)
+            return super().forward(input_ids, positions, kv_caches, meta, backend, keep_rows=keep_rows)
         cfg, work = self.cfg, self.linear_dtype
+        n = input_ids.shape[0]
+        keep = torch.arange(n, device=input_ids.device) if keep_rows is None else keep_rows
+        m = keep.shape[0]
+        if m < MIN_KEEP:  # padded with row 0 (results dropped): the graph never sees a size of 0 or 1
+            keep = torch.cat([keep, keep.new_zeros(MIN_KEEP - m)])
         hidden = self.model.model.embed_tokens(input_ids).to(work)  # [N, D]
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, work)  # [N, Dh]
-        return self._call(hidden, cos, sin, (meta, backend, kv_caches), kv_caches[0][0].dtype)
+        return self._call(hidden, cos, sin, (meta, backend, kv_caches), kv_caches[0][0].dtype, keep)[:m]

@@ -196,6 +196,19 @@ class CPUBackend(TorchBackend):
         tables, q_pos = self._row_plan(meta, n)
         return self._run(q, cache, tables, q_pos, 1.0 / math.sqrt(d) if scale is None else scale, window)
 
+    def forward_rows(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, rows: torch.Tensor,
+                     scale: float | None = None, window: int = 0) -> torch.Tensor:
+        """``forward(q, cache, meta)[rows]`` without computing the other rows: q [N, Hq, D], rows
+        int64 [M] -> [M, Hq, D]."""
+        if not self.prefill_in_place:
+            return self.forward(q, cache, meta, scale=scale, window=window).index_select(0, rows)
+        n, hq, d = q.shape
+        if hq % cache[0].shape[2] != 0:
+            raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({cache[0].shape[2]})")
+        tables, q_pos = self._row_plan(meta, n)
+        return self._run(q.index_select(0, rows), cache, tables.index_select(0, rows), q_pos.index_select(0, rows),
+                         1.0 / math.sqrt(d) if scale is None else scale, window)
+
     def _row_plan(self, meta: BatchMeta, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row: its request's block table (int32 [N, W]) and position (int64 [N]; -1 for a
         padding row)."""

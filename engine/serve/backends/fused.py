@@ -11,7 +11,10 @@ and, on a CPU, a few microseconds of dispatch. This class serves the same comput
 - on a CPU, the weights prepacked for oneDNN's matmul (float32, or bfloat16 with bf16 units),
   and in float32 steps of at most ``SMALL_ROWS`` rows (decodes) through ``cpu_linear``'s kernel;
 - on a CPU in float32, each seam's elementwise work (residual add + norm, q/k norm + RoPE,
-  SiLU-mul) as one call of ``cpu_elementwise``'s kernels instead of ~25 PyTorch operations a layer.
+  SiLU-mul) as one call of ``cpu_elementwise``'s kernels instead of ~25 PyTorch operations a layer;
+- the last layer past its K/V write only on the rows whose logits are needed (``keep_rows``: the
+  batch's ``logits_indices``). Nothing reads the other rows' last hidden state, so a prefill step
+  skips a quarter of the attention and ~20% of the matmuls of a 4-layer model with the same results.
 
 Float64 results are those of ``FlatModel`` up to summation order (tests check the engine against
 ``generate()`` token for token); float32 ones differ from it by summation order too (oneDNN's
@@ -72,6 +75,16 @@ class Linear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
+def attend_rows(backend: AttentionBackend, q: torch.Tensor, cache: KVCache, meta: BatchMeta, rows: torch.Tensor,
+                scale: float, window: int) -> torch.Tensor:
+    """Attention of the batch's rows ``rows`` only: q [N, Hq, Dh] -> [M, Hq, Dh]. Through the
+    backend's ``forward_rows`` where it has one, else every row and then the selection."""
+    forward_rows = getattr(backend, "forward_rows", None)
+    if forward_rows is not None:
+        return forward_rows(q, cache, meta, rows, scale=scale, window=window)
+    return backend.forward(q, cache, meta, scale=scale, window=window).index_select(0, rows)
+
+
 def fast_16bit_matmul(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether 16-bit matmuls in ``dtype`` run on native units here (any CUDA device; on a CPU,
     oneDNN's bfloat16 / float16 support, i.e. AVX512-BF16, AVX512-FP16 or AMX)."""
@@ -85,7 +98,8 @@ def fast_16bit_matmul(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class FusedFlatModel(FlatModel):
-    """FlatModel with merged projections and fused elementwise work; same contract.
+    """FlatModel with merged projections and fused elementwise work; same contract, plus
+    ``forward(..., keep_rows=rows)``, which returns only those rows' final hidden states.
 
     Invariant: ``layers[i]`` holds layer i's merged weights, built from the model's modules at
     construction; the model is not modified (weights changed later are not seen).
@@ -141,9 +155,13 @@ class FusedFlatModel(FlatModel):
             return norm(x)
         return F.rms_norm(x, (x.shape[-1],), self._norm_weight(norm), norm.eps)
 
+    selects_rows = True  # forward takes keep_rows (ModelRunner.execute passes logits_indices)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions [N] -> final hidden [N, D] in ``linear_dtype``."""
+                meta: BatchMeta, backend: AttentionBackend, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [N] -> final hidden [N, D] in ``linear_dtype``; with ``keep_rows``
+        (int64 [M] row numbers) only those rows' [M, D]: every layer writes all N rows' K/V, the
+        last one attends and runs its MLP on the M rows alone."""
         m, cfg = self.model.model, self.cfg
         work = self.linear_dtype
         hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -151,14 +169,20 @@ class FusedFlatModel(FlatModel):
         n = hidden.shape[0]
         cos, sin = rope_cos_sin(positions, dh, cfg.rope_theta, work)  # [N, Dh]
         residual = None
-        for layer, weights, kv_cache in zip(m.layers, self.layers, kv_caches):
+        last = len(self.layers) - 1
+        for i, (layer, weights, kv_cache) in enumerate(zip(m.layers, self.layers, kv_caches)):
             x, residual = self._add_norm(hidden, residual, layer.input_layernorm)
             qkv = weights["qkv"](x)  # [N, (Hq + 2 Hkv) Dh]
             q, k = self._qk_norm_rope(qkv, weights["qk_norm"], cos, sin, layer.self_attn.q_norm.eps)
             q = q.to(kv_cache[0].dtype).contiguous()  # [N, Hq, Dh]
             v = qkv[:, (hq + hkv) * dh:].view(n, hkv, dh)
             backend.write(kv_cache, k, v, meta)
-            o = backend.forward(q, kv_cache, meta, scale=layer.self_attn.scale, window=cfg.sliding_window)
+            scale, window = layer.self_attn.scale, cfg.sliding_window
+            if i == last and keep_rows is not None:  # from here on only the kept rows: [M, ...]
+                o = attend_rows(backend, q, kv_cache, meta, keep_rows, scale, window)
+                residual, n = residual.index_select(0, keep_rows), keep_rows.shape[0]
+            else:
+                o = backend.forward(q, kv_cache, meta, scale=scale, window=window)
             hidden = weights["o"](o.reshape(n, hq * dh).to(work))  # [N, D]
             x, residual = self._add_norm(hidden, residual, layer.post_attention_layernorm)
             if "gate_up" in weights:
