@@ -79,7 +79,9 @@ def attention(args) -> None:
         scheduled.append((req, 1))
         tables.append(perm[i * width:i * width + -(-n // bs)])
     meta = build_batch(scheduled, tables, bs).meta
-    cache = (torch.randn(r * width + 3, bs, hkv, d, generator=gen), torch.randn(r * width + 3, bs, hkv, d, generator=gen))
+    caches = [(torch.randn(r * width + 3, bs, hkv, d, generator=gen), torch.randn(r * width + 3, bs, hkv, d, generator=gen))
+              for _ in range(4)]  # a step's four layers: together they do not stay in cache between calls
+    cache = caches[0]
     with torch.inference_mode():
         q = torch.randn(r, hq, d, generator=gen)
         torch_b, cpu_b = TorchBackend(cascade_min_reqs=0), CPUBackend()
@@ -90,8 +92,19 @@ def attention(args) -> None:
         for name, got in (("cpu", cpu_b.forward(q, cache, meta)),
                           ("inductor", compiled(q, *cache, tab, q_pos, d ** -0.5))):
             assert (got - want).abs().max().item() < 1e-5, name
+        lib = cpu_b._lib
+
+        def cpu(prefetch: bool):  # the kernel with / without its prefetch of each next block
+            def run():
+                lib.paged_set_prefetch(int(prefetch))
+                for c in caches:
+                    cpu_b.forward(q, c, meta)
+                lib.paged_set_prefetch(1)
+            return run
         res = interleaved({"torch (gather + bmm)": lambda: torch_b.forward(q, cache, meta),
                            "cpu (C++ kernel, in place)": lambda: cpu_b.forward(q, cache, meta),
+                           f"cpu, {len(caches)} layers' pools": cpu(True),
+                           f"cpu, {len(caches)} layers' pools, no prefetch": cpu(False),
                            "inductor (compiled, gather-free)": lambda: compiled(q, *cache, tab, q_pos, d ** -0.5)},
                           args.rounds)
     print(f"decode attention, one layer, R={r}, context ~{args.context}, {torch.get_num_threads()} thread(s): {res}")
@@ -119,6 +132,8 @@ def step(args) -> None:
         if fuse.endswith("/torch-ew"):  # the PyTorch elementwise ops and the reference's write_kv
             core.flat.elementwise = False
             core.runner.backend.write = functools.partial(TorchBackend.write, core.runner.backend)
+        if fuse.endswith("/all-rows"):  # the last layer on every row, not only the logits rows
+            core.flat.selects_rows = False
         if fuse.endswith("/no-prefetch"):  # the small-batch linear kernel without its software prefetch
             for entry in core.flat.layers:
                 for linear in entry.values():
@@ -249,7 +264,8 @@ def main() -> int:
                     help="step: engines to compare (backend, +fused: fuse_ops, +compiled: fuse_ops and compile; "
                          "cpu/tiles: the cpu backend with prefill tiles gathered for SDPA; +fused/onednn: "
                          "no small-batch linear kernel; +fused/torch-ew: PyTorch elementwise ops and write_kv; "
-                         "+fused/no-prefetch: the linear kernel without software prefetch)")
+                         "+fused/no-prefetch: the linear kernel without software prefetch; +compiled/all-rows: the last "
+                         "layer on every row)")
     ap.add_argument("--prefill", action="store_true", help="step: time a fresh engine's first (prefill) step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

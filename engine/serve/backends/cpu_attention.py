@@ -2,13 +2,15 @@
 
 ``TorchBackend`` copies every decode request's whole context out of the pool (``index_select``)
 in every layer of every step, then multiplies the copy; at a few hundred tokens of context that
-copy is the largest part of a CPU decode step. This backend's decode rows go through
+copy is the largest part of a CPU decode step. This backend's rows go through
 ``cpu_paged_kernel.cpp`` instead: for each row and kv head it walks the request's block table,
 reads each key's K and V row from the pool in place (in the pool's own dtype: bfloat16 stays
 bfloat16 in memory and is widened in registers) and computes softmax(q k^T * scale) v in float
-(double for float64 pools). Requests with several query rows (prefill chunks, resumed histories)
-keep ``TorchBackend``'s tile path: one gather there serves a whole 32-row tile, and
-``scaled_dot_product_attention`` does the arithmetic at matmul speed.
+(double for float64 pools). Every row takes the kernel, prefill rows included, each with its own
+causal limit (``prefill_in_place=False``: requests with several query rows keep ``TorchBackend``'s
+tile path of one gather per 32-row tile and ``scaled_dot_product_attention``, measured slower).
+``write`` stores the step's K/V rows with one kernel call too, and ``forward_rows`` attends only
+the rows asked for (the fast flat models' last layer).
 
 Measured before writing a kernel (docs/performance.md): the same gather-free decode attention
 written as tensor indexing and compiled by TorchInductor (dynamic shapes) ran no faster than the
@@ -129,6 +131,8 @@ def load_kernel() -> ctypes.CDLL:
         fn.restype = ctypes.c_int64  # the number of slots out of range (then nothing is written)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] \
             + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    _library.paged_set_prefetch.restype = None  # on by default; off only to measure it (scripts/levers.py)
+    _library.paged_set_prefetch.argtypes = [ctypes.c_int64]
     return _library
 
 
