@@ -3,6 +3,7 @@
     python scripts/levers.py attention [--requests 64] [--context 200]   decode attention, one layer
     python scripts/levers.py step [--requests 64] [--dtype float32]      one engine decode step
     python scripts/levers.py step --prefill [--requests 8]               one prefill step (a fresh engine's first)
+    python scripts/levers.py parts [--requests 64] [--context 64]        the fast core's decode step: linears / attention / write / rest
     python scripts/levers.py linear [--threads 1]                          one step's linears: the kernel, prefetch on/off, oneDNN
     python scripts/levers.py elementwise                                  eager vs compiled norms/RoPE/SiLU
 
@@ -180,6 +181,54 @@ def step(args) -> None:
           f"{torch.get_num_threads()} thread(s), ms: {res}")
 
 
+def parts(args) -> None:
+    """Where the fast core's decode step goes: timers around the small-batch linears, the cpu
+    backend's attention and its K/V write (the rest: the elementwise work, embedding, LM head's
+    Python, schedule, build, sample, bookkeeping). Median of ``--rounds`` steps after 5 settled."""
+    from course.bench import MODEL_PRESETS
+    from engine.models import tiny_model
+    from engine.serve import EngineConfig, EngineCore, SamplingParams
+    from engine.serve.backends import cpu_attention, cpu_linear
+
+    spent = {"linears": 0.0, "attention": 0.0, "write": 0.0}
+
+    def timed(cls, name, part):
+        inner = getattr(cls, name)
+
+        def call(self, *a, **k):
+            start = time.perf_counter()
+            try:
+                return inner(self, *a, **k)
+            finally:
+                spent[part] += time.perf_counter() - start
+        setattr(cls, name, call)
+    timed(cpu_linear.SmallLinear, "__call__", "linears")
+    timed(cpu_attention.CPUBackend, "forward", "attention")
+    timed(cpu_attention.CPUBackend, "write", "write")
+    model = tiny_model(seed=0, **MODEL_PRESETS["small"]).to(getattr(torch, args.dtype))
+    core = EngineCore(model, EngineConfig(attention_backend="cpu", fuse_ops=True, compile=True, max_num_seqs=256,
+                                          num_blocks=args.requests * (-(-(args.context + 80) // 16) + 1) + 1))
+    rng = random.Random(0)
+    for i in range(args.requests):
+        core.add_request(f"s{i}", [rng.randrange(512) for _ in range(args.context)],
+                         SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0))
+    while any(r.num_computed_tokens < r.num_prompt_tokens - 1 for r in core.scheduler.requests.values()):
+        core.step()
+    for _ in range(5):
+        core.step()
+    rows = []
+    for _ in range(args.rounds):
+        for k in spent:
+            spent[k] = 0.0
+        start = time.perf_counter()
+        core.step()
+        rows.append({"step": time.perf_counter() - start, **spent})
+    med = {k: statistics.median(r[k] for r in rows) * 1000 for k in rows[0]}
+    med["rest"] = med["step"] - med["linears"] - med["attention"] - med["write"]
+    print(f"decode step, R={args.requests}, context ~{args.context}, {args.dtype}, {torch.get_num_threads()} "
+          f"thread(s), ms: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()))
+
+
 def linear(args) -> None:
     """The small-batch kernel on one step's linears (every layer's weights: they do not fit in
     the caches together), with and without its software prefetch, and oneDNN's prepacked matmul."""
@@ -254,7 +303,7 @@ def elementwise(args) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("attention", "step", "linear", "elementwise"))
+    ap.add_argument("what", choices=("attention", "step", "parts", "linear", "elementwise"))
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--dtype", default="float32")
@@ -269,7 +318,7 @@ def main() -> int:
     ap.add_argument("--prefill", action="store_true", help="step: time a fresh engine's first (prefill) step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    {"attention": attention, "step": step, "linear": linear, "elementwise": elementwise}[args.what](args)
+    {"attention": attention, "step": step, "parts": parts, "linear": linear, "elementwise": elementwise}[args.what](args)
     return 0
 
 

@@ -392,3 +392,9 @@ def test_cpu_kernel_build_boundaries(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "false")
     with pytest.raises(ValueError, match="building cpu_paged_kernel.cpp failed"):
         cpu_attention.build_library(cpu_attention.SOURCE)
+    # An optional library (the linear and elementwise kernels): None and the reason, asked once.
+    declared = []
+    optional = cpu_attention.OptionalKernels(cpu_attention.SOURCE, declared.append)
+    assert optional.get() is None and "building cpu_paged_kernel.cpp failed" in optional.why
+    monkeypatch.setenv("CXX", real)
+    assert optional.get() is None and not declared, "a failed optional build must not be retried on every call"

@@ -34,6 +34,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,28 @@ def build_library(source: Path) -> ctypes.CDLL:
                 continue
         return ctypes.CDLL(str(lib))
     raise ValueError(f"building {source.name} failed ({compiler}):\n{failed[-2000:]}")
+
+
+class OptionalKernels:
+    """A kernel library that the code around it can do without: built and declared on the first
+    ``get()`` (``declare(lib)`` sets its functions' ctypes signatures), None from then on where it
+    cannot be built here (``why`` says what failed)."""
+
+    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None]) -> None:
+        self.source, self.declare = source, declare
+        self.lib: ctypes.CDLL | None = None
+        self.why: str | None = None
+
+    def get(self) -> ctypes.CDLL | None:
+        if self.lib is None and self.why is None:
+            try:
+                lib = build_library(self.source)
+            except ValueError as exc:
+                self.why = str(exc)
+                return None
+            self.declare(lib)
+            self.lib = lib
+        return self.lib
 
 
 def _compile(compiler: str, source: Path, flags: tuple[str, ...], lib: Path) -> str | None:

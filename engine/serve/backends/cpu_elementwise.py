@@ -19,32 +19,28 @@ from pathlib import Path
 
 import torch
 
-from engine.serve.backends.cpu_attention import build_library
+from engine.serve.backends.cpu_attention import OptionalKernels
 
 SOURCE = Path(__file__).with_name("cpu_elementwise_kernel.cpp")
 MIN_ELEMENTS_PER_THREAD = 32768  # less work than this per thread: one thread does it all
 MAX_HEAD_DIM = 1024  # the kernel's per-head scratch buffer
-_library: ctypes.CDLL | None = None
-_failed: str | None = None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+    lib.add_rms_norm_float32.argtypes = [ptr] * 4 + [i64] * 2 + [f64] + [i64] * 2
+    lib.qk_norm_rope_float32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f64, i64]
+    lib.silu_mul_float32.argtypes = [ptr, ptr, i64, i64, i64]
+    for fn in (lib.add_rms_norm_float32, lib.qk_norm_rope_float32, lib.silu_mul_float32):
+        fn.restype = None
+
+
+_kernels = OptionalKernels(SOURCE, _declare)
 
 
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None when they cannot be built here (no C++ compiler, a failed build)."""
-    global _library, _failed
-    if _library is None and _failed is None:
-        try:
-            lib = build_library(SOURCE)
-        except ValueError as exc:
-            _failed = str(exc)
-            return None
-        i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
-        lib.add_rms_norm_float32.argtypes = [ptr] * 4 + [i64] * 2 + [f64] + [i64] * 2
-        lib.qk_norm_rope_float32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f64, i64]
-        lib.silu_mul_float32.argtypes = [ptr, ptr, i64, i64, i64]
-        for fn in (lib.add_rms_norm_float32, lib.qk_norm_rope_float32, lib.silu_mul_float32):
-            fn.restype = None
-        _library = lib
-    return _library
+    return _kernels.get()
 
 
 def _threads(elements: int) -> int:

@@ -14,28 +14,24 @@ from pathlib import Path
 
 import torch
 
-from engine.serve.backends.cpu_attention import build_library
+from engine.serve.backends.cpu_attention import OptionalKernels
 
 SOURCE = Path(__file__).with_name("cpu_linear_kernel.cpp")
 PANEL = 16  # output columns per packed panel (two 8-float vectors)
 MIN_PANELS_PER_THREAD = 8  # fewer panels than this per thread: one thread does them all
-_library: ctypes.CDLL | None = None
-_failed: str | None = None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.linear_float32.restype = None
+    lib.linear_float32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
+
+
+_kernels = OptionalKernels(SOURCE, _declare)
 
 
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None when it cannot be built here (no C++ compiler, a failed build)."""
-    global _library, _failed
-    if _library is None and _failed is None:
-        try:
-            lib = build_library(SOURCE)
-        except ValueError as exc:
-            _failed = str(exc)
-            return None
-        lib.linear_float32.restype = None
-        lib.linear_float32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
-        _library = lib
-    return _library
+    return _kernels.get()
 
 
 class SmallLinear:
