@@ -7,6 +7,12 @@ the model reaches ``layer`` it raises ``InjectedFault``, either before that laye
 (``where="attention"``: the layer writes no K/V) or before its MLP (``where="mlp"``: the layer has
 already written them). The engine must then behave as if the step never ran. Nothing in the engine
 imports this module.
+
+The fast flat models (``EngineConfig(fuse_ops=True)``, ``compile=True``) run merged weights and
+never call the model's own attention or MLP modules, so hooks on those never fire there.
+``backend_fault(core, layer, where)`` fails the same two places through the engine's attention
+backend instead, which every flat model calls: before layer ``layer`` writes its K/V
+(``"attention"``), or when it attends, right after the write (``"mlp"``).
 """
 from __future__ import annotations
 
@@ -41,3 +47,35 @@ def forward_fault(model: nn.Module, layer: int, where: str = "attention") -> Ite
         yield
     finally:
         handle.remove()
+
+
+@contextmanager
+def backend_fault(core, layer: int, where: str = "attention") -> Iterator[None]:
+    """Within the block, the forward pass raises ``InjectedFault`` when it reaches ``layer``'s pool
+    in ``core``'s attention backend: before the K/V write (``"attention"``) or at the attention
+    that follows it (``"mlp"``). Any flat model, the fused and compiled ones included."""
+    caches = core.runner.kv_caches
+    if not 0 <= layer < len(caches):
+        raise ValueError(f"layer must be in 0..{len(caches) - 1}, got {layer}")
+    if where not in PLACES:
+        raise ValueError(f"where must be one of {PLACES}, got {where!r}")
+    backend, target = core.runner.backend, caches[layer]
+    names = ("write",) if where == "attention" else ("forward", "forward_rows")
+    wrapped = []
+    for name in names:
+        inner = getattr(backend, name, None)
+        if inner is None:
+            continue
+
+        def call(q_or_cache, *args, _inner=inner, _name=name, **kwargs):
+            cache = q_or_cache if _name == "write" else args[0]
+            if cache is target:
+                raise InjectedFault(f"injected fault at layer {layer} ({where}, in the backend's {_name})")
+            return _inner(q_or_cache, *args, **kwargs)
+        setattr(backend, name, call)  # an instance attribute: the class's method is untouched
+        wrapped.append(name)
+    try:
+        yield
+    finally:
+        for name in wrapped:
+            delattr(backend, name)

@@ -15,7 +15,7 @@ import pytest
 
 from ch31_helpers import model64, oracle, prompts, run_checked
 from engine.serve import EngineConfig, EngineCore, SamplingParams
-from course.faults import PLACES, InjectedFault, forward_fault
+from course.faults import PLACES, InjectedFault, backend_fault, forward_fault
 from course.invariants import check_engine_invariants, check_idle, engine_violations
 
 SHARED = prompts([16], seed=41)[0]  # four blocks of 4: the prefix two requests share
@@ -24,8 +24,12 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 FAULTS = [(layer, where) for layer in range(2) for where in PLACES]  # the test model has 2 layers
 
 
+FAST = dict(fuse_ops=True, attention_backend="cpu")  # FusedFlatModel: faults through the backend
+
+
 def _failed_step(core: EngineCore, layer: int, where: str) -> None:
-    with forward_fault(core.model, layer, where), pytest.raises(InjectedFault):
+    fault = backend_fault(core, layer, where) if core.config.fuse_ops else forward_fault(core.model, layer, where)
+    with fault, pytest.raises(InjectedFault):
         core.step()
     check_engine_invariants(core)
 
@@ -34,13 +38,15 @@ def _core(**overrides) -> EngineCore:
     return EngineCore(model64(), EngineConfig(**{**dict(block_size=4, num_blocks=40), **overrides}))
 
 
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("layer, where", FAULTS)
 @pytest.mark.parametrize("abort", [None, "a", "b"])
-def test_failed_first_step_then_retry_or_abort(layer, where, abort):
+def test_failed_first_step_then_retry_or_abort(layer, where, abort, fast):
     """a and b share four blocks and are admitted in the same step, b adopting the blocks a is
     about to compute. The step fails; then nothing, a, or b is aborted; every request left, and a
-    later request with a's prompt, must still equal generate()."""
-    core = _core()
+    later request with a's prompt, must still equal generate(). ``fast``: the same on the fused
+    model and the cpu backend (its last layer runs on the kept rows only)."""
+    core = _core(**(FAST if fast else {}))
     pa, pb = SHARED + TAILS[0], SHARED + TAILS[1]
     core.add_request("a", pa, GREEDY)
     core.add_request("b", pb, GREEDY)
@@ -95,10 +101,12 @@ def test_checker_sees_a_published_block_that_was_never_computed():
 def test_random_faults_with_preemption_and_swap(seed):
     """A seeded random workload (shared prefixes, repeated prompts arriving while others run, a
     tight pool, both preemption modes) whose steps fail at random layers, often followed by an
-    abort of a running request; every request that finishes normally equals generate()."""
+    abort of a running request; every request that finishes normally equals generate(). Every
+    third seed runs the fused model on the cpu backend."""
     rng = random.Random(seed)
     core = _core(num_blocks=rng.choice((12, 16, 40)), max_num_batched_tokens=rng.choice((8, 16, 64)),
-                 preemption_mode=rng.choice(("recompute", "swap")), block_size=rng.choice((2, 4)))
+                 preemption_mode=rng.choice(("recompute", "swap")), block_size=rng.choice((2, 4)),
+                 **(FAST if seed % 3 == 2 else {}))
     family = [SHARED[:k] + TAILS[j] for k in (8, 16) for j in range(3)]
     todo: dict[str, tuple[list[int], int]] = {}
 
