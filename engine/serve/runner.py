@@ -115,13 +115,9 @@ class ModelRunner:
         A model with ``selects_rows`` (the fast flat models) computes only the rows whose logits
         are needed past its last layer's K/V write, when those are not all the rows."""
         rows = batch.logits_indices
-        if getattr(self.flat, "selects_rows", False) and rows.numel() < batch.input_ids.shape[0]:
-            hidden = self.flat.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend,
-                                       keep_rows=rows)  # [M, D]
-        else:
-            hidden = self.flat.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
-                                       self.backend)  # [N, D]
-            hidden = hidden.index_select(0, rows) if rows.numel() else hidden
+        keep = getattr(self.flat, "selects_rows", False) and rows.numel() < batch.input_ids.shape[0]
+        hidden = self.flat.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend,
+                                   **({"keep_rows": rows} if keep else {}))  # [M, D] if keep, else [N, D]
         if rows.numel() == 0:
             return hidden.new_empty((0, self.flat.cfg.vocab_size), dtype=torch.float32)
-        return self.flat.compute_logits(hidden)
+        return self.flat.compute_logits(hidden if keep else hidden.index_select(0, rows))

@@ -51,14 +51,19 @@ MIN_KEEP = 2
 _step: tuple[BatchMeta, AttentionBackend, list[KVCache]] | None = None
 
 
+def _write(k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[BatchMeta, AttentionBackend, KVCache]:
+    """The attention ops' first half: k, v [N, Hkv, Dh] into layer ``layer``'s pool of the step."""
+    assert _step is not None, "the paged attention ops run only inside CompiledFlatModel.forward"
+    meta, backend, kv_caches = _step
+    backend.write(kv_caches[layer], k, v, meta)
+    return meta, backend, kv_caches[layer]
+
+
 @torch.library.custom_op("engine_serve::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
                     window: int) -> torch.Tensor:
     """Write k, v [N, Hkv, Dh] into layer ``layer``'s pool and attend: q [N, Hq, Dh] -> [N, Hq, Dh]."""
-    assert _step is not None, "paged_attention runs only inside CompiledFlatModel.forward"
-    meta, backend, kv_caches = _step
-    cache = kv_caches[layer]
-    backend.write(cache, k, v, meta)
+    meta, backend, cache = _write(k, v, layer)
     return backend.forward(q, cache, meta, scale=scale, window=window)
 
 
@@ -71,10 +76,7 @@ def _(q, k, v, layer, scale, window):
 def paged_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, layer: int,
                          scale: float, window: int) -> torch.Tensor:
     """``paged_attention`` that writes every row's k, v but attends only ``rows``: -> [M, Hq, Dh]."""
-    assert _step is not None, "paged_attention_rows runs only inside CompiledFlatModel.forward"
-    meta, backend, kv_caches = _step
-    cache = kv_caches[layer]
-    backend.write(cache, k, v, meta)
+    meta, backend, cache = _write(k, v, layer)
     return attend_rows(backend, q, cache, meta, rows, scale, window)
 
 

@@ -49,6 +49,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  
 SERIAL_FLAGS = tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in FLAGS)  # a compiler without OpenMP
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 MIN_ROWS_PER_THREAD = 4  # fewer decode rows than this per thread: one thread does them all
+MIN_WRITE_ROWS_PER_THREAD = 64  # a row's K/V copy is far less work than its attention: share big writes only
 _library: ctypes.CDLL | None = None
 
 
@@ -182,7 +183,7 @@ class CPUBackend(TorchBackend):
         self.prefill_in_place = prefill_in_place
         self._lib = load_kernel()
         self._rows_key: tuple[BatchMeta, int] | None = None
-        self._rows: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
         if torch.device(device).type != "cpu" or dtype not in DTYPES:
@@ -195,18 +196,16 @@ class CPUBackend(TorchBackend):
         read where they lie (e.g. views of a merged qkv projection). Rows of another dtype than the
         pool's (float32 rows into a bfloat16 pool are the exception: rounded on the way) take the
         reference's path."""
-        k_pool, v_pool = cache
+        k_pool, v_pool, slots = *cache, meta.slot_mapping
         source = torch.float32 if k_pool.dtype == torch.bfloat16 else k_pool.dtype
         n, hkv, d = k.shape
         rows_ok = all(t.dtype == source and t.stride(2) == 1 and t.stride(1) == d for t in (k, v))
-        if not rows_ok or not k_pool.is_contiguous() or not v_pool.is_contiguous():
-            return super().write(cache, k, v, meta)
-        slots = meta.slot_mapping
-        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] != n:
+        slots_ok = slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == n
+        if not (rows_ok and slots_ok and k_pool.is_contiguous() and v_pool.is_contiguous()):
             return super().write(cache, k, v, meta)
         fn = getattr(self._lib, f"write_kv_{DTYPES[k_pool.dtype]}")
         num_slots = k_pool.shape[0] * k_pool.shape[1]
-        threads = max(1, min(torch.get_num_threads(), n // (16 * MIN_ROWS_PER_THREAD)))
+        threads = max(1, min(torch.get_num_threads(), n // MIN_WRITE_ROWS_PER_THREAD))
         bad = fn(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), n, hkv * d,
                  k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
         if bad:
@@ -217,11 +216,7 @@ class CPUBackend(TorchBackend):
         """q: [N, Hq, D] -> [N, Hq, D]; the same contract as ``ReferenceBackend.forward``."""
         if not self.prefill_in_place:
             return super().forward(q, cache, meta, scale=scale, window=window)
-        n, hq, d = q.shape
-        if hq % cache[0].shape[2] != 0:
-            raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({cache[0].shape[2]})")
-        tables, q_pos = self._row_plan(meta, n)
-        return self._run(q, cache, tables, q_pos, 1.0 / math.sqrt(d) if scale is None else scale, window)
+        return self._in_place(q, cache, meta, None, scale, window)
 
     def forward_rows(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, rows: torch.Tensor,
                      scale: float | None = None, window: int = 0) -> torch.Tensor:
@@ -229,12 +224,18 @@ class CPUBackend(TorchBackend):
         int64 [M] -> [M, Hq, D]."""
         if not self.prefill_in_place:
             return self.forward(q, cache, meta, scale=scale, window=window).index_select(0, rows)
+        return self._in_place(q, cache, meta, rows, scale, window)
+
+    def _in_place(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, rows: torch.Tensor | None,
+                scale: float | None, window: int) -> torch.Tensor:
+        """Every row through the kernel (``rows``: only those rows of the batch)."""
         n, hq, d = q.shape
         if hq % cache[0].shape[2] != 0:
             raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({cache[0].shape[2]})")
         tables, q_pos = self._row_plan(meta, n)
-        return self._run(q.index_select(0, rows), cache, tables.index_select(0, rows), q_pos.index_select(0, rows),
-                         1.0 / math.sqrt(d) if scale is None else scale, window)
+        if rows is not None:
+            q, tables, q_pos = (t.index_select(0, rows) for t in (q, tables, q_pos))
+        return self._run(q, cache, tables, q_pos, 1.0 / math.sqrt(d) if scale is None else scale, window)
 
     def _row_plan(self, meta: BatchMeta, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row: its request's block table (int32 [N, W]) and position (int64 [N]; -1 for a

@@ -5,7 +5,7 @@ blocked for many rows); a decode step of the bench's small model at 16 requests 
 its time in them. ``SmallLinear`` packs a weight once into 16-column panels that a small C++
 kernel streams once per call, every row of the input meeting each panel while it is in cache.
 Results equal ``F.linear``'s up to summation order (float32). Built with the host's C++ compiler
-like the attention kernel; ``available()`` says whether it could be built here.
+like the attention kernel; ``library()`` is None where it cannot be built here.
 """
 from __future__ import annotations
 

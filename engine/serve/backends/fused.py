@@ -36,6 +36,7 @@ from engine.models.layers import Qwen3MLP
 from engine.precision import work_dtype
 from engine.rope import rope_cos_sin
 from engine.serve.attention import AttentionBackend, KVCache
+from engine.serve.backends import cpu_elementwise, cpu_linear
 from engine.serve.batch import BatchMeta
 from engine.serve.flat import FlatModel
 
@@ -63,9 +64,7 @@ class Linear:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=PACK_BATCH) if pack else None
         self.small = None
         if small:
-            from engine.serve.backends.cpu_linear import SmallLinear
-
-            self.small = SmallLinear(weight)
+            self.small = cpu_linear.SmallLinear(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.shape[0] <= SMALL_ROWS:
@@ -114,13 +113,9 @@ class FusedFlatModel(FlatModel):
         self.linear_dtype = linear_dtype
         self.pack = packable(linear_dtype, device) if pack is None else pack
         if small is None:  # float32 on a CPU where the small-batch kernel builds
-            from engine.serve.backends import cpu_linear
-
             small = linear_dtype == torch.float32 and device.type == "cpu" and cpu_linear.library() is not None
         self.small = small
         if elementwise is None:  # float32 on a CPU where the elementwise kernels build
-            from engine.serve.backends import cpu_elementwise
-
             elementwise = (linear_dtype == torch.float32 and device.type == "cpu"
                            and cpu_elementwise.library() is not None)
         self.elementwise = elementwise
@@ -195,9 +190,7 @@ class FusedFlatModel(FlatModel):
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(hidden + residual), hidden + residual), [N, D] each; residual None: no add."""
         if self.elementwise:
-            from engine.serve.backends.cpu_elementwise import add_rms_norm
-
-            return add_rms_norm(hidden, residual, self._norm_weight(norm), norm.eps)
+            return cpu_elementwise.add_rms_norm(hidden, residual, self._norm_weight(norm), norm.eps)
         if residual is not None:
             hidden = hidden + residual
         return self._norm(hidden, norm), hidden
@@ -209,9 +202,7 @@ class FusedFlatModel(FlatModel):
         cfg = self.cfg
         n, hq, hkv, dh = qkv.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         if self.elementwise:  # q to a buffer of its own, k in place in qkv
-            from engine.serve.backends.cpu_elementwise import qk_norm_rope
-
-            q = qk_norm_rope(qkv, hq, hkv, dh, weight, cos, sin, eps)
+            q = cpu_elementwise.qk_norm_rope(qkv, hq, hkv, dh, weight, cos, sin, eps)
             return q, qkv[:, hq * dh:(hq + hkv) * dh].view(n, hkv, dh)
         half = dh // 2
         qk = qkv[:, :(hq + hkv) * dh].view(n, hq + hkv, dh)
@@ -223,9 +214,7 @@ class FusedFlatModel(FlatModel):
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [N, 2I] -> SiLU(gate) * up [N, I]."""
         if self.elementwise:
-            from engine.serve.backends.cpu_elementwise import silu_mul
-
-            return silu_mul(gate_up)
+            return cpu_elementwise.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate, inplace=True).mul_(up)
 
