@@ -8,11 +8,20 @@ workload needs), and by the core held to 24 blocks (384 tokens), so that it must
 is the fastest of --repeat timed runs; ``matches_ch24`` says whether a run's greedy tokens equal
 chapter 24's. --backend and --no-prefix-caching switch one ingredient of the core runs off, to
 show what it contributes.
+
+``--rounds N`` measures instead what each ingredient is worth, as a ratio to chapter 24 measured
+in this one process: every round serves the workload once on chapter 24's engine and once on each
+of four ample-pool cores (torch backend with and without the prefix cache, reference backend with
+and without), in that order, each on a fresh engine; a round's ratios divide each core's tok/s by
+that round's chapter-24 tok/s. It prints the median and the range of each ratio over the rounds,
+and the machine they ran on. A ratio from two separate processes is noise on a shared machine;
+one from the same round is not.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -22,6 +31,11 @@ from engine.models import tiny_model
 from engine.serve import EngineConfig
 from course.workloads import WorkItem, shared_prefix_workload
 from course.impl_switch import add_impl_argument
+from course.machine import machine_line
+
+# The ingredients --rounds measures: (label, attention backend, prefix caching).
+RATIO_VARIANTS = (("torch + cache", "torch", True), ("torch, no cache", "torch", False),
+                  ("reference + cache", "reference", True), ("reference, no cache", "reference", False))
 
 
 def best_of(make_runner: Callable[[], object], work: list[WorkItem], repeat: int) -> RunResult:
@@ -36,6 +50,35 @@ def json_line(label: str, res: RunResult, core: bool) -> dict:
     if core:
         line.update(prefix_hit_rate=res.hit_rate, preemptions=res.preemptions)
     return line
+
+
+def ratio_rounds(model, work: list[WorkItem], rounds: int, variants=RATIO_VARIANTS,
+                 log: Callable[[str], None] = print) -> dict[str, list[float]]:
+    """Interleaved rounds: chapter 24, then each ample-pool core variant, on fresh engines; the
+    ratio of each variant's tok/s to the same round's chapter 24. Returns label -> ratios by round
+    (and "ch24 tok/s" -> chapter 24's tok/s by round). Every run must give chapter 24's tokens."""
+    slots = lambda: SlotRunner(model, num_slots=8, max_len=320)  # noqa: E731
+    cores = {label: (lambda b=backend, c=cache: CoreRunner(model, b, enable_prefix_caching=c))
+             for label, backend, cache in variants}
+    for make in (slots, *cores.values()):  # warm-up: first calls pay allocator and kernel start-up
+        best_of(make, work[:2], 1)
+    ratios: dict[str, list[float]] = {"ch24 tok/s": [], **{label: [] for label in cores}}
+    for k in range(rounds):
+        ref = best_of(slots, work, 1)
+        ratios["ch24 tok/s"].append(ref.output_tok_s)
+        parts = [f"ch24 {ref.output_tok_s:.0f} tok/s"]
+        for label, make in cores.items():
+            res = best_of(make, work, 1)
+            if res.outputs != ref.outputs:
+                raise RuntimeError(f"{label}: greedy tokens differ from chapter 24's")
+            ratios[label].append(res.output_tok_s / ref.output_tok_s)
+            parts.append(f"{label} {ratios[label][-1]:.2f}")
+        log(f"round {k + 1}: " + ", ".join(parts))
+    return ratios
+
+
+def summarize(values: list[float]) -> str:
+    return f"median {statistics.median(values):.2f}, range {min(values):.2f}-{max(values):.2f}"
 
 
 def core_main(argv: list[str] | None = None) -> int:
@@ -53,7 +96,13 @@ def core_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU threads for torch (default 1: the test model's matmuls are too small to gain "
                          "from more, and extra threads only add contention)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="instead of the three runs: N interleaved rounds of chapter 24 and four ample-pool cores "
+                         "(torch/reference backend x prefix cache on/off); prints each core's tok/s over "
+                         "chapter 24's, median and range")
     args = ap.parse_args(argv)
+    if args.rounds < 0:
+        ap.error("--rounds must be >= 0")
     if args.requests < 1:
         ap.error("--requests must be >= 1")
     if args.repeat < 1:
@@ -69,6 +118,15 @@ def core_main(argv: list[str] | None = None) -> int:
     else:
         model = tiny_model(seed=0)
     work = shared_prefix_workload(args.requests, seed=args.seed, vocab_size=model.cfg.vocab_size)
+    if args.rounds:
+        print(f"ample-pool core tok/s / chapter 24 tok/s, {args.rounds} interleaved rounds, {len(work)} requests; "
+              f"{machine_line(args.threads)}", flush=True)
+        ratios = ratio_rounds(model, work, args.rounds, log=lambda line: print(line, flush=True))
+        ch24 = ratios.pop("ch24 tok/s")
+        print(f"chapter 24: {min(ch24):.0f}-{max(ch24):.0f} tok/s")
+        for label, values in ratios.items():
+            print(f"{label:20s} {summarize(values)}")
+        return 0
     backend = args.backend or EngineConfig().attention_backend
     caching = {"enable_prefix_caching": not args.no_prefix_caching}
     slots = lambda: SlotRunner(model, num_slots=8, max_len=320)  # noqa: E731
