@@ -10,12 +10,12 @@ chapter 24's. --backend and --no-prefix-caching switch one ingredient of the cor
 show what it contributes.
 
 ``--rounds N`` measures instead what each ingredient is worth, as a ratio to chapter 24 measured
-in this one process: every round serves the workload once on chapter 24's engine and once on each
-of four ample-pool cores (torch backend with and without the prefix cache, reference backend with
-and without), in that order, each on a fresh engine; a round's ratios divide each core's tok/s by
-that round's chapter-24 tok/s. It prints the median and the range of each ratio over the rounds,
-and the machine they ran on. A ratio from two separate processes is noise on a shared machine;
-one from the same round is not.
+in this one process: every round serves the workload on four ample-pool cores (torch backend with
+and without the prefix cache, reference backend with and without), each on a fresh engine and
+each between two runs of chapter 24's engine; a core's ratio divides its tok/s by the mean of the
+two chapter-24 runs beside it. It prints the median and the range of each ratio over the rounds,
+by wall clock and by CPU time, and the machine they ran on. A ratio from two separate processes
+is noise on a shared machine; one from neighbouring runs in one process much less so.
 """
 from __future__ import annotations
 
@@ -53,28 +53,42 @@ def json_line(label: str, res: RunResult, core: bool) -> dict:
 
 
 def ratio_rounds(model, work: list[WorkItem], rounds: int, variants=RATIO_VARIANTS,
-                 log: Callable[[str], None] = print) -> dict[str, list[float]]:
-    """Interleaved rounds: chapter 24, then each ample-pool core variant, on fresh engines; the
-    ratio of each variant's tok/s to the same round's chapter 24. Returns label -> ratios by round
-    (and "ch24 tok/s" -> chapter 24's tok/s by round). Every run must give chapter 24's tokens."""
+                 log: Callable[[str], None] = print) -> dict[str, dict[str, list[float]]]:
+    """Interleaved rounds on fresh engines: chapter 24, then each ample-pool core variant with a
+    chapter-24 run after it (ch24, A, ch24, B, ch24, ...). Each variant's ratio divides its speed by
+    the mean of the two chapter-24 runs beside it, by wall clock ("wall") and by this process's CPU
+    time ("cpu": what a run costs when other jobs take turns on the cores), so a slow spell of a
+    shared machine lands on both sides of a ratio. Returns label -> {"wall": ratios by round,
+    "cpu": ...}, and "ch24" -> {"wall": chapter 24's tok/s per run, "cpu": its tok/s of CPU time}.
+    Every run must give chapter 24's tokens."""
     slots = lambda: SlotRunner(model, num_slots=8, max_len=320)  # noqa: E731
     cores = {label: (lambda b=backend, c=cache: CoreRunner(model, b, enable_prefix_caching=c))
              for label, backend, cache in variants}
     for make in (slots, *cores.values()):  # warm-up: first calls pay allocator and kernel start-up
         best_of(make, work[:2], 1)
-    ratios: dict[str, list[float]] = {"ch24 tok/s": [], **{label: [] for label in cores}}
+    out: dict[str, dict[str, list[float]]] = {"ch24": {"wall": [], "cpu": []},
+                                              **{label: {"wall": [], "cpu": []} for label in cores}}
+
+    def ch24() -> RunResult:
+        res = best_of(slots, work, 1)
+        out["ch24"]["wall"].append(res.output_tok_s)
+        out["ch24"]["cpu"].append(res.output_tokens / res.cpu_seconds)
+        return res
+
     for k in range(rounds):
-        ref = best_of(slots, work, 1)
-        ratios["ch24 tok/s"].append(ref.output_tok_s)
-        parts = [f"ch24 {ref.output_tok_s:.0f} tok/s"]
+        before = ch24()
+        parts = [f"ch24 {before.output_tok_s:.0f} tok/s"]
         for label, make in cores.items():
             res = best_of(make, work, 1)
-            if res.outputs != ref.outputs:
+            after = ch24()
+            if res.outputs != before.outputs:
                 raise RuntimeError(f"{label}: greedy tokens differ from chapter 24's")
-            ratios[label].append(res.output_tok_s / ref.output_tok_s)
-            parts.append(f"{label} {ratios[label][-1]:.2f}")
+            out[label]["wall"].append((before.seconds + after.seconds) / 2 / res.seconds)
+            out[label]["cpu"].append((before.cpu_seconds + after.cpu_seconds) / 2 / res.cpu_seconds)
+            parts.append(f"{label} {out[label]['wall'][-1]:.2f} (cpu {out[label]['cpu'][-1]:.2f})")
+            before = after
         log(f"round {k + 1}: " + ", ".join(parts))
-    return ratios
+    return out
 
 
 def summarize(values: list[float]) -> str:
@@ -122,10 +136,12 @@ def core_main(argv: list[str] | None = None) -> int:
         print(f"ample-pool core tok/s / chapter 24 tok/s, {args.rounds} interleaved rounds, {len(work)} requests; "
               f"{machine_line(args.threads)}", flush=True)
         ratios = ratio_rounds(model, work, args.rounds, log=lambda line: print(line, flush=True))
-        ch24 = ratios.pop("ch24 tok/s")
-        print(f"chapter 24: {min(ch24):.0f}-{max(ch24):.0f} tok/s")
-        for label, values in ratios.items():
-            print(f"{label:20s} {summarize(values)}")
+        ch24 = ratios.pop("ch24")
+        print(f"chapter 24: {min(ch24['wall']):.0f}-{max(ch24['wall']):.0f} tok/s "
+              f"({min(ch24['cpu']):.0f}-{max(ch24['cpu']):.0f} per CPU second)")
+        print("core / chapter 24      by wall clock                    by CPU time")
+        for label, by in ratios.items():
+            print(f"{label:22s} {summarize(by['wall']):32s} {summarize(by['cpu'])}")
         return 0
     backend = args.backend or EngineConfig().attention_backend
     caching = {"enable_prefix_caching": not args.no_prefix_caching}
