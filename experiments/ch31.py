@@ -656,10 +656,11 @@ class RadixBlockCache:
 
 
 class FlatBlockCache:
-    """The chapter's BlockManager driven the same way as ``RadixBlockCache`` (no model runs)."""
+    """The chapter's BlockManager (or a subclass, ``manager``) driven the same way as
+    ``RadixBlockCache``: admit = look up, allocate, publish; finish = free. No model runs."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.bm = BlockManager(num_blocks, block_size)
+    def __init__(self, num_blocks: int, block_size: int, manager: type[BlockManager] = BlockManager) -> None:
+        self.bm = manager(num_blocks, block_size)
         self.requests: dict[str, Request] = {}
 
     @property
@@ -734,21 +735,25 @@ def radix(pool_sizes: Sequence[int] = (96, 112, 128, 160, 192, 256, 384), block_
         if num_blocks < concurrency * longest:
             continue
         radix_cache = RadixBlockCache(num_blocks, block_size)
+        flat_cache = FlatBlockCache(num_blocks, block_size)
         row = {"pool_blocks": num_blocks,
-               "flat": round(simulate(FlatBlockCache(num_blocks, block_size), work, concurrency), 3),
+               "flat": round(simulate(flat_cache, work, concurrency), 3),
                "radix_whole_blocks": round(simulate(RadixBlockCache(num_blocks, block_size, partial=False),
                                                     work, concurrency), 3),
                "radix": round(simulate(radix_cache, work, concurrency), 3)}
         row["partial_tokens"] = radix_cache.num_partial_hits
+        row["evicted_flat"] = flat_cache.bm.num_evicted
         row["evicted_radix"] = radix_cache.num_evicted
         rows.append(row)
     if not rows:
         raise ValueError(f"every pool size is below {concurrency * longest} blocks ({concurrency} longest requests)")
+    roomy = no_eviction_pool(work, block_size, concurrency, concurrency * longest)
     if not quiet:
         prompt_tokens = sum(len(p) for _, p, _ in work)
         print(f"tree workload: {len(work)} requests, {prompt_tokens} prompt tokens, block size {block_size}, "
               f"{concurrency} requests in flight (simulated: hit rate = prompt tokens found / looked up)\n")
         print_table(rows, list(rows[0]))
+        print(f"\nsmallest pool in which neither cache evicts a block: {roomy} blocks")
     if plot:
         import matplotlib.pyplot as plt
 
@@ -762,14 +767,98 @@ def radix(pool_sizes: Sequence[int] = (96, 112, 128, 160, 192, 256, 384), block_
         ax.set_title("tree-shaped workload: flat hash map vs radix tree")
         ax.legend(fontsize=8)
         save_figure(fig, plot)
+    return {"rows": rows, "no_eviction_from": roomy}
+
+
+def no_eviction_pool(work, block_size: int, concurrency: int, low: int) -> int:
+    """The smallest pool (at least ``low`` blocks) in which neither the flat map nor the whole-block
+    tree evicts anything on ``work``: from there on both keep everything and must agree."""
+    def evicts(n: int) -> bool:
+        flat, tree = FlatBlockCache(n, block_size), RadixBlockCache(n, block_size, partial=False)
+        simulate(flat, work, concurrency)
+        simulate(tree, work, concurrency)
+        return flat.bm.num_evicted > 0 or tree.num_evicted > 0
+    high = max(low, 1)
+    while evicts(high):
+        high *= 2
+    while low < high:  # evictions only shrink as the pool grows
+        mid = (low + high) // 2
+        low, high = (mid + 1, high) if evicts(mid) else (low, mid)
+    return high
+
+
+# ============================================================================= 0. free order
+class HeadFirstBlockManager(BlockManager):
+    """The chapter's BlockManager with one rule reversed: ``free`` returns a request's blocks to
+    the queue in table order (first block first), so its first blocks are evicted first."""
+
+    def free(self, request: Request) -> None:
+        table = self.req_blocks.get(request.request_id, [])
+        super().free(request)  # all the bookkeeping, blocks joining the queue tail first ...
+        for b in table:  # ... then re-queue the ones that became free in head-first order
+            if b in self.free_queue:
+                self.free_queue.move_to_end(b)
+
+
+def skewed_prompt_workload(num_requests: int = 60, popularity: Sequence[int] = (8, 4, 2, 1),
+                           system_len: tuple[int, int] = (96, 160), private_len: tuple[int, int] = (32, 96),
+                           seed: int = 0, vocab: int = VOCAB) -> list[tuple[str, list[int], list[int]]]:
+    """Requests on a few system prompts of unequal popularity (``popularity``: relative weights),
+    each with its own question and answer: (id, prompt, prompt + answer) in arrival order."""
+    rng = random.Random(seed)
+    systems = [rand_tokens(rng, rng.randint(*system_len), vocab) for _ in popularity]
+    work = []
+    for i in range(num_requests):
+        system = systems[rng.choices(range(len(systems)), weights=popularity)[0]]
+        prompt = system + rand_tokens(rng, rng.randint(*private_len), vocab)
+        work.append((f"u{i}", prompt, prompt + rand_tokens(rng, rng.randint(*private_len), vocab)))
+    return work
+
+
+def free_order(extra_blocks: Sequence[int] = (0, 12, 24, 36, 48, 72, 96), concurrency: int = 1,
+               block_size: int = 16, seed: int = 0, work=None, plot: str | None = None,
+               quiet: bool = False) -> dict:
+    """Exercise 1: hit rate of tail-first freeing (the chapter's rule) against head-first, on
+    requests sharing a few system prompts of unequal popularity, served ``concurrency`` at a time,
+    in pools from just big enough (``extra_blocks`` = 0) upward. A simulation: no model runs."""
+    work = work if work is not None else skewed_prompt_workload(seed=seed)
+    smallest = concurrency * max(-(-len(t) // block_size) for _, _, t in work)
+    rows = []
+    for extra in extra_blocks:
+        n = smallest + extra
+        tail, head = FlatBlockCache(n, block_size), FlatBlockCache(n, block_size, HeadFirstBlockManager)
+        rows.append({"pool_blocks": n, "tail_first": round(simulate(tail, work, concurrency), 3),
+                     "head_first": round(simulate(head, work, concurrency), 3),
+                     "evicted_tail_first": tail.bm.num_evicted, "evicted_head_first": head.bm.num_evicted})
+    if not quiet:
+        prompt_tokens = sum(len(p) for _, p, _ in work)
+        print(f"{len(work)} requests on system prompts of unequal popularity, {prompt_tokens} prompt tokens, "
+              f"{concurrency} at a time, blocks of {block_size} (simulated: hit rate = prompt tokens found / "
+              f"looked up)\n")
+        print_table(rows, list(rows[0]))
+    if plot:
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        x = [r["pool_blocks"] for r in rows]
+        ax.plot(x, [r["tail_first"] for r in rows], "o-", label="tail first (the chapter's free)")
+        ax.plot(x, [r["head_first"] for r in rows], "s--", label="head first")
+        ax.set_xlabel(f"pool size (blocks of {block_size} tokens)")
+        ax.set_ylabel("prefix-cache hit rate (tokens)")
+        ax.set_title("which end of a finished request to evict first")
+        ax.legend(fontsize=8)
+        save_figure(fig, plot)
     return {"rows": rows}
 
 
 # ============================================================================= command line
+EXPERIMENTS = ("free-order", "radix", "cache-stats", "cache-aware", "recompute-vs-swap")  # the exercises' order
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="experiments/ch31.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("experiment", choices=("cache-stats", "recompute-vs-swap", "cache-aware", "radix"))
+    ap.add_argument("experiment", choices=EXPERIMENTS)
     ap.add_argument("--plot", default=None, help="save a figure to this path (PNG, SVG, PDF)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     add_impl_argument(ap)
@@ -798,6 +887,8 @@ def run_experiment(args: argparse.Namespace) -> dict:
     """The chosen experiment with the command line's settings; returns its results."""
     if args.experiment == "radix":
         return radix(seed=args.seed, plot=args.plot)
+    if args.experiment == "free-order":
+        return free_order(seed=args.seed, plot=args.plot)
     model = make_model(args.model, args.device)
     if args.experiment == "cache-stats":
         return {"summary": cache_stats(seed=args.seed, model=model, plot=args.plot)["summary"]}

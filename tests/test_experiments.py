@@ -82,6 +82,44 @@ def test_radix_tree_matches_flat_without_eviction_and_beats_it_with_partial_matc
     assert roomy["partial_tokens"] > 0 and roomy["radix"] > roomy["flat"]
 
 
+def test_radix_no_eviction_pool_is_the_smallest_that_keeps_everything():
+    ex = experiments()
+    work = ex.tree_workload(apps=2, templates=2, users=2, turns=2, seed=1)
+    result = ex.radix(pool_sizes=(512,), concurrency=2, work=work, quiet=True)
+    n = result["no_eviction_from"]
+    for size, evicts in ((n - 1, True), (n, False)):
+        flat, tree = ex.FlatBlockCache(size, 16), ex.RadixBlockCache(size, 16, partial=False)
+        ex.simulate(flat, work, 2)
+        ex.simulate(tree, work, 2)
+        assert (flat.bm.num_evicted + tree.num_evicted > 0) == evicts, f"pool {size}"
+        if not evicts:
+            assert flat.hit_rate == tree.hit_rate, "with nothing evicted the tree finds what the chain finds"
+
+
+def test_free_order_head_first_loses_hits_only_under_pressure():
+    ex = experiments()
+    work = ex.skewed_prompt_workload(num_requests=30, seed=0)
+    rows = ex.free_order(extra_blocks=(0, 12, 400), work=work, quiet=True)["rows"]
+    tight, _, roomy = rows
+    assert tight["tail_first"] > tight["head_first"], "head-first freeing evicts the shared system prompts first"
+    assert all(r["tail_first"] >= r["head_first"] for r in rows)
+    assert roomy["tail_first"] == roomy["head_first"] and roomy["evicted_tail_first"] == 0, \
+        "with room for everything the order of freeing cannot matter"
+
+
+def test_head_first_manager_reverses_only_the_order():
+    ex = experiments()
+    from engine.serve import Request, SamplingParams
+
+    bm = ex.HeadFirstBlockManager(6, 4)
+    r = Request("x", list(range(10)), SamplingParams(max_tokens=1))
+    assert bm.allocate_slots(r, 10)
+    table = list(bm.req_blocks["x"])
+    bm.free(r)
+    assert list(bm.free_queue)[-3:] == table, "head first: the request's first block joins the queue first"
+    assert bm.num_free == 6 and "x" not in bm.req_blocks
+
+
 def test_command_line_writes_a_plot(tmp_path, capsys):
     ex = experiments()
     plot = tmp_path / "radix.png"
