@@ -11,7 +11,7 @@ LEARNER_TESTS := tests/test_ch31_engine_v2.py tests/test_isolation.py tests/test
 # contract (skeleton, grading, workspaces), notebook execution. `make test` runs everything else.
 COURSE_TESTS := tests/test_mutants.py tests/test_learner_contract.py tests/test_notebook.py
 
-.PHONY: setup run test test-course test-learner check skeleton grade mutants soak notebooks test-triton gpu-check bench bench-peers clean
+.PHONY: setup run test test-course test-learner check skeleton grade mutants soak notebooks figures test-triton gpu-check bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,9 @@ soak: $(STAMP)               ## 20,000 random engine operations with invariant c
 
 notebooks: $(STAMP)          ## execute the chapter notebook: make notebooks [IMPL=engine] (default: the reference)
 	$(PY) -m course.notebooks --impl $(IMPL)
+
+figures: $(STAMP)            ## the chapter README's pictures (chapters/31-engine-v2/figures/*.png): make figures [IMPL=engine]
+	$(PY) -m course.chapter_figures --impl $(IMPL)
 
 bench: $(STAMP)              ## engines side by side (chapter 24, core, fast backend, HF transformers)
 	$(PY) run.py bench

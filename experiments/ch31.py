@@ -1,13 +1,15 @@
 """Chapter 31's stretch exercises, with reference solutions for instructors.
 
-    python experiments/ch31.py cache-stats        per-step prefix-cache statistics on a multi-turn chat,
-                                                  and the hit rate as the pool grows
-    python experiments/ch31.py recompute-vs-swap  a pool too small for the work: preemption by recompute
-                                                  vs by swap, prefix caching on and off
-    python experiments/ch31.py cache-aware        admit the request with the longest cached prefix first
-                                                  (longest-prefix-match), against first come first served
+    python experiments/ch31.py free-order         tail-first against head-first freeing: what each keeps cached
+                                                  (a simulation: no model runs)
     python experiments/ch31.py radix              a radix tree over blocks against the flat hash map
                                                   (a simulation: no model runs)
+    python experiments/ch31.py cache-stats        per-step prefix-cache statistics on a multi-turn chat,
+                                                  and the hit rate as the pool grows
+    python experiments/ch31.py cache-aware        admit the request with the longest cached prefix first
+                                                  (longest-prefix-match), against first come first served
+    python experiments/ch31.py recompute-vs-swap  a pool too small for the work: preemption by recompute
+                                                  vs by swap, prefix caching on and off
 
 Every command runs the 2-layer test model on a CPU in well under a minute. Common options:
 ``--plot PATH`` saves a figure, ``--impl engine`` runs YOUR engine instead of the reference,
@@ -149,13 +151,14 @@ class AdmissionTracer(StepTracer):
                 self.cached_tokens += cached
 
 
-# ============================================================================= 1. cache-stats
+# ============================================================================= 3. cache-stats
 @dataclass
 class CacheStep:
     """One step's prefix-cache traffic, in tokens: ``computed`` went through the model;
     ``cached`` were supplied by the prefix cache to the requests admitted this step, whose token
-    lists hold ``admitted`` tokens; ``evicted`` lost their cached K/V because their block was
-    handed out again."""
+    lists hold ``admitted`` tokens; ``evicted`` lost their cached K/V (the step's growth of
+    ``num_evicted``: here always a block handed out again, since the chat driver never calls
+    ``reset_prefix_cache``, which counts there too)."""
 
     step: int
     computed: int
@@ -189,7 +192,7 @@ class CacheStatsTracer(AdmissionTracer):
 
 
 def chat(num_convs: int = 8, turns: int = 4, seed: int = 0, vocab_size: int = VOCAB):
-    """Exercise 1's chat: short messages and answers so that many turns fit a small pool."""
+    """Exercise 3's chat: short messages and answers so that many turns fit a small pool."""
     return chat_workload(num_convs, turns, seed=seed, vocab_size=vocab_size, message_len=(8, 24),
                          output_len=(12, 20))
 
@@ -232,7 +235,7 @@ def run_chat(core: EngineCore, system: list[int], rounds: list[list[ChatTurn]],
 def cache_stats(pool_sizes: Sequence[int] = (14, 20, 24, 32, 40, 48, 64, 96), num_convs: int = 8,
                 turns: int = 4, block_size: int = 16, seed: int = 0, show_pool: int | None = 20,
                 show_steps: int = 30, model=None, plot: str | None = None, quiet: bool = False) -> dict:
-    """Exercise 1: per-step cache statistics for one pool size, and the hit rate across sizes."""
+    """Exercise 3: per-step cache statistics for one pool size, and the hit rate across sizes."""
     model = model if model is not None else make_model()
     system, rounds = chat(num_convs, turns, seed, model.cfg.vocab_size)
     longest = chat_longest(system, rounds)
@@ -288,7 +291,7 @@ def cache_stats(pool_sizes: Sequence[int] = (14, 20, 24, 32, 40, 48, 64, 96), nu
     return {"summary": summary, "per_step": {k: [asdict(s) for s in v] for k, v in traces.items()}}
 
 
-# ============================================================================= 2. recompute vs swap
+# ============================================================================= 5. recompute vs swap
 def long_output_workload(num_requests: int = 8, system_len: int = 32, question_len: tuple[int, int] = (8, 24),
                          output_len: tuple[int, int] = (64, 96), seed: int = 0,
                          vocab: int = VOCAB) -> list[tuple[str, list[int], int]]:
@@ -352,7 +355,7 @@ def timed_run(core: EngineCore, work: list[tuple[str, list[int], int]]) -> tuple
 def recompute_vs_swap(num_requests: int = 8, num_blocks: int = 20, block_size: int = 16,
                       output_len: tuple[int, int] = (64, 96), seed: int = 0, repeats: int = 2, model=None,
                       backend: str | None = None, plot: str | None = None, quiet: bool = False) -> dict:
-    """Exercise 2: the same over-full workload under both preemption modes, caching on and off."""
+    """Exercise 5: the same over-full workload under both preemption modes, caching on and off."""
     model = model if model is not None else make_model()
     work = long_output_workload(num_requests, output_len=output_len, seed=seed, vocab=model.cfg.vocab_size)
     need = sum(len(p) + m for _, p, m in work)
@@ -398,7 +401,7 @@ def recompute_vs_swap(num_requests: int = 8, num_blocks: int = 20, block_size: i
     return {"rows": rows}
 
 
-# ============================================================================= 3. cache-aware
+# ============================================================================= 4. cache-aware
 class CacheAwareScheduler(Scheduler):
     """Longest-prefix-match admission: before each step, the waiting queue is reordered so that
     the request with the most tokens already in the prefix cache is admitted first.
@@ -492,7 +495,7 @@ def run_arrivals(core: EngineCore, work: list[tuple[str, int, list[int], int]], 
 def cache_aware(num_requests: int = 48, num_prompts: int = 6, num_blocks: int = 40, block_size: int = 16,
                 max_num_seqs: int = 4, rate: float = 0.5, max_wait_steps: int = 20, seed: int = 0,
                 model=None, plot: str | None = None, quiet: bool = False) -> dict:
-    """Exercise 3: FCFS vs longest-prefix-match admission (and LPM with aging) on several prompts."""
+    """Exercise 4: FCFS vs longest-prefix-match admission (and LPM with aging) on several prompts."""
     model = model if model is not None else make_model()
     work = multi_prompt_workload(num_requests, num_prompts, seed=seed, vocab=model.cfg.vocab_size)
     rows = []
@@ -520,7 +523,7 @@ def cache_aware(num_requests: int = 48, num_prompts: int = 6, num_blocks: int = 
     return {"rows": rows}
 
 
-# ============================================================================= 4. radix tree
+# ============================================================================= 2. radix tree
 class RadixNode:
     """One full block in the tree: its tokens (the edge from the parent), the pool block holding
     their K/V, the requests using it (``ref``) and the last time one did."""
@@ -726,7 +729,7 @@ def simulate(cache, work: list[tuple[str, list[int], list[int]]], concurrency: i
 
 def radix(pool_sizes: Sequence[int] = (96, 112, 128, 160, 192, 256, 384), block_size: int = 16,
           concurrency: int = 4, seed: int = 0, work=None, plot: str | None = None, quiet: bool = False) -> dict:
-    """Exercise 4: hit rates of the flat hash map and the radix tree (with and without partial
+    """Exercise 2: hit rates of the flat hash map and the radix tree (with and without partial
     matches) on a tree-shaped workload, across pool sizes."""
     work = work if work is not None else tree_workload(seed=seed)
     longest = max(-(-len(t) // block_size) for _, _, t in work)
@@ -787,7 +790,7 @@ def no_eviction_pool(work, block_size: int, concurrency: int, low: int) -> int:
     return high
 
 
-# ============================================================================= 0. free order
+# ============================================================================= 1. free order
 class HeadFirstBlockManager(BlockManager):
     """The chapter's BlockManager with one rule reversed: ``free`` returns a request's blocks to
     the queue in table order (first block first), so its first blocks are evicted first."""

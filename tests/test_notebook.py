@@ -35,3 +35,16 @@ def test_notebook_runs_top_to_bottom():
     images = sum("image/png" in out.get("data", {}) for cell in nb.cells if cell.cell_type == "code"
                  for out in cell.outputs)
     assert images == 5, f"expected the notebook's 5 pictures, got {images}"
+
+
+def test_chapter_figures_are_saved_small(tmp_path):
+    """The README's pictures come from `python -m course.chapter_figures`: two PNGs, tens of KB."""
+    tool = load_by_path("_ch31_chapter_figures", "course/chapter_figures.py")
+    written = tool.save(tmp_path)
+    assert sorted(p.name for p in written) == ["pool-trace.png", "worked-batch.png"]
+    for path in written:
+        head = path.read_bytes()[:8]
+        assert head == b"\x89PNG\r\n\x1a\n" and 5_000 < path.stat().st_size < 100_000, path.name
+    for name in ("worked-batch.png", "pool-trace.png"):
+        assert (ROOT / "chapters" / "31-engine-v2" / "figures" / name).is_file(), \
+            f"the README shows figures/{name}: regenerate it with `python -m course.chapter_figures`"
