@@ -105,3 +105,24 @@ def test_bench_peers_without_its_environment(tmp_path, monkeypatch, capsys):
     assert "make bench-peers" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bp.peers_main(["--vllm-block-sizes", "16"])
+
+
+def test_core_rounds_interleave_every_variant_between_chapter_24_runs(capsys):
+    """``run.py core --rounds``: each core variant runs between two chapter-24 runs of the same
+    round, every run gives chapter 24's tokens (or the command fails), and a ratio is printed for
+    each of the four ingredients, by wall clock and by CPU time."""
+    from course.bench_core import RATIO_VARIANTS, core_main, ratio_rounds
+    from engine.models import tiny_model
+    from course.workloads import shared_prefix_workload
+
+    model = tiny_model(seed=0)
+    ratios = ratio_rounds(model, shared_prefix_workload(3), rounds=2, log=lambda line: None)
+    assert len(ratios["ch24"]["wall"]) == 2 * (1 + len(RATIO_VARIANTS)), "a chapter-24 run before and after each core"
+    for label, _, _ in RATIO_VARIANTS:
+        assert len(ratios[label]["wall"]) == len(ratios[label]["cpu"]) == 2
+        assert all(r > 0 for r in ratios[label]["wall"] + ratios[label]["cpu"])
+    assert core_main(["--rounds", "1", "--requests", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "1 interleaved rounds" in out and "cores" in out
+    for label, _, _ in RATIO_VARIANTS:
+        assert any(line.startswith(label) and "median" in line and "range" in line for line in out.splitlines()), label
