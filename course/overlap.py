@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", nargs="*", type=Path, default=None,
                     help="our files to check (default: the course's chapters, docs, answers, notebooks, code)")
     ap.add_argument("--code", action="store_true", help="read Python code too, not only comments and strings")
-    ap.add_argument("--top", type=int, default=0, help="also print the N longest runs of any length above 6 words")
+    ap.add_argument("--top", type=int, default=0, help="also print the N longest runs (of 7 words or more)")
     args = ap.parse_args(argv)
     if args.words < 1:
         ap.error("--words must be >= 1")
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         if not src.is_file():
             ap.error(f"no such source file: {src}")
     files = args.files if args.files is not None else course_files()
-    threshold = min(args.words + 1, 7) if args.top else args.words + 1
+    threshold = min(args.words + 1, 7)  # shorter runs are collected too, to report the longest
     runs: list[Run] = []
     sources = [(s, read_words(s)) for s in args.sources]
     for path in files:
@@ -174,12 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in over:
         print(f"{r.length:3d} words  {r.ours}  ({r.source}): {r.text}")
     if args.top:
-        print(f"longest runs (any above 6 words), top {args.top}:")
+        print(f"the {args.top} longest runs of 7 words or more:")
         for r in runs[:args.top]:
             print(f"{r.length:3d} words  {r.ours}  ({r.source}): {r.text}")
-    longest = runs[0].length if runs else 0
+    longest = f"{runs[0].length} words" if runs else f"under {threshold} words"
     print(f"{len(files)} files against {len(sources)} source(s): {len(over)} run(s) of more than {args.words} "
-          f"words; longest shared run {longest} words" + ("" if runs or args.top else f" (none above {args.words})"))
+          f"words; longest shared run {longest}")
     return 1 if over else 0
 
 
