@@ -34,6 +34,7 @@ from engine.serve import EngineConfig, EngineCore, SamplingParams
 from engine.serve.slots import SlotEngine
 from course.workloads import ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload
 from course.impl_switch import add_impl_argument
+from course.machine import machine_line
 
 WORKLOADS = ("shared", "random", "chat")
 SCALING_POINTS = (16, 64, 256)
@@ -431,6 +432,7 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
              "vocab": cfg.vocab_size, "experts": cfg.num_experts}
     print(f"model: {shape['layers']} layers, hidden {shape['hidden']}, {shape['heads']}/{shape['kv_heads']} heads "
           f"of {shape['head_dim']}, vocab {shape['vocab']}; {device}, {torch.get_num_threads()} thread(s)", flush=True)
+    print(f"machine: {machine_line()}", flush=True)
     by_workload: dict[str, list[RunResult]] = {}
     for name in workloads:
         wl = make_workload(name, model.cfg.vocab_size, seed=seed, scale=scale)
