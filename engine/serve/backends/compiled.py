@@ -54,6 +54,7 @@ from engine.serve.backends.fused import FusedFlatModel, Linear
 from engine.serve.batch import BatchMeta
 
 WARM_UP_ROWS = 256  # the start-up compile's step size
+COMPILE_NICE = 10  # the background compile thread's niceness (0 = the serving thread's)
 EAGER_ROWS = 256  # float32 steps of at most this many rows run FusedFlatModel's eager path
 SLOTS = ("qkv", "o", "gate_up", "down")  # engine_serve::linear's slot numbers
 
@@ -240,9 +241,18 @@ class CompiledFlatModel(FusedFlatModel):
         self.graphs = graphs
         if fresh:
             if background:
-                threading.Thread(target=self._warm_up, name="engine-compile", daemon=True).start()
+                threading.Thread(target=self._compile_in_background, name="engine-compile", daemon=True).start()
             else:
                 self._warm_up()
+
+    def _compile_in_background(self) -> None:
+        """``_warm_up`` at a lower scheduling priority (Linux: nice is per thread, and the compiler
+        processes it starts inherit it), so that serving, not compiling, gets the cores first."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+        except (AttributeError, OSError):
+            pass
+        self._warm_up()
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the graph is compiled (or ``timeout`` s pass); whether it is in use now."""
