@@ -35,6 +35,7 @@ process. Results equal FusedFlatModel's up to summation order. Dense (non-MoE) Q
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import sys
@@ -163,6 +164,7 @@ class _LayerGraph:
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.seconds: float | None = None
+        self.thread: threading.Thread | None = None  # the background compile, while there is one
 
     def _layer(self, hidden, residual, cos, sin, w_in, w_qk, w_post, pool_dtype: torch.dtype):
         """(hidden, residual) [N, D] each -> the next layer's (hidden, residual)."""
@@ -186,6 +188,16 @@ class _LayerGraph:
 # of that shape in the process (their weights are inputs or the context's, never the graph's).
 _graphs: dict[tuple, _LayerGraph] = {}
 _graphs_lock = threading.Lock()
+
+
+@atexit.register
+def _finish_compiles() -> None:
+    """At exit, let a background compile end first: stopping the interpreter under a thread that
+    is inside TorchInductor aborts the process. (It may delay the exit by the compile's rest.)"""
+    for graphs in list(_graphs.values()):
+        if graphs.thread is not None and graphs.thread.is_alive():
+            print("compile=True: waiting for the background compile to end before exiting", file=sys.stderr, flush=True)
+            graphs.thread.join()
 
 
 def inductor_available() -> str | None:
@@ -241,7 +253,8 @@ class CompiledFlatModel(FusedFlatModel):
         self.graphs = graphs
         if fresh:
             if background:
-                threading.Thread(target=self._compile_in_background, name="engine-compile", daemon=True).start()
+                graphs.thread = threading.Thread(target=self._compile_in_background, name="engine-compile", daemon=True)
+                graphs.thread.start()
             else:
                 self._warm_up()
 
@@ -256,8 +269,10 @@ class CompiledFlatModel(FusedFlatModel):
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the graph is compiled (or ``timeout`` s pass); whether it is in use now."""
-        self.graphs.ready.wait(timeout)
-        return self.graphs.ready.is_set() and self.graphs.error is None
+        graphs = self.graphs
+        if graphs.ready.wait(timeout) and graphs.thread is not None:
+            graphs.thread.join()  # its last lines: an interpreter must not exit under a live compile thread
+        return graphs.ready.is_set() and graphs.error is None
 
     def _warm_up(self, rows: int = WARM_UP_ROWS) -> None:
         """Compile (in the background at start-up) on a dummy step of ``rows`` rows whose attention
