@@ -544,17 +544,8 @@ def bench_main(argv: list[str] | None = None) -> int:
                          "quick, and dominated by per-op overhead) or 'qwen3-0.6b' (Qwen3-0.6B's own shape; "
                          "meant for --memory)")
     ap.add_argument("--memory", action="store_true",
-                    help="instead: each engine's start-up and peak RSS, one fresh process per engine loading the "
-                         "preset saved as an HF checkpoint (course.bench_memory)")
-    ap.add_argument("--memory-engines", default="eager,compiled",
-                    help="--memory's engines, from torch, eager, compiled, vllm (default eager,compiled)")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="--memory's dtypes (default float32,bfloat16)")
-    ap.add_argument("--requests", type=int, default=16, help="--memory's workload: requests at once (default 16)")
-    ap.add_argument("--prompt-len", type=int, default=128, help="--memory's prompt tokens per request (default 128)")
-    ap.add_argument("--max-tokens", type=int, default=32, help="--memory's output tokens per request (default 32)")
-    ap.add_argument("--kv-cache-bytes", type=int, default=None,
-                    help="--memory: the course engines' pool in bytes (default: none given, the model-sized default)")
-    ap.add_argument("--vllm-kv-gib", type=int, default=1, help="--memory: vLLM's pool in GiB (default 1)")
+                    help="instead: each engine's start-up and peak RSS, one fresh process per engine "
+                         "(course.bench_memory; its options: run.py bench --memory --help)")
     ap.add_argument("--model", default=None, help="an HF-format checkpoint directory instead of a random preset model")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
@@ -573,10 +564,8 @@ def bench_main(argv: list[str] | None = None) -> int:
         ap.error("--repeat must be >= 1")
     if args.threads < 0:
         ap.error("--threads must be >= 0")
-    if args.memory:
-        from course.bench_memory import memory_main
-
-        return memory_main(args)
+    if args.memory:  # run.py routes --memory to course.bench_memory before this parser sees it
+        ap.error("--memory: run it as `python run.py bench --memory ...`")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

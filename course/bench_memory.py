@@ -210,10 +210,12 @@ def _one_round(preset, dtypes, engines, threads, requests, prompt_len, max_token
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\npeak RSS and start-up, one process per engine (start-up: process start to ready, i.e. checkpoint "
-          "loaded, engine built, compiled, first request served)")
+    print("\npeak RSS and start-up, one process per engine (start-up: process start to ready = checkpoint loaded, "
+          "engine built, first request served; graph at: when compile=True's background compile was done, "
+          "seconds after the child started)")
     head = (f"{'dtype':9s} {'engine':16s} {'start-up s':>10s} {'x eager':>8s} {'peak RSS GiB':>12s} "
-            f"{'weights GiB':>11s} {'pool GiB':>8s} {'RSS/(w+pool)':>12s} {'pool tokens':>11s} {'out tok/s':>9s}")
+            f"{'weights GiB':>11s} {'pool GiB':>8s} {'RSS/(w+pool)':>12s} {'pool tokens':>11s} {'out tok/s':>9s} "
+            f"{'graph at s':>10s}")
     print(head)
     print("-" * len(head))
     gib = 2**30
@@ -226,11 +228,33 @@ def print_table(rows: list[dict]) -> None:
         tokens = r.get("pool_tokens")
         print(f"{r['dtype']:9s} {r['engine']:16s} {r.get('startup_s', float('nan')):10.1f} {x} "
               f"{r['peak_rss'] / gib:12.2f} {r['weights_bytes'] / gib:11.2f} {pool / gib:8.2f} {ratio:12.2f} "
-              f"{tokens if tokens is not None else '-':>11} {r.get('tok_s', float('nan')):9.1f}")
+              f"{tokens if tokens is not None else '-':>11} {r.get('tok_s', float('nan')):9.1f} "
+              f"{r.get('compiled_at_s', float('nan')):10.1f}")
 
 
-def memory_main(args) -> int:
-    """``run.py bench --memory``'s body (``course.bench.bench_main`` parses the arguments)."""
+def memory_main(argv: list[str] | None = None) -> int:
+    """``run.py bench --memory [options]``."""
+    from course.bench import MODEL_PRESETS
+
+    ap = argparse.ArgumentParser(prog="run.py bench --memory", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--memory", action="store_true", help="(this mode)")
+    ap.add_argument("--preset", choices=tuple(MODEL_PRESETS), default="qwen3-0.6b")
+    ap.add_argument("--memory-engines", default="eager,compiled", help=f"from {', '.join(ENGINES)} (default eager,compiled)")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per engine process (default 1)")
+    ap.add_argument("--requests", type=int, default=16, help="requests served at once (default 16; 0: start-up only)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
+    ap.add_argument("--kv-cache-bytes", type=int, default=None,
+                    help="the course engines' pool in bytes (default: none given, the model-sized default)")
+    ap.add_argument("--vllm-kv-gib", type=int, default=1, help="vLLM's pool in GiB (default 1)")
+    ap.add_argument("--repeat", type=int, default=1, help="round-robin rounds; medians are printed (default 1)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--impl", choices=("solution", "engine"), default="solution")
+    args = ap.parse_args(argv)
+    if args.repeat < 1 or args.threads < 1 or args.requests < 0:
+        ap.error("--repeat and --threads must be >= 1, --requests >= 0")
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",") if d]
     engines = [e for e in args.memory_engines.split(",") if e]
     for e in engines:
@@ -239,7 +263,7 @@ def memory_main(args) -> int:
     from course.bench import cpu_description
 
     print(cpu_description())
-    rows = memory_table(args.preset, dtypes, engines, args.threads or 1, args.requests, args.prompt_len,
+    rows = memory_table(args.preset, dtypes, engines, args.threads, args.requests, args.prompt_len,
                         args.max_tokens, args.kv_cache_bytes, args.vllm_kv_gib, rounds=args.repeat)
     print_table(rows)
     if args.json:
