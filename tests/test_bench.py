@@ -65,7 +65,7 @@ def test_scaling_point_keeps_every_request_running():
     model = tiny_model(seed=0, num_attention_heads=16, num_key_value_heads=16, head_dim=64)
     point = scaling_point(model, "torch", 300, steps=1, prompt_len=64)
     assert point["requests"] == 300 and point["step_ms"] > 0
-    assert set(MODEL_PRESETS) == {"test", "small"} and MODEL_PRESETS["test"] == {}
+    assert set(MODEL_PRESETS) == {"test", "small", "qwen3-0.6b"} and MODEL_PRESETS["test"] == {}
 
 
 def test_peer_runner_time_and_agreement(capsys):

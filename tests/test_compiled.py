@@ -1,9 +1,9 @@
 """CompiledFlatModel (``EngineConfig(fuse_ops=True, compile=True)``): the same tokens as ``generate()``.
 
-The layers run as one TorchInductor graph with attention as a custom op; on the float64 test model
-the engine must reproduce ``generate()`` token for token under chunked prefill (steps of many
-sizes through one dynamic graph, and the one-row steps' second graph), in float64 and float32
-(~15 s of compilation each on two cores). Refusals are checked without compiling.
+Every layer runs through one TorchInductor layer graph with attention and the linears as custom
+ops; on the test model the engine must reproduce ``generate()`` token for token under chunked
+prefill (steps of many sizes through one dynamic graph; one-row steps run eagerly), in float64
+and float32 (~15-40 s of compilation each on two cores). Refusals are checked without compiling.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.given  # complete code the chapter gives; the reference
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_compiled_engine_matches_generate(dtype):
-    """float64: the graph's own matmuls; float32: the small-batch linear kernel inside the graph
+    """float64: plain weights; float32: oneDNN's prepacked ones, through the graph's linear op
     (every step through the graph, though decode-sized steps would normally run eagerly)."""
     from engine.serve.backends.compiled import CompiledFlatModel
 
@@ -31,7 +31,8 @@ def test_compiled_engine_matches_generate(dtype):
     core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", fuse_ops=True, compile=True,
                                           max_num_batched_tokens=16, long_prefill_token_threshold=8))
     assert isinstance(core.flat, CompiledFlatModel)
-    core.flat.eager_rows = 0
+    assert core.flat.wait_compiled(), f"the background compile failed: {core.flat.graphs.error!r}"
+    core.flat.eager_rows = 1  # every step through the graph but one-row ones (a size it specialises)
     for i, (p, m) in enumerate(zip(prompts, lens)):
         core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
     out = core.run_until_done()

@@ -89,7 +89,7 @@ def test_fused_float32_linears_for_a_16bit_model():
     model16 = tiny_model(seed=3, dtype=torch.bfloat16)
     model32 = tiny_model(seed=3, dtype=torch.bfloat16).to(torch.float32)  # the same values, widened
     fused = FusedFlatModel(model16, linear_dtype=torch.float32)
-    assert fused.linear_dtype == torch.float32 and fused.layers[0]["qkv"].weight.dtype == torch.float32
+    assert fused.linear_dtype == torch.float32 and fused.layers[0]["qkv"].dtype == torch.float32
     prompt = prompts_for(model16)[0]
     core16 = EngineCore(model16, EngineConfig(attention_backend="cpu", fuse_ops=True))
     core16.flat = core16.runner.flat = fused

@@ -9,17 +9,19 @@ class CacheConfig:
     """How the block pool is laid out and sized.
 
     ``num_blocks=None`` sizes the pool from memory (``ModelRunner.determine_num_blocks``):
-    ``kv_cache_bytes`` on a CPU, profiling plus ``gpu_memory_utilization`` on CUDA.
+    ``kv_cache_bytes`` on a CPU (None: sized for the model, ``sizing.default_kv_cache_bytes``),
+    profiling plus ``gpu_memory_utilization`` on CUDA.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_bytes: int = 128 * 2**20  # 16,384 tokens of the bench's small model in float32: no bench workload preempts
+    kv_cache_bytes: int | None = None  # None: the model's K/V for sizing.DEFAULT_KV_CACHE_TOKENS tokens (capped)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "kv_cache_bytes") + (("num_blocks",) if self.num_blocks is not None else ()):
+        optional = tuple(n for n in ("num_blocks", "kv_cache_bytes") if getattr(self, n) is not None)
+        for name in ("block_size",) + optional:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

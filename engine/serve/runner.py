@@ -11,7 +11,7 @@ from engine.serve.cache_config import CacheConfig
 from engine.serve.flat import FlatModel
 from engine.serve.params import SamplingParams
 from engine.serve.request import Request
-from engine.serve.sizing import kv_bytes_per_block, num_blocks_for_memory, profile_num_blocks
+from engine.serve.sizing import cpu_num_blocks, kv_bytes_per_block, profile_num_blocks
 
 
 class ModelRunner:
@@ -49,15 +49,15 @@ class ModelRunner:
     def determine_num_blocks(self, cache: CacheConfig, max_num_tokens: int,
                              mem_info: Callable[[], tuple[int, int]] | None = None,
                              peak_bytes: Callable[[], int] | None = None) -> int:
-        """How many blocks the pool can have: ``cache.kv_cache_bytes`` over the bytes per block on a
-        CPU; on CUDA, what ``profile_run(max_num_tokens)`` leaves of ``gpu_memory_utilization``.
+        """How many blocks the pool can have: on a CPU ``cache.kv_cache_bytes`` (None: sized for the
+        model, ``sizing.cpu_num_blocks``) over the bytes per block; on CUDA, what ``profile_run(max_num_tokens)`` leaves of ``gpu_memory_utilization``.
 
         ``mem_info`` and ``peak_bytes`` (``profile_num_blocks``' fakes for tests) take the CUDA
         path on any device. Call it before ``initialize_kv_cache``: the measurement assumes no pool.
         """
         layers, kv_heads, head_dim = self.flat.kv_spec()
         if self.device.type != "cuda" and mem_info is None:
-            return num_blocks_for_memory(cache.kv_cache_bytes, layers, kv_heads, head_dim, self.block_size, self.dtype)
+            return cpu_num_blocks(cache.kv_cache_bytes, layers, kv_heads, head_dim, self.block_size, self.dtype)
         per_block = kv_bytes_per_block(layers, kv_heads, head_dim, self.block_size, self.dtype)
         return profile_num_blocks(lambda: self.profile_run(max_num_tokens), per_block,
                                   cache.gpu_memory_utilization, self.device, mem_info, peak_bytes)

@@ -115,7 +115,7 @@ class Scheduler:
             raise ValueError(
                 f"request {rid!r}: prompt ({request.num_prompt_tokens}) + max_tokens "
                 f"({request.params.max_tokens}) = {need} tokens exceeds the whole KV pool of "
-                f"{pool_tokens} tokens; lower max_tokens or give the engine more blocks")
+                f"{pool_tokens} tokens; lower max_tokens, or give the pool more room (kv_cache_bytes= or num_blocks=)")
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and request.num_prompt_tokens > budget:
             raise ValueError(

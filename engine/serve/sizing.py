@@ -3,12 +3,27 @@
 Figures for the chapter: Qwen3-8B in BF16 keeps 2 (K and V) x 36 layers x 8 kv heads x 128 dims
 x 2 bytes = 147,456 bytes per token. On an 80 GB H100 at 90% utilisation, 72 GB minus 16.4 GB of
 weights minus ~2 GB of activations leaves ~53 GB: ~360,000 tokens of K/V.
+
+On a CPU the pool is given in bytes (``kv_cache_bytes``, like vLLM-CPU's KV-cache space setting)
+or, by default, sized for the model: ``DEFAULT_KV_CACHE_TOKENS`` tokens of ITS K/V (Qwen3-0.6B in
+float32 keeps 2 x 28 x 8 x 128 x 4 = 229,376 bytes a token: 16,384 tokens are 3.5 GiB), capped at
+``DEFAULT_KV_CACHE_SHARE`` of the machine's physical memory. The engine prints what it got.
 """
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 
 import torch
+
+# The CPU pool when kv_cache_bytes is not given: this many tokens of the model's own K/V (the bench's
+# small model in float32: 128 MiB, enough that no bench workload preempts) ...
+DEFAULT_KV_CACHE_TOKENS = 16_384
+# ... but at most this share of the machine's physical memory (not of what is free now, which on a
+# shared machine changes from one run to the next).
+DEFAULT_KV_CACHE_SHARE = 0.10
+_announced: set[str] = set()  # pool descriptions already printed by this process
 
 
 def kv_bytes_per_block(layers: int, kv_heads: int, head_dim: int, block_size: int,
@@ -32,6 +47,45 @@ def num_blocks_for_memory(free_bytes: int, layers: int, kv_heads: int, head_dim:
         raise ValueError(
             f"{free_bytes} bytes hold no block of {per_block} bytes; give the KV cache more memory "
             "(kv_cache_bytes / gpu_memory_utilization) or use a smaller block_size")
+    return blocks
+
+
+def physical_memory() -> int | None:
+    """The machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def default_kv_cache_bytes(bytes_per_token: int, total_memory: int | None = None) -> int:
+    """The CPU pool's bytes when none are given: ``DEFAULT_KV_CACHE_TOKENS`` tokens of
+    ``bytes_per_token`` (the model's K/V for one token, every layer), capped at
+    ``DEFAULT_KV_CACHE_SHARE`` of ``total_memory`` (default: this machine's)."""
+    want = DEFAULT_KV_CACHE_TOKENS * bytes_per_token
+    total = physical_memory() if total_memory is None else total_memory
+    return want if total is None else min(want, int(total * DEFAULT_KV_CACHE_SHARE))
+
+
+def cpu_num_blocks(kv_cache_bytes: int | None, layers: int, kv_heads: int, head_dim: int, block_size: int,
+                   dtype: torch.dtype, total_memory: int | None = None, announce: bool = True) -> int:
+    """Blocks of the CPU pool: ``kv_cache_bytes`` over the bytes per block, or with None the
+    model-sized default (``default_kv_cache_bytes``). With ``announce``, the resulting capacity is
+    printed on stderr (once per distinct pool in a process)."""
+    per_block = kv_bytes_per_block(layers, kv_heads, head_dim, block_size, dtype)
+    nbytes = kv_cache_bytes
+    if nbytes is None:
+        nbytes = default_kv_cache_bytes(per_block // block_size, total_memory)
+    blocks = num_blocks_for_memory(nbytes, layers, kv_heads, head_dim, block_size, dtype)
+    if announce:
+        how = (f"kv_cache_bytes={kv_cache_bytes:,}" if kv_cache_bytes is not None else
+               f"the default: {DEFAULT_KV_CACHE_TOKENS:,} tokens at most, and at most "
+               f"{DEFAULT_KV_CACHE_SHARE:.0%} of physical memory; set kv_cache_bytes or num_blocks to choose")
+        line = (f"KV cache: {blocks * block_size:,} tokens ({blocks:,} blocks of {block_size}, "
+                f"{blocks * per_block / 2**20:,.0f} MiB at {per_block // block_size:,} bytes per token; {how})")
+        if line not in _announced:
+            _announced.add(line)
+            print(line, file=sys.stderr, flush=True)
     return blocks
 
 

@@ -1,103 +1,129 @@
-"""CompiledFlatModel: FusedFlatModel's layers as one TorchInductor graph (``EngineConfig(compile=True)``).
+"""CompiledFlatModel: FusedFlatModel's decoder layer as one TorchInductor graph (``EngineConfig(compile=True)``).
 
 Eager PyTorch pays a few microseconds of dispatch for each of the ~30 small operations of a layer
-(norms, RoPE, SiLU-mul, residual adds, casts) and makes a pass over memory for each. Compiled as
-small separate regions they cost more per call than they save at decode sizes (docs/performance.md);
-compiled as ONE graph for all layers — vLLM's design — the elementwise work fuses into a few
-generated C++ loops next to the matmuls, and the per-call cost is paid once per step.
+(norms, RoPE, SiLU-mul, residual adds, casts) and makes a pass over memory for each. Compiled, the
+elementwise work fuses into a few generated C++ loops between the matmuls.
 
-Attention is the one thing the graph does not trace: it calls ``engine_serve::paged_attention``, a
-custom op that writes the layer's K/V into the pool and runs the engine's attention backend on
-the step's ``BatchMeta``, both taken from a per-step context this class sets before calling the
-graph (the op's declared inputs are only q, k, v and the layer's constants, so nothing of the
-pool is copied). With TorchInductor's ``freezing`` the weights are folded into the graph as
-constants and the matmuls prepacked for oneDNN, as ``FusedFlatModel`` does by hand.
+One graph serves every layer. Qwen3's decoder layers are identical but for their weights, so the
+graph is ONE layer (residual add, norm, q/k/v, q/k norm + RoPE, attention, o, residual add, norm,
+gate/up, SiLU-mul, down), called once per layer; the final norm runs on the kept rows only
+(``keep_rows``). Compiling a layer instead of the whole stack keeps compile time and the
+compiler's memory flat in the depth of the model (28 layers at Qwen3-0.6B's shape compile as fast
+as 2), and the compiled code is cached on disk by TorchInductor's FX graph cache in
+``compile_cache_dir()``: a second process with the same model shape skips code generation.
 
-The graph computes the last layer past its K/V write only for the rows whose logits are needed
-(``keep_rows``, as FusedFlatModel; custom op ``engine_serve::paged_attention_rows``).
+What the graph does not trace, custom ops do, reading the step from a per-thread context that
+the engine sets around each call (``_context``; each engine's step is its own, so two engines in
+two threads never see each other's pool, and the background compile never sees a real step):
 
-Shapes: the row count N and the kept rows' M are dynamic (one graph serves every step size; a
-step of one row would compile a second one, so M is padded to at least ``MIN_KEEP``). Compilation happens when the first engine on a model is built (a dummy
-step of ``WARM_UP_ROWS`` rows), needs a C++ compiler (TorchInductor's CPU code is C++), and takes
-10-60 s on a small CPU; one compiled graph is shared by every engine built on the same model
-object (the bench builds a fresh engine per run). Where FusedFlatModel uses the small-batch
-linear kernel (float32 linears on a CPU), the graph calls it too (custom op
-``engine_serve::linear``), and steps of at most ``SMALL_ROWS`` rows (decodes) skip the graph for
-FusedFlatModel's eager path, which is faster there (docs/performance.md). Results equal
-FusedFlatModel's up to summation order. Dense (non-MoE) Qwen3 models only.
+- ``engine_serve::linear(x, slot, n)``: the layer's ``slot``-th linear (qkv, o, gate_up, down)
+  through FusedFlatModel's own ``Linear`` (oneDNN-prepacked, or the small-batch kernel's panels):
+  the graph holds no weight of its own, so the weights stay one copy, in one layout;
+- ``engine_serve::paged_attention``: write the layer's K/V into the pool and run the engine's
+  attention backend on the step's ``BatchMeta``.
+The small norm weights are the graph's inputs. The layer being run is the context's ``layer``, so
+nothing in the graph depends on which layer it is and nothing recompiles from one to the next.
+
+Start-up: the engine is ready as soon as FusedFlatModel's weights are laid out. The graph compiles
+in a background thread (announced on stderr, with its duration when done; needs a C++ compiler),
+on a dummy step of ``WARM_UP_ROWS`` rows; until then every step runs FusedFlatModel's eager path,
+and afterwards steps of more than ``eager_rows`` rows run the graph (the row count N is dynamic:
+one graph serves every size but 1). In float32, steps of at most ``EAGER_ROWS`` rows (decodes)
+stay eager for good: FusedFlatModel's elementwise C++ kernels are faster there
+(docs/performance.md). One compiled graph serves every engine and model of the same shape in the
+process. Results equal FusedFlatModel's up to summation order. Dense (non-MoE) Qwen3 models only.
 """
 from __future__ import annotations
 
+import atexit
+import os
 import shutil
-import weakref
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
 
 import torch
-import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import nn
 
 from engine.models.qwen3 import Qwen3MLP
 from engine.rope import rope_cos_sin
 from engine.serve.attention import AttentionBackend, KVCache
+from engine.serve.backends.cpu_attention import cache_dir as kernel_cache_dir
+from engine.serve.backends.fused import FusedFlatModel, Linear
 from engine.serve.batch import BatchMeta
-from engine.serve.backends.fused import SMALL_ROWS, FusedFlatModel, attend_rows
 
-WARM_UP_ROWS = 256  # the start-up compile's step size (also oneDNN's packing hint for the graph's linears)
-# Fewer kept rows than this are padded up to it: TorchInductor specialises sizes 0 and 1, and a
-# step with one sample row (one prompt finishing) would compile a second graph in the middle of a run.
-MIN_KEEP = 2
-
-# The step being run: (meta, backend, kv_caches). Set around each compiled call, read by the op.
-_step: tuple[BatchMeta, AttentionBackend, list[KVCache]] | None = None
+WARM_UP_ROWS = 256  # the start-up compile's step size
+COMPILE_NICE = 10  # the background compile thread's niceness (0 = the serving thread's)
+EAGER_ROWS = 256  # float32 steps of at most this many rows run FusedFlatModel's eager path
+SLOTS = ("qkv", "o", "gate_up", "down")  # engine_serve::linear's slot numbers
 
 
-def _write(k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[BatchMeta, AttentionBackend, KVCache]:
-    """The attention ops' first half: k, v [N, Hkv, Dh] into layer ``layer``'s pool of the step."""
-    assert _step is not None, "the paged attention ops run only inside CompiledFlatModel.forward"
-    meta, backend, kv_caches = _step
-    backend.write(kv_caches[layer], k, v, meta)
-    return meta, backend, kv_caches[layer]
+def compile_cache_dir() -> str:
+    """Where TorchInductor keeps compiled graphs across runs: ``$TORCHINDUCTOR_CACHE_DIR`` when
+    set, else an ``inductor`` folder in the engine's kernel cache (``cpu_attention.cache_dir()``)."""
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(kernel_cache_dir() / "inductor")
+
+
+# Set before anything compiles: TorchInductor reads it on its first use and keeps it.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
+
+
+@dataclass
+class _Step:
+    """What the custom ops need of the step being run: the engine's, never another's."""
+
+    meta: BatchMeta | None
+    backend: AttentionBackend
+    kv_caches: list[KVCache | None]
+    linears: list[list[Linear]]  # per layer, in SLOTS order
+    layer: int = 0  # the layer the graph is running now
+
+
+class _Context(threading.local):
+    step: _Step | None = None
+
+
+_context = _Context()
+
+
+def _step() -> _Step:
+    step = _context.step
+    assert step is not None, "the compiled layer's ops run only inside CompiledFlatModel.forward"
+    return step
+
+
+def _write(k: torch.Tensor, v: torch.Tensor) -> tuple[_Step, KVCache]:
+    """The attention ops' first half: k, v [N, Hkv, Dh] into the current layer's pool."""
+    step = _step()
+    cache = step.kv_caches[step.layer]
+    step.backend.write(cache, k, v, step.meta)
+    return step, cache
 
 
 @torch.library.custom_op("engine_serve::paged_attention", mutates_args=())
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
-                    window: int) -> torch.Tensor:
-    """Write k, v [N, Hkv, Dh] into layer ``layer``'s pool and attend: q [N, Hq, Dh] -> [N, Hq, Dh]."""
-    meta, backend, cache = _write(k, v, layer)
-    return backend.forward(q, cache, meta, scale=scale, window=window)
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """Write k, v [N, Hkv, Dh] into the current layer's pool and attend: q [N, Hq, Dh] -> [N, Hq, Dh]."""
+    step, cache = _write(k, v)
+    return step.backend.forward(q, cache, step.meta, scale=scale, window=window)
 
 
 @paged_attention.register_fake
-def _(q, k, v, layer, scale, window):
+def _(q, k, v, scale, window):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("engine_serve::paged_attention_rows", mutates_args=())
-def paged_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, layer: int,
-                         scale: float, window: int) -> torch.Tensor:
-    """``paged_attention`` that writes every row's k, v but attends only ``rows``: -> [M, Hq, Dh]."""
-    meta, backend, cache = _write(k, v, layer)
-    return attend_rows(backend, q, cache, meta, rows, scale, window)
-
-
-@paged_attention_rows.register_fake
-def _(q, k, v, rows, layer, scale, window):
-    return q.new_empty((rows.shape[0], q.shape[1], q.shape[2]))
-
-
-# The graphs' small-batch linears, by id: held by their _Layers (weakly here), called by the op.
-_linears: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
 @torch.library.custom_op("engine_serve::linear", mutates_args=())
-def linear(x: torch.Tensor, index: int) -> torch.Tensor:
-    """x [N, K] -> [N, out] through the packed ``cpu_linear.SmallLinear`` registered as ``index``."""
-    return _linears[index](x)
+def linear(x: torch.Tensor, slot: int, n: int) -> torch.Tensor:
+    """x [N, K] -> [N, n] through the current layer's ``SLOTS[slot]`` linear."""
+    step = _step()
+    return step.linears[step.layer][slot](x.contiguous())
 
 
 @linear.register_fake
-def _(x, index):
-    return x.new_empty((x.shape[0], _linears[index].n))
+def _(x, slot, n):
+    return x.new_empty((x.shape[0], n))
 
 
 class _ZeroAttention:
@@ -113,75 +139,65 @@ class _ZeroAttention:
         return q.new_zeros((rows.shape[0], *q.shape[1:]))
 
 
-class _Layers(nn.Module):
-    """Every decoder layer of the model, hidden [N, D] -> final normed hidden [N, D]; the weights
-    are this module's (frozen) parameters, in ``work`` dtype."""
+@dataclass(frozen=True)
+class _Shape:
+    """What the layer graph is specialised on (equal for every layer of a model)."""
 
-    def __init__(self, fused: FusedFlatModel) -> None:
-        super().__init__()
-        m, cfg = fused.model.model, fused.cfg
-        work = fused.linear_dtype
-        p = lambda t: nn.Parameter(t.detach().to(work).contiguous(), requires_grad=False)  # noqa: E731
-        self.w = nn.ParameterList()
-        self.small = []  # the SmallLinear of each linear, in order, when FusedFlatModel uses them
-        for layer, weights in zip(m.layers, fused.layers):
-            self.w.extend([p(layer.input_layernorm.weight), p(weights["qkv"].weight), p(weights["qk_norm"]),
-                           p(weights["o"].weight), p(layer.post_attention_layernorm.weight),
-                           p(weights["gate_up"].weight), p(weights["down"].weight)])
-            if fused.small:
-                self.small.extend(weights[k].small for k in ("qkv", "o", "gate_up", "down"))
-        for small in self.small:
-            _linears[id(small)] = small
-        self.small_ids = [id(small) for small in self.small]
-        self.final_norm = p(m.norm.weight)
-        self.eps = [(layer.input_layernorm.eps, layer.self_attn.q_norm.eps, layer.post_attention_layernorm.eps)
-                    for layer in m.layers]
-        self.scales = [float(layer.self_attn.scale) for layer in m.layers]
-        self.final_eps = m.norm.eps
-        self.shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size)
-        self.window = cfg.sliding_window or 0
-
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, i: int) -> torch.Tensor:
-        """The i-th linear: the small-batch kernel (a custom op) where in use, else a frozen matmul."""
-        if self.small_ids:
-            return torch.ops.engine_serve.linear(x, self.small_ids[i])
-        return F.linear(x, weight)
-
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_dtype: torch.dtype,
-                keep: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] -> the final normed hidden of the rows ``keep`` (int64 [M]), [M, D]."""
-        hq, hkv, dh, dim = self.shape
-        half = dh // 2
-        residual = None
-        last = len(self.eps) - 1
-        for i, (in_eps, qk_eps, post_eps) in enumerate(self.eps):
-            w_in, w_qkv, w_qk, w_o, w_post, w_gu, w_down = self.w[7 * i:7 * i + 7]
-            if residual is not None:
-                hidden = hidden + residual
-            residual = hidden
-            x = F.rms_norm(hidden, (dim,), w_in, in_eps)
-            qkv = self._linear(x, w_qkv, 4 * i)  # [N, (Hq + 2 Hkv) Dh]
-            qk = qkv[:, :(hq + hkv) * dh].reshape(-1, hq + hkv, dh)
-            qk = F.rms_norm(qk, (dh,), None, qk_eps) * w_qk
-            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
-            v = qkv[:, (hq + hkv) * dh:].reshape(-1, hkv, dh)
-            if i == last:  # the last layer past its K/V write: the kept rows only
-                o = torch.ops.engine_serve.paged_attention_rows(qk[:, :hq].to(pool_dtype), qk[:, hq:], v, keep, i,
-                                                                self.scales[i], self.window)
-                residual = residual.index_select(0, keep)
-            else:
-                o = torch.ops.engine_serve.paged_attention(qk[:, :hq].to(pool_dtype), qk[:, hq:], v, i,
-                                                           self.scales[i], self.window)
-            hidden = self._linear(o.reshape(-1, hq * dh).to(x.dtype), w_o, 4 * i + 1) + residual
-            residual = hidden
-            x = F.rms_norm(hidden, (dim,), w_post, post_eps)
-            gate, up = self._linear(x, w_gu, 4 * i + 2).chunk(2, dim=-1)
-            hidden = self._linear(F.silu(gate) * up, w_down, 4 * i + 3)
-        return F.rms_norm(hidden + residual, (dim,), self.final_norm, self.final_eps)
+    hq: int
+    hkv: int
+    dh: int
+    dim: int
+    widths: tuple[int, int, int, int]  # out features of qkv, o, gate_up, down
+    eps: tuple[float, float, float, float]  # input norm, q/k norm, post-attention norm, final norm
+    scale: float
+    window: int
 
 
-# model -> ((linear dtype, model dtype), compiled fn)
-_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class _LayerGraph:
+    """One decoder layer as a function of the rows, the residual and the layer's norm weights
+    (``layer``), torch.compile'd once per ``_Shape``; compiled in the background (``compile``),
+    ``ready`` once that is done (``error`` set if it failed: the engine then stays eager)."""
+
+    def __init__(self, shape: _Shape) -> None:
+        self.s = shape
+        self.layer = torch.compile(self._layer, dynamic=True, fullgraph=True)
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.seconds: float | None = None
+        self.thread: threading.Thread | None = None  # the background compile, while there is one
+
+    def _layer(self, hidden, residual, cos, sin, w_in, w_qk, w_post, pool_dtype: torch.dtype):
+        """(hidden, residual) [N, D] each -> the next layer's (hidden, residual)."""
+        s = self.s
+        residual = hidden + residual
+        x = F.rms_norm(residual, (s.dim,), w_in, s.eps[0])
+        qkv = torch.ops.engine_serve.linear(x, 0, s.widths[0])  # [N, (Hq + 2 Hkv) Dh]
+        qk = qkv[:, :(s.hq + s.hkv) * s.dh].reshape(-1, s.hq + s.hkv, s.dh)
+        qk = F.rms_norm(qk, (s.dh,), None, s.eps[1]) * w_qk
+        half = s.dh // 2
+        qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
+        v = qkv[:, (s.hq + s.hkv) * s.dh:].reshape(-1, s.hkv, s.dh)
+        o = torch.ops.engine_serve.paged_attention(qk[:, :s.hq].to(pool_dtype), qk[:, s.hq:], v, s.scale, s.window)
+        residual = torch.ops.engine_serve.linear(o.reshape(-1, s.hq * s.dh).to(x.dtype), 1, s.widths[1]) + residual
+        x = F.rms_norm(residual, (s.dim,), w_post, s.eps[2])
+        gate, up = torch.ops.engine_serve.linear(x, 2, s.widths[2]).chunk(2, dim=-1)
+        return torch.ops.engine_serve.linear(F.silu(gate) * up, 3, s.widths[3]), residual
+
+
+# (shape, linear dtype, model dtype) -> the compiled layer graphs: shared by every engine and model
+# of that shape in the process (their weights are inputs or the context's, never the graph's).
+_graphs: dict[tuple, _LayerGraph] = {}
+_graphs_lock = threading.Lock()
+
+
+@atexit.register
+def _finish_compiles() -> None:
+    """At exit, let a background compile end first: stopping the interpreter under a thread that
+    is inside TorchInductor aborts the process. (It may delay the exit by the compile's rest.)"""
+    for graphs in list(_graphs.values()):
+        if graphs.thread is not None and graphs.thread.is_alive():
+            print("compile=True: waiting for the background compile to end before exiting", file=sys.stderr, flush=True)
+            graphs.thread.join()
 
 
 def inductor_available() -> str | None:
@@ -191,65 +207,131 @@ def inductor_available() -> str | None:
     return None
 
 
-class CompiledFlatModel(FusedFlatModel):
-    """FusedFlatModel whose decoder layers run as one compiled graph; same contract.
+def _cache_counts() -> tuple[int, int]:
+    """(hits, misses) of TorchInductor's FX graph cache so far in this process."""
+    from torch._dynamo.utils import counters
 
-    Invariant: the compiled graph holds the weights the model had when the first engine on it
-    was built (shared through ``_compiled``); weights changed later are not seen.
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
+class CompiledFlatModel(FusedFlatModel):
+    """FusedFlatModel whose decoder layers run through one compiled layer graph; same contract.
+
+    The engine is ready at once: the graph compiles in a background thread, and until it is done
+    (``wait_compiled``) every step runs FusedFlatModel's eager path.
+
+    Invariant: the graph holds no weights; every call reads this model's ``layers`` (through the
+    step context) and its norm weights, so nothing is copied per engine or per layer.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, background: bool = True) -> None:
         why = inductor_available()
         if why:
             raise ValueError(f"compile=True needs TorchInductor: {why}; use compile=False")
         super().__init__(model)
         if any(not isinstance(layer.mlp, Qwen3MLP) for layer in model.model.layers):
             raise ValueError("compile=True serves dense models only (this one has MoE layers); use compile=False")
-        entry = _compiled.get(model)
-        if entry is None or entry[0] != (self.linear_dtype, self.dtype):
-            entry = ((self.linear_dtype, self.dtype), torch.compile(_Layers(self).eval(), dynamic=True, fullgraph=True))
-            _compiled[model] = entry
-            self._run = entry[1]
-            self._warm_up()
-        self._run = entry[1]
-        self.eager_rows = SMALL_ROWS
+        m, cfg = model.model, self.cfg
+        work = self.linear_dtype
+        first = m.layers[0]
+        self.shape = _Shape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size,
+                            tuple(self.layers[0][k].n for k in SLOTS),
+                            (first.input_layernorm.eps, first.self_attn.q_norm.eps,
+                             first.post_attention_layernorm.eps, m.norm.eps),
+                            float(first.self_attn.scale), cfg.sliding_window or 0)
+        as_work = lambda t: t.detach().to(work).contiguous()  # noqa: E731 - no copy when already so
+        self.norms = [(as_work(layer.input_layernorm.weight), entry["qk_norm"],
+                       as_work(layer.post_attention_layernorm.weight)) for layer, entry in zip(m.layers, self.layers)]
+        self.linears = [[entry[k] for k in SLOTS] for entry in self.layers]
+        self.eager_rows = EAGER_ROWS if self.elementwise else 1  # 1 row: a size the graph would specialise
+        key = (self.shape, work, self.dtype)
+        with _graphs_lock:
+            graphs = _graphs.get(key)
+            fresh = graphs is None
+            if fresh:
+                graphs = _graphs[key] = _LayerGraph(self.shape)
+        self.graphs = graphs
+        if fresh:
+            if background:
+                graphs.thread = threading.Thread(target=self._compile_in_background, name="engine-compile", daemon=True)
+                graphs.thread.start()
+            else:
+                self._warm_up()
+
+    def _compile_in_background(self) -> None:
+        """``_warm_up`` at a lower scheduling priority (Linux: nice is per thread, and the compiler
+        processes it starts inherit it), so that serving, not compiling, gets the cores first."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+        except (AttributeError, OSError):
+            pass
+        self._warm_up()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the graph is compiled (or ``timeout`` s pass); whether it is in use now."""
+        graphs = self.graphs
+        if graphs.ready.wait(timeout) and graphs.thread is not None:
+            graphs.thread.join()  # its last lines: an interpreter must not exit under a live compile thread
+        return graphs.ready.is_set() and graphs.error is None
 
     def _warm_up(self, rows: int = WARM_UP_ROWS) -> None:
-        """Compile now (start-up), on a dummy step of ``rows`` rows whose attention returns zeros:
-        the graph is dynamic in N, so every later step size above ``SMALL_ROWS`` reuses it."""
-        cfg, work = self.cfg, self.linear_dtype
-        with torch.inference_mode():
-            hidden = torch.zeros((rows, cfg.hidden_size), dtype=work, device=self.device)
-            cos, sin = rope_cos_sin(torch.arange(rows, device=self.device), cfg.head_dim, cfg.rope_theta, work)
-            keep = torch.arange(MIN_KEEP + 6, device=self.device)  # M != N: traced as two sizes
-            self._call(hidden, cos, sin, (None, _ZeroAttention(), [None] * cfg.num_hidden_layers), self.dtype, keep)
-
-    def _call(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: tuple,
-              pool_dtype: torch.dtype, keep: torch.Tensor) -> torch.Tensor:
-        global _step
-        _step = step
+        """Compile (in the background at start-up) on a dummy step of ``rows`` rows whose attention
+        returns zeros: the graph is dynamic in N, so every later step size reuses it. Announced on
+        stderr with its duration; a failure is announced too and leaves the engine eager."""
+        cfg, work, graphs = self.cfg, self.linear_dtype, self.graphs
+        print(f"compile=True: compiling the decoder layer ({cfg.num_hidden_layers} layers, one graph) with "
+              f"TorchInductor in the background (steps run eagerly until it is done); cache "
+              f"{os.environ['TORCHINDUCTOR_CACHE_DIR']}", file=sys.stderr, flush=True)
+        hits, misses = _cache_counts()
+        start = time.perf_counter()
         try:
-            # freezing (read whenever a shape compiles): the weights become constants of the graph,
-            # the linears prepacked for oneDNN, residual adds fused into them.
-            with inductor_config.patch(freezing=True):
-                return self._run(hidden, cos[:, None, :], sin[:, None, :], pool_dtype, keep)
+            with torch.inference_mode():
+                hidden = torch.zeros((rows, cfg.hidden_size), dtype=work, device=self.device)
+                cos, sin = rope_cos_sin(torch.arange(rows, device=self.device), cfg.head_dim, cfg.rope_theta, work)
+                step = _Step(None, _ZeroAttention(), [None] * cfg.num_hidden_layers, self.linears)
+                self._run(hidden, cos, sin, step, self.dtype, compiled=True)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: say so, stay eager
+            graphs.error = exc
+            print(f"compile=True: compiling failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                  "this engine keeps running eagerly", file=sys.stderr, flush=True)
+        else:
+            graphs.seconds = time.perf_counter() - start
+            hits2, misses2 = _cache_counts()
+            print(f"compile=True: compiled in {graphs.seconds:.1f} s (FX graph cache: {hits2 - hits} hit(s), "
+                  f"{misses2 - misses} miss(es)); steps of more than {self.eager_rows} rows now run the graph",
+                  file=sys.stderr, flush=True)
         finally:
-            _step = None
+            graphs.ready.set()
+
+    def _run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: _Step,
+             pool_dtype: torch.dtype, compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer through the graph: hidden [N, D] -> the last layer's (hidden, residual)."""
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, Dh]: broadcast over heads
+        outer, _context.step = _context.step, step
+        try:
+            residual = torch.zeros_like(hidden)  # layer 0 adds nothing (x + 0 == x exactly)
+            for i, norms in enumerate(self.norms):
+                step.layer = i
+                hidden, residual = self.graphs.layer(hidden, residual, cos, sin, *norms, pool_dtype)
+            return hidden, residual
+        finally:
+            _context.step = outer
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: BatchMeta, backend: AttentionBackend, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [N] -> final hidden [N, D] in ``linear_dtype`` (with ``keep_rows``,
-        int64 [M]: those rows' [M, D]). Steps of at most ``SMALL_ROWS`` rows take FusedFlatModel's
-        eager path when its small-batch linear kernel is in use (there the graph's per-call cost
-        outweighs what its fusion saves)."""
-        if self.small and input_ids.shape[0] <= self.eager_rows:
+        int64 [M]: those rows' [M, D]). FusedFlatModel's eager path for steps of at most
+        ``eager_rows`` rows (float32, where its elementwise kernels beat the graph's per-call
+        cost) and while the graph is still compiling; else every layer through the graph, and
+        the final norm on the kept rows."""
+        graphs = self.graphs
+        if input_ids.shape[0] <= self.eager_rows or not graphs.ready.is_set() or graphs.error is not None:
             return super().forward(input_ids, positions, kv_caches, meta, backend, keep_rows=keep_rows)
         cfg, work = self.cfg, self.linear_dtype
-        n = input_ids.shape[0]
-        keep = torch.arange(n, device=input_ids.device) if keep_rows is None else keep_rows
-        m = keep.shape[0]
-        if m < MIN_KEEP:  # padded with row 0 (results dropped): the graph never sees a size of 0 or 1
-            keep = torch.cat([keep, keep.new_zeros(MIN_KEEP - m)])
         hidden = self.model.model.embed_tokens(input_ids).to(work)  # [N, D]
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, work)  # [N, Dh]
-        return self._call(hidden, cos, sin, (meta, backend, kv_caches), kv_caches[0][0].dtype, keep)[:m]
+        step = _Step(meta, backend, kv_caches, self.linears)
+        hidden, residual = self._run(hidden, cos, sin, step, kv_caches[0][0].dtype)
+        if keep_rows is not None:
+            hidden, residual = hidden.index_select(0, keep_rows), residual.index_select(0, keep_rows)
+        return self._add_norm(hidden, residual, self.model.model.norm)[0]

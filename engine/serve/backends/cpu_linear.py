@@ -19,6 +19,7 @@ from engine.serve.backends.cpu_attention import OptionalKernels
 SOURCE = Path(__file__).with_name("cpu_linear_kernel.cpp")
 PANEL = 16  # output columns per packed panel (two 8-float vectors)
 MIN_PANELS_PER_THREAD = 8  # fewer panels than this per thread: one thread does them all
+ROW_CHUNK = 256  # longer inputs go through in chunks of this many rows, each small enough to stay in cache
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -52,11 +53,13 @@ class SmallLinear:
         self.fn = library().linear_float32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] float32 -> [M, N]."""
+        """x [M, K] float32 -> [M, N] (any M: the panels are this weight's only copy)."""
         x = x.contiguous()
         m = x.shape[0]
         y = x.new_empty((m, self.n))
-        p = self.panels.shape[0]
-        args = (x.data_ptr(), self.panels.data_ptr(), y.data_ptr(), m, self.k, self.n)
-        self.fn(*args, max(1, min(torch.get_num_threads(), p // MIN_PANELS_PER_THREAD)), int(self.prefetch))
+        threads = max(1, min(torch.get_num_threads(), self.panels.shape[0] // MIN_PANELS_PER_THREAD))
+        for at in range(0, m, ROW_CHUNK):
+            rows = min(ROW_CHUNK, m - at)
+            self.fn(x[at].data_ptr(), self.panels.data_ptr(), y[at].data_ptr(), rows, self.k, self.n, threads,
+                    int(self.prefetch))
         return y

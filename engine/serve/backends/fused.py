@@ -8,8 +8,14 @@ and, on a CPU, a few microseconds of dispatch. This class serves the same comput
   built once at start-up);
 - q and k normalised and rotated together, as one ``[N, Hq + Hkv, Dh]`` tensor;
 - SiLU and the gate product done in place on the merged output;
-- on a CPU, the weights prepacked for oneDNN's matmul (float32, or bfloat16 with bf16 units),
-  and in float32 steps of at most ``SMALL_ROWS`` rows (decodes) through ``cpu_linear``'s kernel;
+- on a CPU, the weights prepacked for oneDNN's matmul (float32, or bfloat16 with bf16 units), or
+  where oneDNN cannot pack float32, packed for ``cpu_linear``'s small-batch kernel;
+- ONE resident copy of every weight: each linear keeps only the layout its path reads (``Linear``),
+  built once here. The merged q/k/v and gate/up tensors are temporaries on the way to that layout
+  (or, where the layout is the plain tensor, the model's own parameters become views of them);
+  the model's originals, memory-mapped from the checkpoint by ``load_model``, hand their resident
+  pages back once read (``engine.models.mapped``) and stay valid for ``generate()``. A tied LM head
+  shares the embedding's plain tensor;
 - on a CPU in float32, each seam's elementwise work (residual add + norm, q/k norm + RoPE,
   SiLU-mul) as one call of ``cpu_elementwise``'s kernels instead of ~25 PyTorch operations a layer;
 - the last layer past its K/V write only on the rows whose logits are needed (``keep_rows``: the
@@ -33,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.layers import Qwen3MLP
+from engine.models.mapped import release_pages
 from engine.precision import work_dtype
 from engine.rope import rope_cos_sin
 from engine.serve.attention import AttentionBackend, KVCache
@@ -42,7 +49,6 @@ from engine.serve.flat import FlatModel
 
 
 PACK_BATCH = 256  # the row count oneDNN lays packed weights out for (a hint; any row count works)
-SMALL_ROWS = 256  # at most this many rows (decode steps): the small-batch kernel, where used (.small)
 
 
 def packable(dtype: torch.dtype, device: torch.device) -> bool:
@@ -54,24 +60,80 @@ def packable(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class Linear:
-    """A weight [out, in] and the fastest way to apply it: oneDNN's prepacked matmul where
-    ``packable``, else ``F.linear``. (Packing reorders the weight once into the blocked layout the
-    matmul kernel reads, instead of on every call.) With ``small``, inputs of at most
-    ``SMALL_ROWS`` rows go through ``cpu_linear.SmallLinear`` (float32 CPU weights)."""
+    """A weight [out, in] held in ONE layout, the one its fast path reads, and applied through it:
+    oneDNN's prepacked matmul (``packed``: the weight reordered once into the blocked layout the
+    matmul kernel reads, instead of on every call), or ``cpu_linear.SmallLinear``'s panels
+    (``small``), or the plain tensor through ``F.linear`` (``weight``). Exactly one of the three is
+    set; the others are None. ``layout`` names it.
+
+    Which one: ``small`` when asked for (float32 CPU weights), else ``packed`` when ``pack``, else
+    plain. At Qwen3-0.6B's shapes oneDNN's prepacked matmul was the fastest at every row count
+    from 16 up (docs/performance.md), so a second, small-batch copy would cost memory and buy
+    nothing; the small kernel's panels serve where oneDNN cannot pack (no mkldnn) and where a
+    caller asks for them (``FusedFlatModel(small=True)``, ``scripts/levers.py``).
+    """
 
     def __init__(self, weight: torch.Tensor, pack: bool, small: bool = False) -> None:
-        self.weight = weight
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=PACK_BATCH) if pack else None
-        self.small = None
+        self.n, self.k = weight.shape
+        self.weight = self.packed = self.small = None
         if small:
             self.small = cpu_linear.SmallLinear(weight)
+        elif pack:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=PACK_BATCH)
+        else:
+            self.weight = weight
+        self.layout = "small" if small else "packed" if pack else "plain"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small is not None and x.shape[0] <= SMALL_ROWS:
+        if self.small is not None:
             return self.small(x)
-        if self.packed is None:
-            return F.linear(x, self.weight)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+    @property
+    def held(self) -> torch.Tensor:
+        """The one tensor this linear holds (panels, oneDNN's packed weight or the plain one)."""
+        return self.small.panels if self.small is not None else self.packed if self.packed is not None else self.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.held.dtype
+
+    def nbytes(self) -> int:
+        """Bytes this linear holds of its own (0 for a plain weight shared with the model)."""
+        if self.small is not None:
+            return self.small.panels.numel() * self.small.panels.element_size()
+        if self.packed is not None:  # an opaque oneDNN tensor: at least the weight's own size
+            return self.n * self.k * self.packed.element_size()
+        return 0
+
+
+def merged(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The row-wise concatenation of ``parts`` (2-D, same width and dtype): a view when they
+    already lie one after the other in one storage (a model merged before), else a new tensor."""
+    first = parts[0]
+    rows, width = sum(p.shape[0] for p in parts), first.shape[1]
+    at = first.storage_offset()
+    adjacent = all(p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                   for p in parts)
+    for p in parts:
+        adjacent = adjacent and p.storage_offset() == at
+        at += p.numel()
+    if adjacent:
+        return first.as_strided((rows, width), (width, 1))
+    return torch.cat(parts)
+
+
+def share_rows(whole: torch.Tensor, params: list[nn.Parameter]) -> None:
+    """Point each parameter of ``params`` at its rows of ``whole`` (their concatenation), so the
+    model and the fused path share one copy; values are unchanged, the Parameter objects too."""
+    at = 0
+    for p in params:
+        rows = p.shape[0]
+        if p.data_ptr() != whole[at:at + rows].data_ptr():
+            p.data = whole[at:at + rows]
+        at += rows
 
 
 def attend_rows(backend: AttentionBackend, q: torch.Tensor, cache: KVCache, meta: BatchMeta, rows: torch.Tensor,
@@ -101,7 +163,10 @@ class FusedFlatModel(FlatModel):
     ``forward(..., keep_rows=rows)``, which returns only those rows' final hidden states.
 
     Invariant: ``layers[i]`` holds layer i's merged weights, built from the model's modules at
-    construction; the model is not modified (weights changed later are not seen).
+    construction, each in one layout (weights changed later are not seen, except by a plain
+    layout, which IS the model's storage). The model's values are not modified; where the layout
+    is plain its q/k/v and gate/up parameters become views of the merged tensors (one copy), and
+    file-backed originals hand their pages back (``release_pages``).
     """
 
     def __init__(self, model: nn.Module, linear_dtype: torch.dtype | None = None, pack: bool | None = None,
@@ -112,29 +177,51 @@ class FusedFlatModel(FlatModel):
             linear_dtype = dtype if fast_16bit_matmul(dtype, device) else torch.float32
         self.linear_dtype = linear_dtype
         self.pack = packable(linear_dtype, device) if pack is None else pack
-        if small is None:  # float32 on a CPU where the small-batch kernel builds
-            small = linear_dtype == torch.float32 and device.type == "cpu" and cpu_linear.library() is not None
+        if small is None:  # float32 on a CPU where oneDNN cannot pack and the small-batch kernel builds
+            small = (not self.pack and linear_dtype == torch.float32 and device.type == "cpu"
+                     and cpu_linear.library() is not None)
         self.small = small
         if elementwise is None:  # float32 on a CPU where the elementwise kernels build
             elementwise = (linear_dtype == torch.float32 and device.type == "cpu"
                            and cpu_elementwise.library() is not None)
         self.elementwise = elementwise
-        cast = lambda w: Linear(w.detach().to(linear_dtype), self.pack, small)  # noqa: E731 - no copy when no cast
+        cast = linear_dtype != dtype
+        plain = not self.pack and not small and not cast  # the fused path reads the model's own tensors
+
+        def linear(params: list[nn.Parameter]) -> Linear:
+            """One Linear over ``params``' rows, made without keeping a second copy: plain, the
+            model's parameters become views of the merged tensor; otherwise the merged tensor
+            is a temporary, and the model's file-backed originals hand their pages back."""
+            with torch.no_grad():
+                whole = merged([p.detach() for p in params]) if len(params) > 1 else params[0].detach()
+                if plain:
+                    share_rows(whole, params)
+                    return Linear(whole, pack=False)
+                out = Linear(whole.to(linear_dtype), self.pack, small)
+            release_pages([p.detach() for p in params])
+            return out
+
         self.layers = []
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             entry = {
-                "qkv": cast(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
-                "o": cast(a.o_proj.weight),
+                "qkv": linear([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                "o": linear([a.o_proj.weight]),
                 # One norm weight per head of the joint [Hq + Hkv] q/k tensor.
                 "qk_norm": torch.cat([a.q_norm.weight.expand(a.num_heads, -1),
                                       a.k_norm.weight.expand(a.num_kv_heads, -1)]).detach().to(linear_dtype),
             }
             if isinstance(mlp, Qwen3MLP):
-                entry["gate_up"] = cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-                entry["down"] = cast(mlp.down_proj.weight)
+                entry["gate_up"] = linear([mlp.gate_proj.weight, mlp.up_proj.weight])
+                entry["down"] = linear([mlp.down_proj.weight])
             self.layers.append(entry)
-        self.lm_head = cast(model.lm_head.weight)
+        head = model.lm_head.weight
+        if head is model.model.embed_tokens.weight and not cast:
+            # Tied to the embedding, which lookups read in its plain layout: the head shares it
+            # rather than holding a packed copy of the model's largest matrix.
+            self.lm_head = Linear(head.detach(), pack=False)
+        else:
+            self.lm_head = linear([head])
         self._norm_weights: dict[int, torch.Tensor] = {}
 
     def _norm_weight(self, norm: nn.Module) -> torch.Tensor:

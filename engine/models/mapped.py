@@ -1,0 +1,77 @@
+"""Weights that live in a memory-mapped checkpoint file, and handing their pages back.
+
+``load_model`` reads each tensor through ``safetensors.safe_open``, which (safetensors >= 0.4 on a
+CPU) returns tensors that ARE a private mapping of the file: no copy is made, and a page of the
+file becomes part of the process's resident memory only when something reads it. A fast path that
+re-lays the weights out once (merged, prepacked for oneDNN) reads every page once, and from then
+on the model's own tensors are never read again on that path; their pages still count in the
+process's resident set until the kernel reclaims them.
+
+``release_pages(t)`` hands them back at once (``madvise(MADV_DONTNEED)``): the tensor stays valid
+and equal, its pages are read again from the file (usually the page cache) if anyone uses it
+later, e.g. ``generate()`` on the same model. It is done only where that is safe:
+
+- the tensor lies inside a file mapping of this process (``/proc/self/maps``; Linux only), and
+- it was never modified in place (``t._version == 0``): a written page of a private mapping is
+  the process's own copy, and dropping it would revert it to the file's bytes;
+- only whole pages inside the tensor are dropped, never one it shares with a neighbour.
+
+Anywhere else (another OS, a tensor built in memory, a cast copy) it does nothing and says so.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+
+import torch
+
+MADV_DONTNEED = 4
+PAGE = mmap.PAGESIZE
+
+
+def _file_mappings() -> list[tuple[int, int, str]]:
+    """(start, end, path) of every file-backed mapping of this process (empty where unknown)."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            out.append((start, end, parts[5]))
+    return out
+
+
+def mapped_file(t: torch.Tensor, maps: list[tuple[int, int, str]] | None = None) -> str | None:
+    """The file whose mapping holds all of ``t``'s bytes, or None (not file-backed, or unknown)."""
+    if t.device.type != "cpu" or t.numel() == 0 or t.is_mkldnn:
+        return None
+    begin = t.data_ptr()
+    end = begin + t.numel() * t.element_size()
+    for start, stop, path in (maps if maps is not None else _file_mappings()):
+        if start <= begin and end <= stop:
+            return path
+    return None
+
+
+def release_pages(tensors: list[torch.Tensor]) -> int:
+    """Drop the resident pages of each unmodified, file-backed, contiguous tensor of ``tensors``
+    (see the module docstring); returns how many bytes were handed back."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    maps = _file_mappings()
+    libc = ctypes.CDLL(None, use_errno=True)
+    released = 0
+    for t in tensors:
+        if t._version != 0 or not t.is_contiguous() or mapped_file(t, maps) is None:
+            continue
+        begin = t.data_ptr()
+        end = begin + t.numel() * t.element_size()
+        first, last = -(-begin // PAGE) * PAGE, end // PAGE * PAGE  # whole pages inside the tensor
+        if last > first and libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED) == 0:
+            released += last - first
+    return released
