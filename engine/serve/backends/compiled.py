@@ -29,6 +29,7 @@ FusedFlatModel's up to summation order. Dense (non-MoE) Qwen3 models only.
 from __future__ import annotations
 
 import shutil
+import threading
 import weakref
 
 import torch
@@ -47,14 +48,20 @@ WARM_UP_ROWS = 256  # the start-up compile's step size (also oneDNN's packing hi
 # step with one sample row (one prompt finishing) would compile a second graph in the middle of a run.
 MIN_KEEP = 2
 
-# The step being run: (meta, backend, kv_caches). Set around each compiled call, read by the op.
-_step: tuple[BatchMeta, AttentionBackend, list[KVCache]] | None = None
+# The step being run, per thread: ``_step.current`` = (meta, backend, kv_caches), set around each
+# compiled call by the calling thread and read by the ops it runs (which run on that thread), so two
+# engines stepping in two threads never see each other's pools. ``_graph_lock`` serialises the
+# compiled calls themselves: the ``freezing`` patch around them is process-wide inductor config.
+_step = threading.local()
+_graph_lock = threading.Lock()
 
 
 def _write(k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[BatchMeta, AttentionBackend, KVCache]:
     """The attention ops' first half: k, v [N, Hkv, Dh] into layer ``layer``'s pool of the step."""
-    assert _step is not None, "the paged attention ops run only inside CompiledFlatModel.forward"
-    meta, backend, kv_caches = _step
+    step = getattr(_step, "current", None)
+    if step is None:
+        raise ValueError("the paged attention ops run only inside CompiledFlatModel.forward")
+    meta, backend, kv_caches = step
     backend.write(kv_caches[layer], k, v, meta)
     return meta, backend, kv_caches[layer]
 
@@ -226,15 +233,15 @@ class CompiledFlatModel(FusedFlatModel):
 
     def _call(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: tuple,
               pool_dtype: torch.dtype, keep: torch.Tensor) -> torch.Tensor:
-        global _step
-        _step = step
-        try:
-            # freezing (read whenever a shape compiles): the weights become constants of the graph,
-            # the linears prepacked for oneDNN, residual adds fused into them.
-            with inductor_config.patch(freezing=True):
-                return self._run(hidden, cos[:, None, :], sin[:, None, :], pool_dtype, keep)
-        finally:
-            _step = None
+        with _graph_lock:
+            _step.current = step
+            try:
+                # freezing (read whenever a shape compiles): the weights become constants of the graph,
+                # the linears prepacked for oneDNN, residual adds fused into them.
+                with inductor_config.patch(freezing=True):
+                    return self._run(hidden, cos[:, None, :], sin[:, None, :], pool_dtype, keep)
+            finally:
+                _step.current = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: BatchMeta, backend: AttentionBackend, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
