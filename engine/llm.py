@@ -331,14 +331,19 @@ class LLM(VllmExtras):
         is incomplete; with stop strings the last few characters wait until it is sure they are
         not the start of one. The last delta has ``finish_reason`` set.
         """
+        if isinstance(prompt, (list, tuple)) and not prompt:
+            raise ValueError("stream: the prompt is empty (no token ids); give at least one token")
+        if isinstance(prompt, str) and not prompt:
+            raise ValueError("stream: the prompt is empty (\"\"); give at least one character")
         if is_prompt_list(prompt):
             raise ValueError("stream takes a single prompt, not a list; use generate() for many")
-        [(_, ids)] = self._normalize(prompt)
+        [(_, ids, cache_key)] = self._normalize(prompt)
         [params] = self._params_list(sampling_params, 1)
+        self.engine.sampler.check(params)  # invalid fields (set after construction) first
         if params.n != 1:
             raise ValueError(f"stream produces one completion; got SamplingParams(n={params.n})")
         with self._lock:
-            _, [state] = self._add(ids, params)
+            _, [state] = self._add(ids, params, cache_key=cache_key)
         try:
             while True:
                 with self._lock:
@@ -359,7 +364,7 @@ class LLM(VllmExtras):
     # ------------------------------------------------------------------ internals
 
     def _normalize(self, prompts: PromptType | Sequence[PromptType],
-                   tokenization_kwargs: dict[str, Any] | None = None) -> list[tuple[str | None, list[int]]]:
+                   tokenization_kwargs: dict[str, Any] | None = None) -> list[tuple[str | None, list[int], tuple]]:
         return normalize_prompts(prompts, self.get_tokenizer, self.engine.max_model_len, tokenization_kwargs)
 
 
@@ -379,9 +384,10 @@ class LLM(VllmExtras):
                              f"prompt), got {len(params)} item(s)")
         return params
 
-    def _add(self, prompt_ids: list[int], params: Any, priority: int = 0) -> tuple[str, list[CompletionState]]:
+    def _add(self, prompt_ids: list[int], params: Any, priority: int = 0,
+             cache_key: tuple = ()) -> tuple[str, list[CompletionState]]:
         """Queue one prompt under a fresh id (lock held); returns the id and one ``CompletionState``
-        per completion.
+        per completion. ``cache_key`` (a dict prompt's ``cache_salt``) keys its prefix-cache blocks.
 
         The tokenizer's other end-of-sequence ids (generation_config.json lists e.g. both
         <|im_end|> and <|endoftext|>) join ``stop_token_ids`` unless ``ignore_eos``, as in vLLM.
@@ -399,7 +405,8 @@ class LLM(VllmExtras):
             raise ValueError("stop strings are matched on the text: this LLM has no tokenizer; use stop_token_ids")
         rid = str(self._next_id)
         arrival = time.monotonic()
-        child_ids = self.engine.add_request(rid, prompt_ids, params, priority=priority, arrival_time=arrival)
+        child_ids = self.engine.add_request(rid, prompt_ids, params, priority=priority, cache_key=cache_key,
+                                            arrival_time=arrival)
         self._next_id += 1
         states = [CompletionState(cid, j, prompt_ids, params, tok, arrival) for j, cid in enumerate(child_ids)]
         for s in states:
@@ -441,7 +448,7 @@ class LLM(VllmExtras):
                     s.finish_reason = "abort"
                 self._live.pop(s.engine_id, None)
 
-    def _enqueue(self, items: list[tuple[str | None, list[int]]], sampling_params: Any,
+    def _enqueue(self, items: list[tuple[str | None, list[int], tuple]], sampling_params: Any,
                  priority: list[int] | None = None) -> list[tuple[RequestOutput, list[CompletionState]]]:
         """Queue every prompt (all or nothing); its RequestOutput shell and completion states."""
         params = self._params_list(sampling_params, len(items))
@@ -452,8 +459,8 @@ class LLM(VllmExtras):
         batch: list[tuple[RequestOutput, list[CompletionState]]] = []
         try:
             with self._lock:
-                for i, ((text, ids), p) in enumerate(zip(items, params)):
-                    rid, states = self._add(ids, p, 0 if priority is None else priority[i])
+                for i, ((text, ids, cache_key), p) in enumerate(zip(items, params)):
+                    rid, states = self._add(ids, p, 0 if priority is None else priority[i], cache_key)
                     batch.append((RequestOutput(rid, text, states[0].prompt_token_ids), states))
         except BaseException:
             self._release([s for _, states in batch for s in states])

@@ -391,6 +391,67 @@ def test_text_input_is_checked(llm, tok):
     assert not llm.engine.has_unfinished()
 
 
+def test_cache_salt_keeps_tenants_apart(llm, model, tok):
+    """vLLM's ``cache_salt``: prompts of different salts (or salt and none) never share a cached
+    block, so ``num_cached_tokens`` never tells one tenant what another sent; the same salt shares."""
+    p = _prompt(50, tok, n=13)
+    params = SamplingParams(**GREEDY)
+
+    def cached(prompt) -> int:
+        [out] = llm.generate(prompt, params, use_tqdm=False)
+        assert out.outputs[0].token_ids == _oracle(model, out.prompt_token_ids)
+        return out.num_cached_tokens
+
+    assert cached({"prompt_token_ids": p, "cache_salt": "tenant-a"}) == 0
+    assert cached({"prompt_token_ids": p, "cache_salt": "tenant-b"}) == 0, "tenant b adopted tenant a's blocks"
+    assert cached({"prompt_token_ids": p}) == 0, "an unsalted prompt adopted a salted tenant's blocks"
+    assert cached({"prompt_token_ids": p, "cache_salt": "tenant-a"}) == 12, "the same salt must share"
+    text = tok.decode(p)
+    assert cached({"prompt": text, "cache_salt": "tenant-c"}) == 0
+    for salt, match in [("", "cache_salt must be a non-empty string"), (7, "cache_salt must be a non-empty string"),
+                        ("\udc80", "not valid text")]:
+        with pytest.raises(ValueError, match=match):
+            llm.generate({"prompt_token_ids": p, "cache_salt": salt}, params)
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
+
+
+def test_unknown_dict_prompt_keys_are_refused_by_name(llm, tok):
+    p = _prompt(51, tok)
+    params = SamplingParams(**GREEDY)
+    for extra, match in [({"multi_modal_data": {"image": None}}, "'multi_modal_data' is not supported"),
+                         ({"mm_processor_kwargs": {}}, "'mm_processor_kwargs' is not supported"),
+                         ({"prompt_tokens_ids": [1]}, "unknown dict-prompt key 'prompt_tokens_ids'")]:
+        for prompt in ({"prompt_token_ids": p, **extra}, {"prompt": "hello", **extra}):
+            with pytest.raises(ValueError, match=match):
+                llm.generate([{"prompt_token_ids": p}, prompt], params)
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
+
+
+def test_n_set_to_zero_after_construction_is_refused(llm, tok):
+    """SamplingParams checks n at construction; a later ``params.n = 0`` must be refused when the
+    request is added, not queue nothing (EngineCore) or end in an IndexError (LLM.generate)."""
+    params = SamplingParams(**GREEDY)
+    params.n = 0
+    with pytest.raises(ValueError, match="n must be an integer >= 1, got 0"):
+        llm.generate({"prompt_token_ids": _prompt(52, tok)}, params)
+    with pytest.raises(ValueError, match="n must be an integer >= 1, got 0"):
+        llm.engine.add_request("x", _prompt(52, tok), params)
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        list(llm.stream(_prompt(52, tok), params))
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
+
+
+def test_stream_of_an_empty_prompt_says_so(llm):
+    params = SamplingParams(**GREEDY)
+    for bad, match in [([], "the prompt is empty \\(no token ids\\)"), ("", "the prompt is empty"),
+                       ({"prompt_token_ids": []}, "prompt 0 is empty"), ({"prompt": ""}, "prompt 0 is empty")]:
+        with pytest.raises(ValueError, match=match):
+            next(llm.stream(bad, params))
+    with pytest.raises(ValueError, match="not a list"):
+        next(llm.stream([[1, 2], [3]], params))
+    assert not llm.engine.has_unfinished()
+
+
 # --------------------------------------------------------------------------- sharing one LLM
 
 

@@ -733,6 +733,7 @@ CLI_ERRORS = {
     "device_meta": (["--device", "meta"], "--device 'meta' is not usable here"),
     "device_other_cpu": (["--device", "cpu:3"], "--device 'cpu:3' is not usable here"),
     "temperature_nan": (["--temperature", "nan"], "temperature must be >= 0"),
+    "prompt_empty": (["--prompt", ""], "--prompt is empty"),
 }
 
 
