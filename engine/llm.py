@@ -425,6 +425,7 @@ class LLM(VllmExtras):
             if state is None:
                 continue
             if state.update(out):  # a stop string: the core is still running it
+                self._keep_prompt_logprobs(state)
                 self.engine.abort_request(out.request_id)
             if state.finished:
                 del self._live[out.request_id]
@@ -435,6 +436,16 @@ class LLM(VllmExtras):
             for state in self._live.values():
                 state.finish_reason = "abort"
             self._live.clear()
+
+    def _keep_prompt_logprobs(self, state: CompletionState) -> None:
+        """A completion ended here by a stop string: the core attaches prompt logprobs only to a
+        request's last output, which an aborted request never sends, so take them from the core's
+        request before aborting it (complete: a stop string needs output text, so the prompt is done)."""
+        if state.params.prompt_logprobs is None or state.prompt_logprobs is not None:
+            return
+        request = self.engine.scheduler.requests.get(state.engine_id)
+        if request is not None and request.prompt_logprobs is not None:
+            state.prompt_logprobs = list(request.prompt_logprobs)
 
     def _release(self, states: list[CompletionState]) -> None:
         """Abort what is unfinished of ``states`` (a caller that stopped early or failed)."""

@@ -162,6 +162,25 @@ def test_stop_string_across_a_token_boundary(llm, model, tok):
     assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
 
 
+def test_prompt_logprobs_survive_a_stop_string(llm, model, tok):
+    """A stop string ends the completion in the front end, which aborts the request in the core:
+    the prompt logprobs must still come back, equal to those of a run that no stop string ends
+    (for n > 1 too)."""
+    prompt, tokens, stop, k, _ = _boundary_case(model, tok, 3)
+    assert k < MAX_NEW
+    [want] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(prompt_logprobs=3, **GREEDY))
+    assert want.prompt_logprobs is not None and len(want.prompt_logprobs) == len(prompt)
+    for n in (1, 2):
+        [got] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(stop=[stop], prompt_logprobs=3, n=n, **GREEDY))
+        assert [c.finish_reason for c in got.outputs] == ["stop"] * n
+        assert got.prompt_logprobs is not None, f"prompt logprobs lost to a stop string (n={n})"
+        assert len(got.prompt_logprobs) == len(prompt) and got.prompt_logprobs[0] is None
+        for g, w in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):  # float64: batching moves the last bits
+            assert list(g) == list(w) and [e.rank for e in g.values()] == [e.rank for e in w.values()]
+            assert all(abs(g[t].logprob - w[t].logprob) < 1e-9 for t in g)
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
+
+
 def test_stop_string_inside_one_token_and_the_earliest_wins(llm, model, tok):
     """Two stop strings inside one token's text: the one that ends first wins, whatever its place
     in the list (vLLM's rule); the text is cut mid-token."""
