@@ -398,3 +398,32 @@ def test_cpu_kernel_build_boundaries(tmp_path, monkeypatch):
     assert optional.get() is None and "building cpu_paged_kernel.cpp failed" in optional.why
     monkeypatch.setenv("CXX", real)
     assert optional.get() is None and not declared, "a failed optional build must not be retried on every call"
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_cpu_backend_refuses_block_tables_outside_the_pool(in_place):
+    """A block-table entry outside the pool (far past it, just past it, negative) or a context longer
+    than the table is a ValueError before any key is read — never a crash or heap memory in the
+    output — as the reference and torch backends refuse such a table too (they raise)."""
+    from engine.serve.backends.cpu_attention import CPUBackend
+
+    q, cache, meta = random_paged_batch(14, 4, 4, 2, decode_only=True)
+    num_blocks = cache[0].shape[0]
+    backend = CPUBackend(prefill_in_place=in_place)
+    assert (backend.forward(q, cache, meta) - ReferenceBackend().forward(q, cache, meta)).abs().max().item() < 1e-5
+    for entry in (1 << 30, num_blocks, -3):
+        table = meta.block_table.clone()
+        table[1, 0] = entry
+        bad = dataclasses.replace(meta, block_table=table)
+        for other in (ReferenceBackend(), TorchBackend()) if entry >= 0 else ():  # they refuse it as well
+            with pytest.raises((IndexError, RuntimeError, ValueError)):
+                other.forward(q, cache, bad)
+        with pytest.raises(ValueError, match="outside the K/V pool"):
+            backend.forward(q, cache, bad)
+        with pytest.raises(ValueError, match="outside the K/V pool"):
+            backend.forward_rows(q, cache, bad, torch.tensor([1]))
+    short = dataclasses.replace(meta, block_table=meta.block_table[:, :1].contiguous())  # too few columns
+    with pytest.raises(ValueError, match="outside the K/V pool"):
+        backend.forward(q, cache, short)
+    with pytest.raises(ValueError, match="do not fit pools"):
+        backend.write(cache, torch.zeros(q.shape[0], 2, 16), torch.zeros(q.shape[0], 2, 16), meta)

@@ -148,8 +148,8 @@ def load_kernel() -> ctypes.CDLL:
     _library = build_library(SOURCE)
     for name in DTYPES.values():
         fn = getattr(_library, f"paged_decode_{name}")
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 \
+        fn.restype = ctypes.c_int64  # the number of rows whose keys lie outside the pool (then nothing is computed)
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 7 \
             + [ctypes.c_double, ctypes.c_int64]
         fn = getattr(_library, f"write_kv_{name}")
         fn.restype = ctypes.c_int64  # the number of slots out of range (then nothing is written)
@@ -199,6 +199,9 @@ class CPUBackend(TorchBackend):
         k_pool, v_pool, slots = *cache, meta.slot_mapping
         source = torch.float32 if k_pool.dtype == torch.bfloat16 else k_pool.dtype
         n, hkv, d = k.shape
+        if v.shape != k.shape or k_pool.shape[2:] != (hkv, d) or v_pool.shape != k_pool.shape:
+            raise ValueError(f"write: rows k {tuple(k.shape)}, v {tuple(v.shape)} do not fit pools "
+                             f"{tuple(k_pool.shape)}, {tuple(v_pool.shape)} ([blocks, bs, Hkv, D] each)")
         rows_ok = all(t.dtype == source and t.stride(2) == 1 and t.stride(1) == d for t in (k, v))
         slots_ok = slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == n
         if not (rows_ok and slots_ok and k_pool.is_contiguous() and v_pool.is_contiguous()):
@@ -281,18 +284,29 @@ class CPUBackend(TorchBackend):
              window: int) -> torch.Tensor:
         """The kernel on rows q [G, Hq, D] with their tables [G, W] and positions [G] -> [G, Hq, D]."""
         k_pool, v_pool = cache
-        if q.dtype != k_pool.dtype:
-            raise ValueError(f"queries ({q.dtype}) and pool ({k_pool.dtype}) must share a dtype")
+        if q.dtype != k_pool.dtype or v_pool.dtype != k_pool.dtype:
+            raise ValueError(f"queries ({q.dtype}) and pools ({k_pool.dtype}, {v_pool.dtype}) must share a dtype")
+        g, hq, d = q.shape
+        num_blocks, bs, hkv, pool_d = k_pool.shape
+        if pool_d != d or bs < 1 or v_pool.shape != k_pool.shape or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+            raise ValueError(f"the 'cpu' backend reads contiguous K and V pools of one shape [blocks, bs, Hkv, {d}], "
+                             f"got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+        if hkv < 1 or hq % hkv != 0:
+            raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+        if tables.dim() != 2 or tables.shape[0] < g or q_pos.shape != (g,):
+            raise ValueError(f"{g} query rows need a block table of >= {g} rows and {g} positions, got "
+                             f"{tuple(tables.shape)} and {tuple(q_pos.shape)}")
         q = q.contiguous()
         if tables.stride(1) != 1 or tables.dtype != torch.int32:
             tables = tables.to(torch.int32).contiguous()
-        q_pos = q_pos.contiguous()  # int64 [G]
+        q_pos = q_pos.to(torch.int64).contiguous()  # int64 [G]
         out = torch.empty_like(q)
-        g, hq, d = q.shape
-        _, bs, hkv, _ = k_pool.shape
         fn = getattr(self._lib, f"paged_decode_{DTYPES[q.dtype]}")
         head = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(),
-                tables.stride(0), q_pos.data_ptr(), g)
-        tail = (hq, hkv, d, bs, float(scale), int(window))
-        fn(*head, max(1, min(torch.get_num_threads(), g // MIN_ROWS_PER_THREAD)), *tail)
+                tables.stride(0), tables.shape[1], q_pos.data_ptr(), g)
+        tail = (hq, hkv, d, bs, num_blocks, float(scale), int(window))
+        bad = fn(*head, max(1, min(torch.get_num_threads(), g // MIN_ROWS_PER_THREAD)), *tail)
+        if bad:
+            raise ValueError(f"attention: {bad} row(s) would read keys outside the K/V pool's {num_blocks} blocks "
+                             f"or past their block table's {tables.shape[1]} columns (a corrupt block table)")
         return out
