@@ -427,3 +427,94 @@ def test_cpu_backend_refuses_block_tables_outside_the_pool(in_place):
         backend.forward(q, cache, short)
     with pytest.raises(ValueError, match="do not fit pools"):
         backend.write(cache, torch.zeros(q.shape[0], 2, 16), torch.zeros(q.shape[0], 2, 16), meta)
+
+
+def test_cpu_kernel_build_with_a_bad_compiler(tmp_path, monkeypatch):
+    """A $CXX that is missing, a directory or not a command line is a ValueError (and an optional
+    kernel is then None with the reason), never FileNotFoundError/PermissionError; a launcher
+    ("ccache g++") is split as a shell would; a compiler that hangs fails after COMPILE_TIMEOUT_S."""
+    import shutil
+    import stat
+
+    from engine.serve.backends import cpu_attention
+
+    real = shutil.which("c++") or shutil.which("g++")
+    monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "a-directory").mkdir()
+    for cxx, match in [(str(tmp_path / "no-such-c++"), "is not an executable file"),
+                       (str(tmp_path / "a-directory"), "is not an executable file"),
+                       ("'unbalanced", "is not a command line"), ("   ", "found no C\\+\\+ compiler|not an executable")]:
+        monkeypatch.setenv("CXX", cxx)
+        with pytest.raises(ValueError, match=match):
+            cpu_attention.build_library(cpu_attention.SOURCE)
+        optional = cpu_attention.OptionalKernels(cpu_attention.SOURCE, lambda lib: None)
+        assert optional.get() is None and optional.why
+    monkeypatch.setenv("CXX", f"env {real}")  # a launcher and its compiler, as "ccache g++"
+    assert cpu_attention.build_library(cpu_attention.SOURCE) is not None
+    slow = tmp_path / "slow-c++"
+    slow.write_text("#!/bin/sh\nexec sleep 60\n")
+    slow.chmod(slow.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CXX", str(slow))
+    monkeypatch.setattr(cpu_attention, "COMPILE_TIMEOUT_S", 1)
+    with pytest.raises(ValueError, match="took longer than 1 s"):
+        cpu_attention.build_library(cpu_attention.SOURCE)
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.suffix == ".tmp"], "a failed build left its temp file"
+
+
+def test_cpu_kernel_builds_use_their_own_temporary_files(tmp_path):
+    """Two builds of one library at once (two processes, or two threads of one) must never write
+    the same temporary file: each compiler run gets a fresh name, renamed onto the library at the end."""
+    import stat
+
+    from engine.serve.backends import cpu_attention
+
+    log = tmp_path / "outputs.log"
+    fake = tmp_path / "fake-c++"
+    fake.write_text(f'#!/bin/sh\nwhile [ "$1" != -o ]; do shift; done\necho "$2" >> {log}\n: > "$2"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    lib = tmp_path / "kernel.so"
+    for _ in range(2):
+        assert cpu_attention._compile([str(fake)], cpu_attention.SOURCE, cpu_attention.FLAGS, lib) is None
+    first, second = log.read_text().split()
+    assert first != second, "two builds of one library wrote the same temporary file"
+    assert lib.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["fake-c++", "kernel.so", "outputs.log"]
+
+
+def test_cpu_kernel_cache_parents_must_be_private_too(tmp_path):
+    """A private cache inside a folder others can write to (and not sticky) is refused: another user
+    could rename the cache away and put their own in its place before the library is loaded. A
+    sticky world-writable parent (as /tmp) is fine."""
+    from engine.serve.backends import cpu_attention
+
+    for mode, refused in ((0o777, True), (0o1777, False), (0o755, False)):
+        parent = tmp_path / f"parent-{mode:o}"
+        cache = parent / "cache"
+        cache.mkdir(parents=True)
+        cache.chmod(0o700)
+        parent.chmod(mode)
+        if refused:
+            with pytest.raises(ValueError, match="can be written by others and is not sticky"):
+                cpu_attention.check_private(cache)
+        else:
+            cpu_attention.check_private(cache)
+
+
+def test_fused_torch_engine_needs_no_compiler(tmp_path):
+    """fuse_ops=True on the torch backend runs without a C++ compiler (its kernels are optional):
+    with $CXX missing, in a fresh process and kernel cache, it serves generate()'s tokens."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import torch\n"
+              "from engine.generate import generate\n"
+              "from engine.models.tiny import tiny_model\n"
+              "from engine.serve import EngineConfig, EngineCore, SamplingParams\n"
+              "m = tiny_model(seed=3)\n"
+              "core = EngineCore(m, EngineConfig(block_size=8, attention_backend='torch', fuse_ops=True))\n"
+              "core.add_request('r', [5, 9, 2, 7], SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))\n"
+              "assert core.run_until_done()['r'] == generate(m, [5, 9, 2, 7], 6)\n"
+              "print('served')\n")
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "ENGINE_KERNEL_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "served" in done.stdout, done.stderr[-2000:]
