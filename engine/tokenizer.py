@@ -17,15 +17,14 @@ output back while that window's text ends in U+FFFD.
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _Backend
 
+from engine.chat_template import compile_template, render, text_messages
 from engine.models.hf_config import read_json_object
 
 REPLACEMENT_CHAR = "\ufffd"  # what decoding an incomplete UTF-8 sequence produces
@@ -183,15 +182,19 @@ class Tokenizer:
                 "tokenizer.chat_template to a Jinja template, or pass plain prompts to generate()")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of dicts like {'role': 'user', 'content': '...'}")
+        messages = text_messages(messages)  # OpenAI-style content parts -> their text
         if chat_template is not None:  # a one-off template (LLM.chat(chat_template=...))
-            compiled = _compile_template(chat_template)
+            compiled = compile_template(chat_template)
         else:
             if self._compiled_template is None:
-                self._compiled_template = _compile_template(self.chat_template)
+                self._compiled_template = compile_template(self.chat_template)
             compiled = self._compiled_template
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
                    "pad_token": self.pad_token or "", **template_kwargs}
-        text = compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+        clash = sorted({"messages", "add_generation_prompt"} & set(context))
+        if clash:
+            raise ValueError(f"chat template keyword(s) {clash} are set by apply_chat_template itself; rename them")
+        text = render(compiled, messages=messages, add_generation_prompt=add_generation_prompt, **context)
         if continue_final_message:
             text = _cut_after_final_message(text, messages[-1] if messages else None)
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -210,35 +213,6 @@ def _token_text(value: Any, key: str = "special token", source: str = "tokenizer
     if value is not None and not isinstance(value, str):
         raise ValueError(f"{source}: {key} must be a string or {{\"content\": string}}, got {value!r}")
     return value
-
-
-def _compile_template(source: str):
-    """Compile a chat template the way HF renders them: a sandbox (templates come with
-    downloaded checkpoints), trimmed block whitespace, ``break``/``continue``, and the helpers
-    templates expect (``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII)."""
-    try:
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError as e:  # pragma: no cover - jinja2 is a dev dependency
-        raise ValueError("chat templates need jinja2: pip install jinja2") from e
-
-    def raise_exception(message: str):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ValueError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
 
 
 def _cut_after_final_message(text: str, final: Message) -> str:

@@ -376,6 +376,59 @@ def test_methods(llm, model, tok):
             getattr(llm, name)("x")
 
 
+HOSTILE_TEMPLATES = {  # template: what the one-line ValueError must say
+    "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}x": "lines of template code",
+    "{{ 'a' * 2**40 }}": "repeats a str of 1 items",
+    "{{ (range(1000)|list) * 10**8 }}": "repeats a list",
+    "{% set ns = namespace(s='a') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}":
+        "would build",
+    "{% set ns = namespace(s='a') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}":
+        "it built a str",
+    "{{ ('a' * 100000)|replace('a', 'b' * 100000) }}": "a replace\\(\\) would build",
+    "{{ 'a'|center(2**40) }}": "to a filter or method",
+    "{{ '%999999999d' % 1 }}": "width of millions",
+    "{{ '{:>9999999999}'.format(1) }}": "width of millions",
+    "{% for i in range(100000) %}{{ 'a' * 1000 }}{% endfor %}": "rendered more than",
+    "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}": "recursed too deeply",
+    "{{ raise_exception('roles must alternate') }}": "failed: TemplateError: roles must alternate",
+    "{{ 1 / 0 }}": "failed: ZeroDivisionError",
+}
+
+
+def test_chat_templates_are_bounded(llm, tok, monkeypatch):
+    """A template is code from a download: whatever it does, chat() answers with one ValueError in
+    bounded time and memory (no hang, no MemoryError), and the LLM serves normally afterwards."""
+    from engine import chat_template
+
+    monkeypatch.setattr(chat_template, "MAX_TEMPLATE_STEPS", 200_000)  # the default's 5M takes ~2 s to reach
+    params = SamplingParams(**GREEDY)
+    convo = [{"role": "user", "content": "hello world"}]
+    for template, match in HOSTILE_TEMPLATES.items():
+        with pytest.raises(ValueError, match=match):
+            llm.chat(convo, params, chat_template=template)
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
+    [out] = llm.chat(convo, params, use_tqdm=False)
+    assert out.prompt == tok.apply_chat_template(convo) and len(out.outputs[0].token_ids) == MAX_NEW
+
+
+def test_chat_content_parts_become_their_text(llm, tok):
+    """OpenAI-style content parts reach the template as their text (joined by newlines), as in
+    vLLM's "string" content format; never as a Python repr. Other part types are refused by name."""
+    params = SamplingParams(**GREEDY)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}]
+    plain = [{"role": "user", "content": "hello\nworld"}]
+    [a] = llm.chat(parts, params, use_tqdm=False)
+    [b] = llm.chat(plain, params, use_tqdm=False)
+    assert a.prompt == b.prompt == tok.apply_chat_template(plain) and "{" not in a.prompt
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert parts[0]["content"][0] == {"type": "text", "text": "hello"}, "the caller's messages must not change"
+    for content, match in [([{"type": "image_url", "image_url": {"url": "x"}}], "'image_url' is not supported"),
+                           ([{"text": "no type"}], "expected \\{'type': 'text'"), (42, "content must be a string")]:
+        with pytest.raises(ValueError, match=match):
+            llm.chat([{"role": "user", "content": content}], params)
+    assert not llm.engine.has_unfinished()
+
+
 def test_chat_options(llm, tok):
     convo = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "the quick"}]
     params = SamplingParams(max_tokens=3, **{k: v for k, v in GREEDY.items() if k != "max_tokens"})
