@@ -31,6 +31,9 @@ REPLACEMENT_CHAR = "\ufffd"  # what decoding an incomplete UTF-8 sequence produc
 # How many prompt tokens the detokenizer decodes as left context for the first output token, so
 # that a leading space or a merge with the prompt's last word comes out right.
 PROMPT_CONTEXT_TOKENS = 5
+# An incomplete UTF-8 character is at most 3 bytes, so it lies in the last 3 tokens: once more tokens
+# than this wait behind a U+FFFD, everything before the last 3 whose text is final is emitted.
+HELD_TOKENS = 3
 
 Message = dict[str, Any]  # {"role": "user", "content": "..."}
 
@@ -144,6 +147,13 @@ class Tokenizer:
         """Token ids -> text; special tokens (EOS, chat markers) are dropped by default."""
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids ``decode(skip_special_tokens=True)`` drops: the added tokens marked special."""
+        if getattr(self, "_special_ids", None) is None:
+            self._special_ids = frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+        return self._special_ids
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
@@ -250,6 +260,12 @@ class IncrementalDetokenizer:
     rather than everything keeps each step's cost constant; starting the window one emitted
     piece back keeps decoders that treat the first token specially (a leading space) right.
 
+    Work per token is bounded (so a stream is linear in its length), also for tokens that add no
+    text: special tokens that decoding skips are not kept at all (decode would drop them), and
+    when more than ``HELD_TOKENS`` tokens wait behind a trailing U+FFFD (lone UTF-8 lead bytes, say),
+    the text of all but the last ``HELD_TOKENS`` is emitted if it is final (a prefix of the whole
+    window's text: later bytes can only complete the last, incomplete character).
+
     Invariant: ``text`` == decode(output tokens so far, minus the held-back tail), and after
     ``flush()`` == decode(all output tokens).
     """
@@ -263,19 +279,30 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(context)
         self.text = ""
+        self._skipped = tokenizer.special_token_ids if skip_special_tokens else frozenset()
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Take new token ids; return the text they complete ("" while a character is split)."""
-        self.tokens.extend(token_ids)
+        before = len(self.tokens)
+        self.tokens.extend(t for t in token_ids if t not in self._skipped)
+        if len(self.tokens) == before:
+            return ""
         done = self._decode(self.tokens[self.prefix_offset:self.read_offset])
         window = self._decode(self.tokens[self.prefix_offset:])
-        if len(window) <= len(done) or window.endswith(REPLACEMENT_CHAR):
+        end = len(self.tokens)
+        if window.endswith(REPLACEMENT_CHAR) and end - self.read_offset > HELD_TOKENS:
+            end -= HELD_TOKENS  # the held tokens' text so far, if final
+            head = self._decode(self.tokens[self.prefix_offset:end])
+            if not window.startswith(head):
+                return ""
+            window = head
+        if len(window) <= len(done) or (end == len(self.tokens) and window.endswith(REPLACEMENT_CHAR)):
             return ""
         piece = window[len(done):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        self.prefix_offset, self.read_offset = self.read_offset, end
         self.text += piece
         return piece
 

@@ -575,6 +575,27 @@ def test_incremental_detokenizer_property(tok, text, chunks):
     assert not any("\ufffd" in p for p in pieces[:-1])
 
 
+def test_incremental_detokenizer_is_linear_over_tokens_without_text(tok, monkeypatch):
+    """Tokens that add no text — special tokens that decoding skips, lone UTF-8 lead bytes — must
+    not grow the window decoded on every step: 8,000 of them cost a bounded number of decoded ids
+    each (counted, not timed), and the text still equals decode() of everything."""
+    lead = tok.token_to_id("\u00e2")  # byte 0xE2 in the byte-level alphabet: a 3-byte character's lead byte
+    assert lead is not None and tok.decode([lead]) == "\ufffd"
+    special = tok.token_to_id(IM_START)
+    assert special is not None and tok.decode([special]) == ""  # skipped when decoding
+    hello, world = tok.encode("hello"), tok.encode(" world 🙂")
+    decoded = []
+    real = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, **kw: decoded.append(len(ids)) or real(ids, **kw))
+    for filler in (special, lead):
+        ids = hello + [filler] * 8000 + world
+        decoded.clear()
+        detok = IncrementalDetokenizer(tok)
+        pieces = [detok.add([t]) for t in ids] + [detok.flush()]
+        assert "".join(pieces) == detok.text == real(ids), f"filler {filler}: wrong text"
+        assert sum(decoded) < 40 * len(ids), f"filler {filler}: {sum(decoded):,} ids decoded for {len(ids):,} tokens"
+
+
 # --------------------------------------------------------------------------- (b) engine core vs HF generate
 
 
