@@ -34,6 +34,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,9 @@ from engine.prompts import PromptType, is_prompt_list, normalize_prompts, read_t
 from engine.tokenizer import Message, Tokenizer
 
 DTYPES = {"auto": None, "half": "float16", "float": "float32"}  # vLLM's spellings -> ours
+# apply_chat_template's own parameters and the names it sets: not for chat_template_kwargs.
+CHAT_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tokenize",
+                                "chat_template"})
 LLM_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.32's LLM default (EngineConfig's own is 0.9)
 # generation_config.json keys vLLM takes as default sampling params -> SamplingParams field.
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
@@ -294,9 +298,17 @@ class LLM(VllmExtras):
                              f"them, got {type(messages).__name__}")
         if not conversations:
             raise ValueError("chat() got no conversation; give a list of {'role', 'content'} dicts")
+        if chat_template_kwargs is not None and (not isinstance(chat_template_kwargs, dict)
+                                                 or not all(isinstance(k, str) for k in chat_template_kwargs)):
+            raise ValueError(f"chat_template_kwargs must be a dict of names to values, got {chat_template_kwargs!r:.80}")
         kwargs = dict(chat_template_kwargs or {})
+        taken = sorted(set(kwargs) & CHAT_TEMPLATE_ARGS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs {taken} are chat()'s own arguments; pass them as such")
         if tools is not None:
-            kwargs["tools"] = tools
+            if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
+                raise ValueError(f"tools must be a list of tool schemas (dicts), got {tools!r:.80}")
+            kwargs["tools"] = list(tools)
         texts = []
         for i, conv in enumerate(conversations):
             if not conv:
@@ -369,12 +381,15 @@ class LLM(VllmExtras):
 
 
     def _params_list(self, sampling_params: Any, n: int) -> list[Any]:
+        """One SamplingParams per prompt: checked copies (re-validated as at construction, so a
+        field the caller changed after building it is checked too, and later changes to the
+        caller's object do not reach requests already queued)."""
         from engine.serve import SamplingParams
 
         if sampling_params is None:
             return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
+            return [_checked_copy(sampling_params)] * n
         if not isinstance(sampling_params, (list, tuple)):
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
                              f"{type(sampling_params).__name__}")
@@ -382,7 +397,7 @@ class LLM(VllmExtras):
         if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError(f"sampling_params must be one SamplingParams or a list of {n} (one per "
                              f"prompt), got {len(params)} item(s)")
-        return params
+        return [_checked_copy(p) for p in params]
 
     def _add(self, prompt_ids: list[int], params: Any, priority: int = 0,
              cache_key: tuple = ()) -> tuple[str, list[CompletionState]]:
@@ -538,6 +553,13 @@ class LLM(VllmExtras):
                 row[t] = Logprob(entry[t], ranks.get(t), None if tok is None else tok.decode([t], skip_special_tokens=False))
             result.append(row)
         return result
+
+
+def _checked_copy(params: Any) -> Any:
+    """``params`` re-built from its fields (so checked again); warnings were given at construction."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return dataclasses.replace(params)
 
 
 def _refuse_extras(lora_request: Any = None, mm_processor_kwargs: Any = None) -> None:

@@ -49,7 +49,10 @@ def normalize_prompts(prompts: PromptType | Sequence[PromptType], get_tokenizer:
             cache_key = _dict_cache_key(i, p)
             if "prompt_token_ids" in p:
                 p = p["prompt_token_ids"]
-                p = list(p) if isinstance(p, (list, tuple)) else p
+                if not isinstance(p, (list, tuple)):
+                    raise ValueError(f"prompt {i}: prompt_token_ids must be a list of token ids, got "
+                                     f"{type(p).__name__}")
+                p = list(p)
             elif "prompt" in p:
                 p = p["prompt"]
             else:

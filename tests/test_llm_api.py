@@ -504,12 +504,41 @@ def test_n_set_to_zero_after_construction_is_refused(llm, tok):
     request is added, not queue nothing (EngineCore) or end in an IndexError (LLM.generate)."""
     params = SamplingParams(**GREEDY)
     params.n = 0
-    with pytest.raises(ValueError, match="n must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="n must be an integer >= 1 .*got 0"):
         llm.generate({"prompt_token_ids": _prompt(52, tok)}, params)
-    with pytest.raises(ValueError, match="n must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="n must be an integer >= 1 .*got 0"):
         llm.engine.add_request("x", _prompt(52, tok), params)
     with pytest.raises(ValueError, match="n must be an integer >= 1"):
         list(llm.stream(_prompt(52, tok), params))
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
+
+
+def test_red_team_vllm_surface_refusals(llm, tok):
+    """Second round's own findings: each a one-line ValueError that leaves the LLM untouched."""
+    params = SamplingParams(**GREEDY)
+    convo = [{"role": "user", "content": "hi"}]
+    for call, match in [
+        (lambda: llm.chat(convo, params, chat_template_kwargs=5), "chat_template_kwargs must be a dict"),
+        (lambda: llm.chat(convo, params, chat_template_kwargs={"messages": []}), "chat\\(\\)'s own arguments"),
+        (lambda: llm.chat(convo, params, tools=5), "tools must be a list of tool schemas"),
+        (lambda: llm.generate({"prompt_token_ids": "abc"}, params), "prompt_token_ids must be a list of token ids"),
+        (lambda: llm.generate("hi", SamplingParams(n=10**9)), "n must be an integer >= 1 \\(at most 4096\\)"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
+
+
+def test_params_changed_after_construction_are_checked_and_copied(llm, model, tok):
+    """A field set after construction is checked (and normalised) as at construction, on a copy:
+    ``params.stop = "x"`` is one stop string, not one per character; a change after generate()
+    queued the request does not reach it."""
+    prompt, tokens, stop, k, full = _boundary_case(model, tok, 3)
+    params = SamplingParams(**GREEDY)
+    params.stop = stop  # a str, not the list construction would have made of it
+    [out] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert out.outputs[0].text == full[:full.find(stop)] and out.outputs[0].stop_reason == stop
+    assert params.stop == stop, "the caller's object must be left as it was"
     assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
 
 
