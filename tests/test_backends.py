@@ -518,3 +518,24 @@ def test_fused_torch_engine_needs_no_compiler(tmp_path):
     env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "ENGINE_KERNEL_CACHE": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "served" in done.stdout, done.stderr[-2000:]
+
+
+def test_cpu_kernels_refuse_shapes_that_would_read_past_their_buffers():
+    """The small-batch linear and the elementwise kernels read raw pointers: rows of the wrong width,
+    or weights / tables of the wrong shape, are a ValueError, never a read past a buffer."""
+    from engine.serve.backends import cpu_elementwise, cpu_linear
+
+    if cpu_linear.library() is None or cpu_elementwise.library() is None:
+        pytest.fail(f"the CPU kernels did not build here: {cpu_linear._kernels.why or cpu_elementwise._kernels.why}")
+    lin = cpu_linear.SmallLinear(torch.ones(24, 16))
+    assert torch.equal(lin(torch.ones(3, 16)), torch.full((3, 24), 16.0))
+    with pytest.raises(ValueError, match="SmallLinear of K=16"):
+        lin(torch.ones(3, 1 << 12))
+    with pytest.raises(ValueError, match="add_rms_norm takes"):
+        cpu_elementwise.add_rms_norm(torch.ones(4, 8), torch.ones(4, 8), torch.ones(1 << 12), 1e-6)
+    with pytest.raises(ValueError, match="add_rms_norm takes"):
+        cpu_elementwise.add_rms_norm(torch.ones(4, 8), torch.ones(2, 8), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="qk_norm_rope"):
+        cpu_elementwise.qk_norm_rope(torch.ones(2, 8), 4, 2, 8, torch.ones(6, 8), torch.ones(2, 8), torch.ones(2, 8), 1e-6)
+    with pytest.raises(ValueError, match="silu_mul takes"):
+        cpu_elementwise.silu_mul(torch.ones(3, 5))
