@@ -370,7 +370,7 @@ def test_missing_directory_and_shard(ckpt, tmp_path):
         load_model(d)
 
 
-@pytest.mark.parametrize("kind", ["fifo", "directory"])
+@pytest.mark.parametrize("kind", ["fifo", "directory", "indexed-fifo"])
 def test_weights_glob_refuses_what_is_not_a_regular_file(ckpt, tmp_path, kind):
     """Shards found by ``*.safetensors`` (no index) must be regular files: a named pipe among them
     would block load_model forever (opening it waits for a writer, holding the GIL), a directory
@@ -381,16 +381,21 @@ def test_weights_glob_refuses_what_is_not_a_regular_file(ckpt, tmp_path, kind):
 
     d = tmp_path / "ckpt"
     shutil.copytree(ckpt["dense_sharded"], d)
-    (d / "model.safetensors.index.json").unlink()
-    odd = d / "zz-extra.safetensors"
-    os.mkfifo(odd) if kind == "fifo" else odd.mkdir()
+    if kind == "indexed-fifo":  # a shard the index lists is a pipe
+        odd = sorted(d.glob("model-*.safetensors"))[0]
+        odd.unlink()
+        os.mkfifo(odd)
+    else:
+        (d / "model.safetensors.index.json").unlink()
+        odd = d / "zz-extra.safetensors"
+        os.mkfifo(odd) if kind == "fifo" else odd.mkdir()
     script = ("import sys\nfrom engine.models.loader import load_model\n"
               "try:\n    load_model(sys.argv[1])\nexcept ValueError as e:\n    print(e)\n")
     try:
         done = subprocess.run([sys.executable, "-c", script, str(d)], capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         pytest.fail(f"load_model blocked on {kind} {odd.name}")
-    assert "is not a regular file" in done.stdout and str(odd) in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "is not a regular file" in done.stdout and odd.name in done.stdout, done.stdout + done.stderr[-2000:]
 
 
 def _edit_index(change):

@@ -67,6 +67,8 @@ def weight_files(path: str | os.PathLike) -> dict[str, Path]:
                              "from tensor names to shard file names)")
         files = {name: _shard_path(root, index, fname) for name, fname in weight_map.items()}
         for f in sorted(set(files.values())):
+            if f.exists() and not f.is_file():
+                raise ValueError(f"{index} lists shard {f.name!r}, which is not a regular file ({_file_kind(f)})")
             if not f.is_file():
                 raise ValueError(f"{index} lists shard {f.name!r}, which is missing from {root}; "
                                  "re-download the checkpoint")
