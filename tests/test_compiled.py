@@ -48,6 +48,10 @@ def test_compile_refusals(monkeypatch):
         EngineConfig(compile=True)
     with pytest.raises(ValueError, match="dense models only"):
         EngineCore(tiny_model(seed=3, moe=True), EngineConfig(fuse_ops=True, compile=True))
+    monkeypatch.setenv("CXX", "/nonexistent/c++")  # TorchInductor compiles with $CXX: one it cannot run
+    with pytest.raises(ValueError, match="compile=True needs TorchInductor: CXX='/nonexistent/c\\+\\+'"):
+        EngineCore(tiny_model(seed=3), EngineConfig(fuse_ops=True, compile=True))
+    monkeypatch.delenv("CXX")
     monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
         EngineCore(tiny_model(seed=3), EngineConfig(fuse_ops=True, compile=True))

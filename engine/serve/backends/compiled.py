@@ -28,6 +28,7 @@ FusedFlatModel's up to summation order. Dense (non-MoE) Qwen3 models only.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import weakref
@@ -192,8 +193,16 @@ _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def inductor_available() -> str | None:
-    """None when TorchInductor can compile for the CPU here, else why not."""
-    if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+    """None when TorchInductor can compile for the CPU here, else why not (it compiles with
+    ``$CXX`` when set, which must then be an executable)."""
+    if os.environ.get("CXX"):
+        from engine.serve.backends.cpu_attention import find_compiler
+
+        try:
+            find_compiler()
+        except ValueError as e:
+            return str(e).split(";")[0]
+    elif not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
         return "no C++ compiler (TorchInductor's CPU code is C++; install g++)"
     return None
 
@@ -215,9 +224,14 @@ class CompiledFlatModel(FusedFlatModel):
         entry = _compiled.get(model)
         if entry is None or entry[0] != (self.linear_dtype, self.dtype):
             entry = ((self.linear_dtype, self.dtype), torch.compile(_Layers(self).eval(), dynamic=True, fullgraph=True))
-            _compiled[model] = entry
             self._run = entry[1]
-            self._warm_up()
+            try:
+                self._warm_up()
+            except Exception as e:  # TorchInductor's own errors (a compiler it cannot use, a failed build)
+                raise ValueError(f"compile=True: TorchInductor could not compile the model's layers "
+                                 f"({type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}); "
+                                 "use compile=False") from None
+            _compiled[model] = entry
         self._run = entry[1]
         self.eager_rows = SMALL_ROWS
 
