@@ -61,8 +61,7 @@ def test_two_compiled_engines_in_two_threads():
     """Two compile=True engines on one model (one shared graph), stepped at once from two threads:
     each must get exactly generate()'s tokens, so neither may write K/V into the other's pool nor
     run its attention on the other's step (the step context is the calling thread's)."""
-    import threading
-
+    from ch31_helpers import run_in_threads
     from engine.serve.backends.compiled import CompiledFlatModel
 
     model = tiny_model(seed=3, dtype=torch.float64)
@@ -71,27 +70,12 @@ def test_two_compiled_engines_in_two_threads():
                for sizes in ((29, 13), (17, 31))]
     cores = [EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", fuse_ops=True, compile=True,
                                             max_num_batched_tokens=16)) for _ in prompts]
-    results, errors = [{} for _ in cores], []
-    start = threading.Barrier(len(cores))
 
-    def drive(i: int) -> None:
-        try:
-            core = cores[i]
-            assert isinstance(core.flat, CompiledFlatModel)
-            core.flat.eager_rows = 0  # every step through the graph
-            for j, p in enumerate(prompts[i]):
-                core.add_request(f"r{j}", p, SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0))
-            start.wait()
-            results[i] = core.run_until_done()
-        except BaseException as e:  # reported below, in the test's thread
-            errors.append(e)
+    def prepare(core) -> None:
+        assert isinstance(core.flat, CompiledFlatModel)
+        core.flat.eager_rows = 0  # every step through the graph
 
-    threads = [threading.Thread(target=drive, args=(i,)) for i in range(len(cores))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, f"a compiled engine failed when another stepped in another thread: {errors[0]!r}"
+    results = run_in_threads(cores, prompts, 10, prepare)
     for i, core in enumerate(cores):
         for j, p in enumerate(prompts[i]):
             assert results[i][f"r{j}"] == generate(model, p, 10), f"engine {i}, request r{j}: wrong tokens"

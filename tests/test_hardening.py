@@ -9,14 +9,14 @@ test_compiled.py.) One ``LLM`` driven by two threads is test_llm_api.py's.
 """
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from engine.generate import generate
 from engine.models.tiny import tiny_model
 from engine.serve import EngineConfig, EngineCore, SamplingParams
+
+from ch31_helpers import run_in_threads
 
 pytestmark = pytest.mark.given  # complete code the chapter gives; the reference holes serve as oracle
 
@@ -38,24 +38,7 @@ def test_two_engines_of_one_kind_in_two_threads(kind, dtype):
                for sizes in ((23, 9, 14), (31, 6, 18))]
     cores = [EngineCore(model, EngineConfig(block_size=4, max_num_batched_tokens=12, **KINDS[kind]))
              for _ in prompts]
-    results, errors = [None] * len(cores), []
-    start = threading.Barrier(len(cores))
-
-    def drive(i: int) -> None:
-        try:
-            for j, p in enumerate(prompts[i]):
-                cores[i].add_request(f"r{j}", p, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
-            start.wait()
-            results[i] = cores[i].run_until_done()
-        except BaseException as e:  # reported below, in the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=drive, args=(i,)) for i in range(len(cores))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, f"{kind}: an engine failed while another stepped in another thread: {errors[0]!r}"
+    results = run_in_threads(cores, prompts, 8)
     for i, core in enumerate(cores):
         if dtype == torch.float64:
             want = {f"r{j}": generate(model, p, 8) for j, p in enumerate(prompts[i])}
