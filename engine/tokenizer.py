@@ -70,6 +70,7 @@ class Tokenizer:
             self.eos_token_id = ids[0]
         self.eos_token_ids: list[int] = ids
         self._compiled_template = None
+        self._special_ids: frozenset[int] | None = None  # special_token_ids, read on first use
 
     def _known_id(self, token: str | None, role: str) -> int | None:
         if token is None:
@@ -150,7 +151,7 @@ class Tokenizer:
     @property
     def special_token_ids(self) -> frozenset[int]:
         """The ids ``decode(skip_special_tokens=True)`` drops: the added tokens marked special."""
-        if getattr(self, "_special_ids", None) is None:
+        if self._special_ids is None:
             self._special_ids = frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
         return self._special_ids
 

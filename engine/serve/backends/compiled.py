@@ -228,9 +228,9 @@ class CompiledFlatModel(FusedFlatModel):
             try:
                 self._warm_up()
             except Exception as e:  # TorchInductor's own errors (a compiler it cannot use, a failed build)
+                first_line = (str(e).strip().splitlines() or [""])[0][:300]
                 raise ValueError(f"compile=True: TorchInductor could not compile the model's layers "
-                                 f"({type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}); "
-                                 "use compile=False") from None
+                                 f"({type(e).__name__}: {first_line}); use compile=False") from None
             _compiled[model] = entry
         self._run = entry[1]
         self.eager_rows = SMALL_ROWS
