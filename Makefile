@@ -47,8 +47,12 @@ grade: $(STAMP)              ## grade checkouts hole by hole: make grade [CHECKO
 mutants: $(STAMP)            ## apply each named bug to the reference; the tests must kill every one
 	$(PY) -m course.mutants
 
-soak: $(STAMP)               ## 20,000 random engine operations with invariant checks after each
+SOAK_FAST_OPS ?= 5000
+soak: $(STAMP)               ## 20,000 random engine operations with invariant checks after each, then SOAK_FAST_OPS on each fast path
 	$(PY) scripts/soak.py --operations 20000
+	$(PY) scripts/soak.py --operations $(SOAK_FAST_OPS) --path torch
+	$(PY) scripts/soak.py --operations $(SOAK_FAST_OPS) --path cpu
+	$(PY) scripts/soak.py --operations $(SOAK_FAST_OPS) --path compiled
 
 notebooks: $(STAMP)          ## execute the chapter notebook: make notebooks [IMPL=engine] (default: the reference)
 	$(PY) -m course.notebooks --impl $(IMPL)

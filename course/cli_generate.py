@@ -86,6 +86,8 @@ def generate_main(argv: list[str] | None = None) -> int:
 
     streaming = False
     try:
+        if not args.prompt:
+            raise ValueError("--prompt is empty; give at least one character")
         device = _device(args.device)
         if not 1 <= args.block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"--block-size must be in [1, {MAX_BLOCK_SIZE}], got {args.block_size}")
@@ -100,6 +102,8 @@ def generate_main(argv: list[str] | None = None) -> int:
             prompt_ids = tok.encode(text, add_special_tokens=False)
         else:
             prompt_ids = tok.encode(args.prompt)
+        if not prompt_ids:
+            raise ValueError(f"--prompt {args.prompt[:20]!r} encodes to no tokens")
         _, cfg, _ = read_config(args.model)  # before any memory is sized: does the request fit at all?
         if len(prompt_ids) + args.max_tokens > cfg.max_position_embeddings:
             raise ValueError(f"the prompt ({len(prompt_ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the "

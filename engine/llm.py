@@ -34,6 +34,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,9 @@ from engine.prompts import PromptType, is_prompt_list, normalize_prompts, read_t
 from engine.tokenizer import Message, Tokenizer
 
 DTYPES = {"auto": None, "half": "float16", "float": "float32"}  # vLLM's spellings -> ours
+# apply_chat_template's own parameters and the names it sets: not for chat_template_kwargs.
+CHAT_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tokenize",
+                                "chat_template"})
 LLM_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.32's LLM default (EngineConfig's own is 0.9)
 # generation_config.json keys vLLM takes as default sampling params -> SamplingParams field.
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
@@ -294,9 +298,17 @@ class LLM(VllmExtras):
                              f"them, got {type(messages).__name__}")
         if not conversations:
             raise ValueError("chat() got no conversation; give a list of {'role', 'content'} dicts")
+        if chat_template_kwargs is not None and (not isinstance(chat_template_kwargs, dict)
+                                                 or not all(isinstance(k, str) for k in chat_template_kwargs)):
+            raise ValueError(f"chat_template_kwargs must be a dict of names to values, got {chat_template_kwargs!r:.80}")
         kwargs = dict(chat_template_kwargs or {})
+        taken = sorted(set(kwargs) & CHAT_TEMPLATE_ARGS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs {taken} are chat()'s own arguments; pass them as such")
         if tools is not None:
-            kwargs["tools"] = tools
+            if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
+                raise ValueError(f"tools must be a list of tool schemas (dicts), got {tools!r:.80}")
+            kwargs["tools"] = list(tools)
         texts = []
         for i, conv in enumerate(conversations):
             if not conv:
@@ -331,14 +343,19 @@ class LLM(VllmExtras):
         is incomplete; with stop strings the last few characters wait until it is sure they are
         not the start of one. The last delta has ``finish_reason`` set.
         """
+        if isinstance(prompt, (list, tuple)) and not prompt:
+            raise ValueError("stream: the prompt is empty (no token ids); give at least one token")
+        if isinstance(prompt, str) and not prompt:
+            raise ValueError("stream: the prompt is empty (\"\"); give at least one character")
         if is_prompt_list(prompt):
             raise ValueError("stream takes a single prompt, not a list; use generate() for many")
-        [(_, ids)] = self._normalize(prompt)
+        [(_, ids, cache_key)] = self._normalize(prompt)
         [params] = self._params_list(sampling_params, 1)
+        self.engine.sampler.check(params)  # invalid fields (set after construction) first
         if params.n != 1:
             raise ValueError(f"stream produces one completion; got SamplingParams(n={params.n})")
         with self._lock:
-            _, [state] = self._add(ids, params)
+            _, [state] = self._add(ids, params, cache_key=cache_key)
         try:
             while True:
                 with self._lock:
@@ -359,17 +376,20 @@ class LLM(VllmExtras):
     # ------------------------------------------------------------------ internals
 
     def _normalize(self, prompts: PromptType | Sequence[PromptType],
-                   tokenization_kwargs: dict[str, Any] | None = None) -> list[tuple[str | None, list[int]]]:
+                   tokenization_kwargs: dict[str, Any] | None = None) -> list[tuple[str | None, list[int], tuple]]:
         return normalize_prompts(prompts, self.get_tokenizer, self.engine.max_model_len, tokenization_kwargs)
 
 
     def _params_list(self, sampling_params: Any, n: int) -> list[Any]:
+        """One SamplingParams per prompt: checked copies (re-validated as at construction, so a
+        field the caller changed after building it is checked too, and later changes to the
+        caller's object do not reach requests already queued)."""
         from engine.serve import SamplingParams
 
         if sampling_params is None:
             return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
+            return [_checked_copy(sampling_params)] * n
         if not isinstance(sampling_params, (list, tuple)):
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
                              f"{type(sampling_params).__name__}")
@@ -377,11 +397,12 @@ class LLM(VllmExtras):
         if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError(f"sampling_params must be one SamplingParams or a list of {n} (one per "
                              f"prompt), got {len(params)} item(s)")
-        return params
+        return [_checked_copy(p) for p in params]
 
-    def _add(self, prompt_ids: list[int], params: Any, priority: int = 0) -> tuple[str, list[CompletionState]]:
+    def _add(self, prompt_ids: list[int], params: Any, priority: int = 0,
+             cache_key: tuple = ()) -> tuple[str, list[CompletionState]]:
         """Queue one prompt under a fresh id (lock held); returns the id and one ``CompletionState``
-        per completion.
+        per completion. ``cache_key`` (a dict prompt's ``cache_salt``) keys its prefix-cache blocks.
 
         The tokenizer's other end-of-sequence ids (generation_config.json lists e.g. both
         <|im_end|> and <|endoftext|>) join ``stop_token_ids`` unless ``ignore_eos``, as in vLLM.
@@ -399,7 +420,8 @@ class LLM(VllmExtras):
             raise ValueError("stop strings are matched on the text: this LLM has no tokenizer; use stop_token_ids")
         rid = str(self._next_id)
         arrival = time.monotonic()
-        child_ids = self.engine.add_request(rid, prompt_ids, params, priority=priority, arrival_time=arrival)
+        child_ids = self.engine.add_request(rid, prompt_ids, params, priority=priority, cache_key=cache_key,
+                                            arrival_time=arrival)
         self._next_id += 1
         states = [CompletionState(cid, j, prompt_ids, params, tok, arrival) for j, cid in enumerate(child_ids)]
         for s in states:
@@ -418,6 +440,7 @@ class LLM(VllmExtras):
             if state is None:
                 continue
             if state.update(out):  # a stop string: the core is still running it
+                self._keep_prompt_logprobs(state)
                 self.engine.abort_request(out.request_id)
             if state.finished:
                 del self._live[out.request_id]
@@ -428,6 +451,16 @@ class LLM(VllmExtras):
             for state in self._live.values():
                 state.finish_reason = "abort"
             self._live.clear()
+
+    def _keep_prompt_logprobs(self, state: CompletionState) -> None:
+        """A completion ended here by a stop string: the core attaches prompt logprobs only to a
+        request's last output, which an aborted request never sends, so take them from the core's
+        request before aborting it (complete: a stop string needs output text, so the prompt is done)."""
+        if state.params.prompt_logprobs is None or state.prompt_logprobs is not None:
+            return
+        request = self.engine.scheduler.requests.get(state.engine_id)
+        if request is not None and request.prompt_logprobs is not None:
+            state.prompt_logprobs = list(request.prompt_logprobs)
 
     def _release(self, states: list[CompletionState]) -> None:
         """Abort what is unfinished of ``states`` (a caller that stopped early or failed)."""
@@ -441,7 +474,7 @@ class LLM(VllmExtras):
                     s.finish_reason = "abort"
                 self._live.pop(s.engine_id, None)
 
-    def _enqueue(self, items: list[tuple[str | None, list[int]]], sampling_params: Any,
+    def _enqueue(self, items: list[tuple[str | None, list[int], tuple]], sampling_params: Any,
                  priority: list[int] | None = None) -> list[tuple[RequestOutput, list[CompletionState]]]:
         """Queue every prompt (all or nothing); its RequestOutput shell and completion states."""
         params = self._params_list(sampling_params, len(items))
@@ -452,8 +485,8 @@ class LLM(VllmExtras):
         batch: list[tuple[RequestOutput, list[CompletionState]]] = []
         try:
             with self._lock:
-                for i, ((text, ids), p) in enumerate(zip(items, params)):
-                    rid, states = self._add(ids, p, 0 if priority is None else priority[i])
+                for i, ((text, ids, cache_key), p) in enumerate(zip(items, params)):
+                    rid, states = self._add(ids, p, 0 if priority is None else priority[i], cache_key)
                     batch.append((RequestOutput(rid, text, states[0].prompt_token_ids), states))
         except BaseException:
             self._release([s for _, states in batch for s in states])
@@ -520,6 +553,13 @@ class LLM(VllmExtras):
                 row[t] = Logprob(entry[t], ranks.get(t), None if tok is None else tok.decode([t], skip_special_tokens=False))
             result.append(row)
         return result
+
+
+def _checked_copy(params: Any) -> Any:
+    """``params`` re-built from its fields (so checked again); warnings were given at construction."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return dataclasses.replace(params)
 
 
 def _refuse_extras(lora_request: Any = None, mm_processor_kwargs: Any = None) -> None:

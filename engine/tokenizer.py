@@ -17,21 +17,23 @@ output back while that window's text ends in U+FFFD.
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _Backend
 
+from engine.chat_template import compile_template, render, text_messages
 from engine.models.hf_config import read_json_object
 
 REPLACEMENT_CHAR = "\ufffd"  # what decoding an incomplete UTF-8 sequence produces
 # How many prompt tokens the detokenizer decodes as left context for the first output token, so
 # that a leading space or a merge with the prompt's last word comes out right.
 PROMPT_CONTEXT_TOKENS = 5
+# An incomplete UTF-8 character is at most 3 bytes, so it lies in the last 3 tokens: once more tokens
+# than this wait behind a U+FFFD, everything before the last 3 whose text is final is emitted.
+HELD_TOKENS = 3
 
 Message = dict[str, Any]  # {"role": "user", "content": "..."}
 
@@ -68,6 +70,7 @@ class Tokenizer:
             self.eos_token_id = ids[0]
         self.eos_token_ids: list[int] = ids
         self._compiled_template = None
+        self._special_ids: frozenset[int] | None = None  # special_token_ids, read on first use
 
     def _known_id(self, token: str | None, role: str) -> int | None:
         if token is None:
@@ -145,6 +148,13 @@ class Tokenizer:
         """Token ids -> text; special tokens (EOS, chat markers) are dropped by default."""
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids ``decode(skip_special_tokens=True)`` drops: the added tokens marked special."""
+        if self._special_ids is None:
+            self._special_ids = frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+        return self._special_ids
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
@@ -183,15 +193,19 @@ class Tokenizer:
                 "tokenizer.chat_template to a Jinja template, or pass plain prompts to generate()")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of dicts like {'role': 'user', 'content': '...'}")
+        messages = text_messages(messages)  # OpenAI-style content parts -> their text
         if chat_template is not None:  # a one-off template (LLM.chat(chat_template=...))
-            compiled = _compile_template(chat_template)
+            compiled = compile_template(chat_template)
         else:
             if self._compiled_template is None:
-                self._compiled_template = _compile_template(self.chat_template)
+                self._compiled_template = compile_template(self.chat_template)
             compiled = self._compiled_template
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
                    "pad_token": self.pad_token or "", **template_kwargs}
-        text = compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+        clash = sorted({"messages", "add_generation_prompt"} & set(context))
+        if clash:
+            raise ValueError(f"chat template keyword(s) {clash} are set by apply_chat_template itself; rename them")
+        text = render(compiled, messages=messages, add_generation_prompt=add_generation_prompt, **context)
         if continue_final_message:
             text = _cut_after_final_message(text, messages[-1] if messages else None)
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -210,35 +224,6 @@ def _token_text(value: Any, key: str = "special token", source: str = "tokenizer
     if value is not None and not isinstance(value, str):
         raise ValueError(f"{source}: {key} must be a string or {{\"content\": string}}, got {value!r}")
     return value
-
-
-def _compile_template(source: str):
-    """Compile a chat template the way HF renders them: a sandbox (templates come with
-    downloaded checkpoints), trimmed block whitespace, ``break``/``continue``, and the helpers
-    templates expect (``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII)."""
-    try:
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError as e:  # pragma: no cover - jinja2 is a dev dependency
-        raise ValueError("chat templates need jinja2: pip install jinja2") from e
-
-    def raise_exception(message: str):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ValueError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
 
 
 def _cut_after_final_message(text: str, final: Message) -> str:
@@ -276,6 +261,12 @@ class IncrementalDetokenizer:
     rather than everything keeps each step's cost constant; starting the window one emitted
     piece back keeps decoders that treat the first token specially (a leading space) right.
 
+    Work per token is bounded (so a stream is linear in its length), also for tokens that add no
+    text: special tokens that decoding skips are not kept at all (decode would drop them), and
+    when more than ``HELD_TOKENS`` tokens wait behind a trailing U+FFFD (lone UTF-8 lead bytes, say),
+    the text of all but the last ``HELD_TOKENS`` is emitted if it is final (a prefix of the whole
+    window's text: later bytes can only complete the last, incomplete character).
+
     Invariant: ``text`` == decode(output tokens so far, minus the held-back tail), and after
     ``flush()`` == decode(all output tokens).
     """
@@ -289,19 +280,30 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(context)
         self.text = ""
+        self._skipped = tokenizer.special_token_ids if skip_special_tokens else frozenset()
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Take new token ids; return the text they complete ("" while a character is split)."""
-        self.tokens.extend(token_ids)
+        before = len(self.tokens)
+        self.tokens.extend(t for t in token_ids if t not in self._skipped)
+        if len(self.tokens) == before:
+            return ""
         done = self._decode(self.tokens[self.prefix_offset:self.read_offset])
         window = self._decode(self.tokens[self.prefix_offset:])
-        if len(window) <= len(done) or window.endswith(REPLACEMENT_CHAR):
+        end = len(self.tokens)
+        if window.endswith(REPLACEMENT_CHAR) and end - self.read_offset > HELD_TOKENS:
+            end -= HELD_TOKENS  # the held tokens' text so far, if final
+            head = self._decode(self.tokens[self.prefix_offset:end])
+            if not window.startswith(head):
+                return ""
+            window = head
+        if len(window) <= len(done) or (end == len(self.tokens) and window.endswith(REPLACEMENT_CHAR)):
             return ""
         piece = window[len(done):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        self.prefix_offset, self.read_offset = self.read_offset, end
         self.text += piece
         return piece
 

@@ -2,6 +2,7 @@
 
     python scripts/soak.py                 # 20,000 random operations against the reference
     python scripts/soak.py --operations 2000 --seed 3 --impl engine
+    python scripts/soak.py --path compiled # the same workload on another forward path (see PATHS)
 
 Each episode builds an ``EngineCore`` with a random configuration (block size, pool size down to
 barely enough for one request, token budget, chunking and its threshold, fcfs or priority,
@@ -16,6 +17,12 @@ normally must equal ``generate()`` on its prompt alone (cut where its stop rules
 seeded sampled request must equal an independent token-by-token sampler with the same seed, and
 its streamed tokens must add up to its final output. Each episode ends by running to idle, where
 every block must be free and every per-request structure empty.
+
+``--path`` picks the forward pass every episode runs (``PATHS``): the plain flat model on the
+reference backend (the default), or the fast flat model (``fuse_ops=True``) on the torch or cpu
+backend, or compiled (``compile=True``, cpu backend; one graph, compiled in the first episode). On
+the fast paths the failing steps fail inside the attention backend (``course.faults.backend_fault``),
+since those models never call the modules the plain model's hooks sit on.
 
 Prints the number of operations run and of violations found; exits 1 on any violation.
 """
@@ -34,6 +41,11 @@ MAX_NEW = 10  # the longest output any soak request asks for
 NUM_PREFIXES = (0, 5, 16, 23)  # lengths of the shared prefixes (0 = no shared prefix)
 NUM_SUFFIXES = 8
 STALL_STEPS = 2000  # draining with no request finishing for this long counts as a livelock
+# --path: the EngineConfig fields that select each forward path.
+PATHS = {"reference": {},
+         "torch": {"attention_backend": "torch", "fuse_ops": True},
+         "cpu": {"attention_backend": "cpu", "fuse_ops": True},
+         "compiled": {"attention_backend": "cpu", "fuse_ops": True, "compile": True}}
 
 
 @dataclass
@@ -49,8 +61,12 @@ class Tracked:
 class Soak:
     """Drives random episodes and counts violations; ``run(num_ops)`` returns the violations."""
 
-    def __init__(self, seed: int = 0, verbose: bool = False, fault_rate: float = 0.05) -> None:
+    def __init__(self, seed: int = 0, verbose: bool = False, fault_rate: float = 0.05, path: str = "reference") -> None:
         import torch
+
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {sorted(PATHS)}, got {path!r}")
+        self.path = path
 
         from engine.models.tiny import tiny_model
 
@@ -124,7 +140,7 @@ class Soak:
             max_num_seqs=r.choice((1, 2, 3, 8, 256)), enable_chunked_prefill=chunked,
             long_prefill_token_threshold=r.choice((0, 0, 2, 5)) if chunked else 0,
             policy=r.choice(("fcfs", "priority")), preemption_mode=r.choice(("recompute", "swap")),
-            enable_prefix_caching=r.random() < 0.8, seed=r.randrange(100))
+            enable_prefix_caching=r.random() < 0.8, seed=r.randrange(100), **PATHS[self.path])
 
     def violation(self, msg: str) -> None:
         self.violations.append(f"[episode {self.episodes}, op {self.ops}] {msg}")
@@ -274,13 +290,14 @@ class Soak:
         """A step whose forward pass raises at a random layer (before or after that layer writes
         its K/V); half the time an abort follows at once. Nothing may be reported, and every later
         output must still match its oracle."""
-        from course.faults import PLACES, InjectedFault, forward_fault
+        from course.faults import PLACES, InjectedFault, backend_fault, forward_fault
 
         r, core = self.rng, self.core
         layer, where = r.randrange(core.model.cfg.num_hidden_layers), r.choice(PLACES)
         self.counts["faults"] += 1
+        fault = backend_fault(core, layer, where) if core.config.fuse_ops else forward_fault(core.model, layer, where)
         try:
-            with forward_fault(core.model, layer, where):
+            with fault:
                 outs = core.step()
         except InjectedFault:
             outs = None
@@ -345,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="which chapter-31 implementation to soak (default: the reference)")
     ap.add_argument("--faults", type=float, default=0.05,
                     help="share of operations that are a step whose forward pass fails (default 0.05)")
+    ap.add_argument("--path", choices=sorted(PATHS), default="reference",
+                    help="the forward path: reference (plain model, reference backend; the default), "
+                         "torch / cpu (fuse_ops=True on that backend), compiled (compile=True, cpu backend)")
     ap.add_argument("--verbose", action="store_true", help="print each violation as it is found")
     args = ap.parse_args(argv)
     if args.ops < 1:
@@ -355,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     start = time.monotonic()
-    soak = Soak(args.seed, args.verbose, args.faults)
+    soak = Soak(args.seed, args.verbose, args.faults, args.path)
     violations = soak.run(args.ops)
     elapsed = time.monotonic() - start
     for v in violations[:20]:
@@ -363,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(violations) > 20:
         print(f"... and {len(violations) - 20} more")
     c = soak.counts
-    print(f"soak: {soak.ops} operations (+{soak.drain_steps} steps draining to idle) in {soak.episodes} "
+    print(f"soak ({args.path} path): {soak.ops} operations (+{soak.drain_steps} steps draining to idle) in {soak.episodes} "
           f"episodes, {elapsed:.0f} s; "
           f"{c['finished']} requests finished ({c['compared']} compared with an oracle, "
           f"{c['mismatches']} mismatches), "

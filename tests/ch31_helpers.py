@@ -75,3 +75,36 @@ def run_checked(core, after_step=None, max_steps: int = 5000) -> dict[str, list[
             after_step(core)
     raise AssertionError(f"the engine is still busy after {max_steps} steps: a request stopped making progress "
                          "(asks for 0 tokens forever, or never fits)")
+
+
+def run_in_threads(cores, prompts_per_core, max_tokens: int, prepare=None) -> list[dict[str, list[int]]]:
+    """Queue ``prompts_per_core[i]`` (greedy, ``max_tokens`` each, ids "r0", "r1", ...) on
+    ``cores[i]``, then run every core to idle at the same time, one thread each; their outputs by id.
+    ``prepare(core)`` runs first in the core's thread. Re-raises the first failure of any thread."""
+    import threading
+
+    from engine.serve import SamplingParams
+
+    results, errors = [None] * len(cores), []
+    start = threading.Barrier(len(cores))
+
+    def drive(i: int) -> None:
+        try:
+            if prepare is not None:
+                prepare(cores[i])
+            for j, p in enumerate(prompts_per_core[i]):
+                cores[i].add_request(f"r{j}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
+            start.wait()
+            results[i] = cores[i].run_until_done()
+        except BaseException as e:  # re-raised below, in the caller's thread
+            errors.append(e)
+            start.abort()
+
+    threads = [threading.Thread(target=drive, args=(i,)) for i in range(len(cores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise AssertionError(f"an engine failed while another stepped in another thread: {errors[0]!r}") from errors[0]
+    return results

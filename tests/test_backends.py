@@ -398,3 +398,144 @@ def test_cpu_kernel_build_boundaries(tmp_path, monkeypatch):
     assert optional.get() is None and "building cpu_paged_kernel.cpp failed" in optional.why
     monkeypatch.setenv("CXX", real)
     assert optional.get() is None and not declared, "a failed optional build must not be retried on every call"
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_cpu_backend_refuses_block_tables_outside_the_pool(in_place):
+    """A block-table entry outside the pool (far past it, just past it, negative) or a context longer
+    than the table is a ValueError before any key is read — never a crash or heap memory in the
+    output — as the reference and torch backends refuse such a table too (they raise)."""
+    from engine.serve.backends.cpu_attention import CPUBackend
+
+    q, cache, meta = random_paged_batch(14, 4, 4, 2, decode_only=True)
+    num_blocks = cache[0].shape[0]
+    backend = CPUBackend(prefill_in_place=in_place)
+    assert (backend.forward(q, cache, meta) - ReferenceBackend().forward(q, cache, meta)).abs().max().item() < 1e-5
+    for entry in (1 << 30, num_blocks, -3):
+        table = meta.block_table.clone()
+        table[1, 0] = entry
+        bad = dataclasses.replace(meta, block_table=table)
+        for other in (ReferenceBackend(), TorchBackend()) if entry >= 0 else ():  # they refuse it as well
+            with pytest.raises((IndexError, RuntimeError, ValueError)):
+                other.forward(q, cache, bad)
+        with pytest.raises(ValueError, match="outside the K/V pool"):
+            backend.forward(q, cache, bad)
+        with pytest.raises(ValueError, match="outside the K/V pool"):
+            backend.forward_rows(q, cache, bad, torch.tensor([1]))
+    short = dataclasses.replace(meta, block_table=meta.block_table[:, :1].contiguous())  # too few columns
+    with pytest.raises(ValueError, match="outside the K/V pool"):
+        backend.forward(q, cache, short)
+    with pytest.raises(ValueError, match="do not fit pools"):
+        backend.write(cache, torch.zeros(q.shape[0], 2, 16), torch.zeros(q.shape[0], 2, 16), meta)
+
+
+def test_cpu_kernel_build_with_a_bad_compiler(tmp_path, monkeypatch):
+    """A $CXX that is missing, a directory or not a command line is a ValueError (and an optional
+    kernel is then None with the reason), never FileNotFoundError/PermissionError; a launcher
+    ("ccache g++") is split as a shell would; a compiler that hangs fails after COMPILE_TIMEOUT_S."""
+    import shutil
+    import stat
+
+    from engine.serve.backends import cpu_attention
+
+    real = shutil.which("c++") or shutil.which("g++")
+    monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "a-directory").mkdir()
+    for cxx, match in [(str(tmp_path / "no-such-c++"), "is not an executable file"),
+                       (str(tmp_path / "a-directory"), "is not an executable file"),
+                       ("'unbalanced", "is not a command line"), ("   ", "found no C\\+\\+ compiler|not an executable")]:
+        monkeypatch.setenv("CXX", cxx)
+        with pytest.raises(ValueError, match=match):
+            cpu_attention.build_library(cpu_attention.SOURCE)
+        optional = cpu_attention.OptionalKernels(cpu_attention.SOURCE, lambda lib: None)
+        assert optional.get() is None and optional.why
+    monkeypatch.setenv("CXX", f"env {real}")  # a launcher and its compiler, as "ccache g++"
+    assert cpu_attention.build_library(cpu_attention.SOURCE) is not None
+    slow = tmp_path / "slow-c++"
+    slow.write_text("#!/bin/sh\nexec sleep 60\n")
+    slow.chmod(slow.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CXX", str(slow))
+    monkeypatch.setattr(cpu_attention, "COMPILE_TIMEOUT_S", 1)
+    with pytest.raises(ValueError, match="took longer than 1 s"):
+        cpu_attention.build_library(cpu_attention.SOURCE)
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.suffix == ".tmp"], "a failed build left its temp file"
+
+
+def test_cpu_kernel_builds_use_their_own_temporary_files(tmp_path):
+    """Two builds of one library at once (two processes, or two threads of one) must never write
+    the same temporary file: each compiler run gets a fresh name, renamed onto the library at the end."""
+    import stat
+
+    from engine.serve.backends import cpu_attention
+
+    log = tmp_path / "outputs.log"
+    fake = tmp_path / "fake-c++"
+    fake.write_text(f'#!/bin/sh\nwhile [ "$1" != -o ]; do shift; done\necho "$2" >> {log}\n: > "$2"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    lib = tmp_path / "kernel.so"
+    for _ in range(2):
+        assert cpu_attention._compile([str(fake)], cpu_attention.SOURCE, cpu_attention.FLAGS, lib) is None
+    first, second = log.read_text().split()
+    assert first != second, "two builds of one library wrote the same temporary file"
+    assert lib.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["fake-c++", "kernel.so", "outputs.log"]
+
+
+def test_cpu_kernel_cache_parents_must_be_private_too(tmp_path):
+    """A private cache inside a folder others can write to (and not sticky) is refused: another user
+    could rename the cache away and put their own in its place before the library is loaded. A
+    sticky world-writable parent (as /tmp) is fine."""
+    from engine.serve.backends import cpu_attention
+
+    for mode, refused in ((0o777, True), (0o1777, False), (0o755, False)):
+        parent = tmp_path / f"parent-{mode:o}"
+        cache = parent / "cache"
+        cache.mkdir(parents=True)
+        cache.chmod(0o700)
+        parent.chmod(mode)
+        if refused:
+            with pytest.raises(ValueError, match="can be written by others and is not sticky"):
+                cpu_attention.check_private(cache)
+        else:
+            cpu_attention.check_private(cache)
+
+
+def test_fused_torch_engine_needs_no_compiler(tmp_path):
+    """fuse_ops=True on the torch backend runs without a C++ compiler (its kernels are optional):
+    with $CXX missing, in a fresh process and kernel cache, it serves generate()'s tokens."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import torch\n"
+              "from engine.generate import generate\n"
+              "from engine.models.tiny import tiny_model\n"
+              "from engine.serve import EngineConfig, EngineCore, SamplingParams\n"
+              "m = tiny_model(seed=3)\n"
+              "core = EngineCore(m, EngineConfig(block_size=8, attention_backend='torch', fuse_ops=True))\n"
+              "core.add_request('r', [5, 9, 2, 7], SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))\n"
+              "assert core.run_until_done()['r'] == generate(m, [5, 9, 2, 7], 6)\n"
+              "print('served')\n")
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "ENGINE_KERNEL_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "served" in done.stdout, done.stderr[-2000:]
+
+
+def test_cpu_kernels_refuse_shapes_that_would_read_past_their_buffers():
+    """The small-batch linear and the elementwise kernels read raw pointers: rows of the wrong width,
+    or weights / tables of the wrong shape, are a ValueError, never a read past a buffer."""
+    from engine.serve.backends import cpu_elementwise, cpu_linear
+
+    if cpu_linear.library() is None or cpu_elementwise.library() is None:
+        pytest.fail(f"the CPU kernels did not build here: {cpu_linear._kernels.why or cpu_elementwise._kernels.why}")
+    lin = cpu_linear.SmallLinear(torch.ones(24, 16))
+    assert torch.equal(lin(torch.ones(3, 16)), torch.full((3, 24), 16.0))
+    with pytest.raises(ValueError, match="SmallLinear of K=16"):
+        lin(torch.ones(3, 1 << 12))
+    with pytest.raises(ValueError, match="add_rms_norm takes"):
+        cpu_elementwise.add_rms_norm(torch.ones(4, 8), torch.ones(4, 8), torch.ones(1 << 12), 1e-6)
+    with pytest.raises(ValueError, match="add_rms_norm takes"):
+        cpu_elementwise.add_rms_norm(torch.ones(4, 8), torch.ones(2, 8), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="qk_norm_rope"):
+        cpu_elementwise.qk_norm_rope(torch.ones(2, 8), 4, 2, 8, torch.ones(6, 8), torch.ones(2, 8), torch.ones(2, 8), 1e-6)
+    with pytest.raises(ValueError, match="silu_mul takes"):
+        cpu_elementwise.silu_mul(torch.ones(3, 5))

@@ -49,6 +49,35 @@ def test_compile_refusals(monkeypatch):
         EngineConfig(compile=True)
     with pytest.raises(ValueError, match="dense models only"):
         EngineCore(tiny_model(seed=3, moe=True), EngineConfig(fuse_ops=True, compile=True))
+    monkeypatch.setenv("CXX", "/nonexistent/c++")  # TorchInductor compiles with $CXX: one it cannot run
+    with pytest.raises(ValueError, match="compile=True needs TorchInductor: CXX='/nonexistent/c\\+\\+'"):
+        EngineCore(tiny_model(seed=3), EngineConfig(fuse_ops=True, compile=True))
+    monkeypatch.delenv("CXX")
     monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
         EngineCore(tiny_model(seed=3), EngineConfig(fuse_ops=True, compile=True))
+
+
+def test_two_compiled_engines_in_two_threads():
+    """Two compile=True engines on one model (one shared graph), stepped at once from two threads:
+    each must get exactly generate()'s tokens, so neither may write K/V into the other's pool nor
+    run its attention on the other's step (the step context is the calling thread's)."""
+    from ch31_helpers import run_in_threads
+    from engine.serve.backends.compiled import CompiledFlatModel
+
+    model = tiny_model(seed=3, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [[torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in sizes]
+               for sizes in ((29, 13), (17, 31))]
+    cores = [EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", fuse_ops=True, compile=True,
+                                            max_num_batched_tokens=16)) for _ in prompts]
+
+    def prepare(core) -> None:
+        assert isinstance(core.flat, CompiledFlatModel)
+        assert core.flat.wait_compiled(), f"the background compile failed: {core.flat.graphs.error!r}"
+        core.flat.eager_rows = 1  # every step through the graph but one-row ones (a size it specialises)
+
+    results = run_in_threads(cores, prompts, 10, prepare)
+    for i, core in enumerate(cores):
+        for j, p in enumerate(prompts[i]):
+            assert results[i][f"r{j}"] == generate(model, p, 10), f"engine {i}, request r{j}: wrong tokens"

@@ -162,6 +162,25 @@ def test_stop_string_across_a_token_boundary(llm, model, tok):
     assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
 
 
+def test_prompt_logprobs_survive_a_stop_string(llm, model, tok):
+    """A stop string ends the completion in the front end, which aborts the request in the core:
+    the prompt logprobs must still come back, equal to those of a run that no stop string ends
+    (for n > 1 too)."""
+    prompt, tokens, stop, k, _ = _boundary_case(model, tok, 3)
+    assert k < MAX_NEW
+    [want] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(prompt_logprobs=3, **GREEDY))
+    assert want.prompt_logprobs is not None and len(want.prompt_logprobs) == len(prompt)
+    for n in (1, 2):
+        [got] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(stop=[stop], prompt_logprobs=3, n=n, **GREEDY))
+        assert [c.finish_reason for c in got.outputs] == ["stop"] * n
+        assert got.prompt_logprobs is not None, f"prompt logprobs lost to a stop string (n={n})"
+        assert len(got.prompt_logprobs) == len(prompt) and got.prompt_logprobs[0] is None
+        for g, w in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):  # float64: batching moves the last bits
+            assert list(g) == list(w) and [e.rank for e in g.values()] == [e.rank for e in w.values()]
+            assert all(abs(g[t].logprob - w[t].logprob) < 1e-9 for t in g)
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
+
+
 def test_stop_string_inside_one_token_and_the_earliest_wins(llm, model, tok):
     """Two stop strings inside one token's text: the one that ends first wins, whatever its place
     in the list (vLLM's rule); the text is cut mid-token."""
@@ -357,6 +376,59 @@ def test_methods(llm, model, tok):
             getattr(llm, name)("x")
 
 
+HOSTILE_TEMPLATES = {  # template: what the one-line ValueError must say
+    "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}x": "lines of template code",
+    "{{ 'a' * 2**40 }}": "repeats a str of 1 items",
+    "{{ (range(1000)|list) * 10**8 }}": "repeats a list",
+    "{% set ns = namespace(s='a') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}":
+        "would build",
+    "{% set ns = namespace(s='a') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}":
+        "it built a str",
+    "{{ ('a' * 100000)|replace('a', 'b' * 100000) }}": "a replace\\(\\) would build",
+    "{{ 'a'|center(2**40) }}": "to a filter or method",
+    "{{ '%999999999d' % 1 }}": "width of millions",
+    "{{ '{:>9999999999}'.format(1) }}": "width of millions",
+    "{% for i in range(100000) %}{{ 'a' * 1000 }}{% endfor %}": "rendered more than",
+    "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}": "recursed too deeply",
+    "{{ raise_exception('roles must alternate') }}": "failed: TemplateError: roles must alternate",
+    "{{ 1 / 0 }}": "failed: ZeroDivisionError",
+}
+
+
+def test_chat_templates_are_bounded(llm, tok, monkeypatch):
+    """A template is code from a download: whatever it does, chat() answers with one ValueError in
+    bounded time and memory (no hang, no MemoryError), and the LLM serves normally afterwards."""
+    from engine import chat_template
+
+    monkeypatch.setattr(chat_template, "MAX_TEMPLATE_STEPS", 200_000)  # the default's 5M takes ~2 s to reach
+    params = SamplingParams(**GREEDY)
+    convo = [{"role": "user", "content": "hello world"}]
+    for template, match in HOSTILE_TEMPLATES.items():
+        with pytest.raises(ValueError, match=match):
+            llm.chat(convo, params, chat_template=template)
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
+    [out] = llm.chat(convo, params, use_tqdm=False)
+    assert out.prompt == tok.apply_chat_template(convo) and len(out.outputs[0].token_ids) == MAX_NEW
+
+
+def test_chat_content_parts_become_their_text(llm, tok):
+    """OpenAI-style content parts reach the template as their text (joined by newlines), as in
+    vLLM's "string" content format; never as a Python repr. Other part types are refused by name."""
+    params = SamplingParams(**GREEDY)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}]
+    plain = [{"role": "user", "content": "hello\nworld"}]
+    [a] = llm.chat(parts, params, use_tqdm=False)
+    [b] = llm.chat(plain, params, use_tqdm=False)
+    assert a.prompt == b.prompt == tok.apply_chat_template(plain) and "{" not in a.prompt
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert parts[0]["content"][0] == {"type": "text", "text": "hello"}, "the caller's messages must not change"
+    for content, match in [([{"type": "image_url", "image_url": {"url": "x"}}], "'image_url' is not supported"),
+                           ([{"text": "no type"}], "expected \\{'type': 'text'"), (42, "content must be a string")]:
+        with pytest.raises(ValueError, match=match):
+            llm.chat([{"role": "user", "content": content}], params)
+    assert not llm.engine.has_unfinished()
+
+
 def test_chat_options(llm, tok):
     convo = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "the quick"}]
     params = SamplingParams(max_tokens=3, **{k: v for k, v in GREEDY.items() if k != "max_tokens"})
@@ -388,6 +460,96 @@ def test_text_input_is_checked(llm, tok):
         llm.chat([{"role": "user", "content": "\ud800"}], params)
     with pytest.raises(ValueError, match="stop string is not valid text"):
         SamplingParams(stop=["\udc80"])
+    assert not llm.engine.has_unfinished()
+
+
+def test_cache_salt_keeps_tenants_apart(llm, model, tok):
+    """vLLM's ``cache_salt``: prompts of different salts (or salt and none) never share a cached
+    block, so ``num_cached_tokens`` never tells one tenant what another sent; the same salt shares."""
+    p = _prompt(50, tok, n=13)
+    params = SamplingParams(**GREEDY)
+
+    def cached(prompt) -> int:
+        [out] = llm.generate(prompt, params, use_tqdm=False)
+        assert out.outputs[0].token_ids == _oracle(model, out.prompt_token_ids)
+        return out.num_cached_tokens
+
+    assert cached({"prompt_token_ids": p, "cache_salt": "tenant-a"}) == 0
+    assert cached({"prompt_token_ids": p, "cache_salt": "tenant-b"}) == 0, "tenant b adopted tenant a's blocks"
+    assert cached({"prompt_token_ids": p}) == 0, "an unsalted prompt adopted a salted tenant's blocks"
+    assert cached({"prompt_token_ids": p, "cache_salt": "tenant-a"}) == 12, "the same salt must share"
+    text = tok.decode(p)
+    assert cached({"prompt": text, "cache_salt": "tenant-c"}) == 0
+    for salt, match in [("", "cache_salt must be a non-empty string"), (7, "cache_salt must be a non-empty string"),
+                        ("\udc80", "not valid text")]:
+        with pytest.raises(ValueError, match=match):
+            llm.generate({"prompt_token_ids": p, "cache_salt": salt}, params)
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
+
+
+def test_unknown_dict_prompt_keys_are_refused_by_name(llm, tok):
+    p = _prompt(51, tok)
+    params = SamplingParams(**GREEDY)
+    for extra, match in [({"multi_modal_data": {"image": None}}, "'multi_modal_data' is not supported"),
+                         ({"mm_processor_kwargs": {}}, "'mm_processor_kwargs' is not supported"),
+                         ({"prompt_tokens_ids": [1]}, "unknown dict-prompt key 'prompt_tokens_ids'")]:
+        for prompt in ({"prompt_token_ids": p, **extra}, {"prompt": "hello", **extra}):
+            with pytest.raises(ValueError, match=match):
+                llm.generate([{"prompt_token_ids": p}, prompt], params)
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
+
+
+def test_n_set_to_zero_after_construction_is_refused(llm, tok):
+    """SamplingParams checks n at construction; a later ``params.n = 0`` must be refused when the
+    request is added, not queue nothing (EngineCore) or end in an IndexError (LLM.generate)."""
+    params = SamplingParams(**GREEDY)
+    params.n = 0
+    with pytest.raises(ValueError, match="n must be an integer >= 1 .*got 0"):
+        llm.generate({"prompt_token_ids": _prompt(52, tok)}, params)
+    with pytest.raises(ValueError, match="n must be an integer >= 1 .*got 0"):
+        llm.engine.add_request("x", _prompt(52, tok), params)
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        list(llm.stream(_prompt(52, tok), params))
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
+
+
+def test_red_team_vllm_surface_refusals(llm, tok):
+    """Second round's own findings: each a one-line ValueError that leaves the LLM untouched."""
+    params = SamplingParams(**GREEDY)
+    convo = [{"role": "user", "content": "hi"}]
+    for call, match in [
+        (lambda: llm.chat(convo, params, chat_template_kwargs=5), "chat_template_kwargs must be a dict"),
+        (lambda: llm.chat(convo, params, chat_template_kwargs={"messages": []}), "chat\\(\\)'s own arguments"),
+        (lambda: llm.chat(convo, params, tools=5), "tools must be a list of tool schemas"),
+        (lambda: llm.generate({"prompt_token_ids": "abc"}, params), "prompt_token_ids must be a list of token ids"),
+        (lambda: llm.generate("hi", SamplingParams(n=10**9)), "n must be an integer >= 1 \\(at most 4096\\)"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
+
+
+def test_params_changed_after_construction_are_checked_and_copied(llm, model, tok):
+    """A field set after construction is checked (and normalised) as at construction, on a copy:
+    ``params.stop = "x"`` is one stop string, not one per character; a change after generate()
+    queued the request does not reach it."""
+    prompt, tokens, stop, k, full = _boundary_case(model, tok, 3)
+    params = SamplingParams(**GREEDY)
+    params.stop = stop  # a str, not the list construction would have made of it
+    [out] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert out.outputs[0].text == full[:full.find(stop)] and out.outputs[0].stop_reason == stop
+    assert params.stop == stop, "the caller's object must be left as it was"
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 128
+
+
+def test_stream_of_an_empty_prompt_says_so(llm):
+    params = SamplingParams(**GREEDY)
+    for bad, match in [([], "the prompt is empty \\(no token ids\\)"), ("", "the prompt is empty"),
+                       ({"prompt_token_ids": []}, "prompt 0 is empty"), ({"prompt": ""}, "prompt 0 is empty")]:
+        with pytest.raises(ValueError, match=match):
+            next(llm.stream(bad, params))
+    with pytest.raises(ValueError, match="not a list"):
+        next(llm.stream([[1, 2], [3]], params))
     assert not llm.engine.has_unfinished()
 
 

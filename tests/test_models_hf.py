@@ -370,6 +370,34 @@ def test_missing_directory_and_shard(ckpt, tmp_path):
         load_model(d)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "directory", "indexed-fifo"])
+def test_weights_glob_refuses_what_is_not_a_regular_file(ckpt, tmp_path, kind):
+    """Shards found by ``*.safetensors`` (no index) must be regular files: a named pipe among them
+    would block load_model forever (opening it waits for a writer, holding the GIL), a directory
+    would not read. Loaded in a child process, so a loader that blocks fails the test, not the run."""
+    import os
+    import subprocess
+    import sys
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(ckpt["dense_sharded"], d)
+    if kind == "indexed-fifo":  # a shard the index lists is a pipe
+        odd = sorted(d.glob("model-*.safetensors"))[0]
+        odd.unlink()
+        os.mkfifo(odd)
+    else:
+        (d / "model.safetensors.index.json").unlink()
+        odd = d / "zz-extra.safetensors"
+        os.mkfifo(odd) if kind == "fifo" else odd.mkdir()
+    script = ("import sys\nfrom engine.models.loader import load_model\n"
+              "try:\n    load_model(sys.argv[1])\nexcept ValueError as e:\n    print(e)\n")
+    try:
+        done = subprocess.run([sys.executable, "-c", script, str(d)], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"load_model blocked on {kind} {odd.name}")
+    assert "is not a regular file" in done.stdout and odd.name in done.stdout, done.stdout + done.stderr[-2000:]
+
+
 def _edit_index(change):
     def edit(d: Path) -> None:
         index = d / "model.safetensors.index.json"
@@ -550,6 +578,27 @@ def test_incremental_detokenizer_property(tok, text, chunks):
     pieces = _stream(tok, ids, chunks)
     assert "".join(pieces) == tok.decode(ids) == text
     assert not any("\ufffd" in p for p in pieces[:-1])
+
+
+def test_incremental_detokenizer_is_linear_over_tokens_without_text(tok, monkeypatch):
+    """Tokens that add no text — special tokens that decoding skips, lone UTF-8 lead bytes — must
+    not grow the window decoded on every step: 8,000 of them cost a bounded number of decoded ids
+    each (counted, not timed), and the text still equals decode() of everything."""
+    lead = tok.token_to_id("\u00e2")  # byte 0xE2 in the byte-level alphabet: a 3-byte character's lead byte
+    assert lead is not None and tok.decode([lead]) == "\ufffd"
+    special = tok.token_to_id(IM_START)
+    assert special is not None and tok.decode([special]) == ""  # skipped when decoding
+    hello, world = tok.encode("hello"), tok.encode(" world 🙂")
+    decoded = []
+    real = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, **kw: decoded.append(len(ids)) or real(ids, **kw))
+    for filler in (special, lead):
+        ids = hello + [filler] * 8000 + world
+        decoded.clear()
+        detok = IncrementalDetokenizer(tok)
+        pieces = [detok.add([t]) for t in ids] + [detok.flush()]
+        assert "".join(pieces) == detok.text == real(ids), f"filler {filler}: wrong text"
+        assert sum(decoded) < 40 * len(ids), f"filler {filler}: {sum(decoded):,} ids decoded for {len(ids):,} tokens"
 
 
 # --------------------------------------------------------------------------- (b) engine core vs HF generate
@@ -733,6 +782,7 @@ CLI_ERRORS = {
     "device_meta": (["--device", "meta"], "--device 'meta' is not usable here"),
     "device_other_cpu": (["--device", "cpu:3"], "--device 'cpu:3' is not usable here"),
     "temperature_nan": (["--temperature", "nan"], "temperature must be >= 0"),
+    "prompt_empty": (["--prompt", ""], "--prompt is empty"),
 }
 
 

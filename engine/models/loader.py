@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,12 +67,18 @@ def weight_files(path: str | os.PathLike) -> dict[str, Path]:
                              "from tensor names to shard file names)")
         files = {name: _shard_path(root, index, fname) for name, fname in weight_map.items()}
         for f in sorted(set(files.values())):
+            if f.exists() and not f.is_file():
+                raise ValueError(f"{index} lists shard {f.name!r}, which is not a regular file ({_file_kind(f)})")
             if not f.is_file():
                 raise ValueError(f"{index} lists shard {f.name!r}, which is missing from {root}; "
                                  "re-download the checkpoint")
         return files
     single = root / "model.safetensors"
     shards = [single] if single.is_file() else sorted(root.glob("*.safetensors"))
+    for shard in shards:  # a named pipe, socket or device would block or stream forever when read
+        if not shard.is_file():
+            raise ValueError(f"{shard} is not a regular file ({_file_kind(shard)}); a weights file must be "
+                             "one (or a symlink to one): remove it from the checkpoint")
     if not shards:
         bins = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt*"))
         hint = (f" (found {bins}: pickle files are never loaded, since unpickling runs code; "
@@ -88,6 +95,17 @@ def weight_files(path: str | os.PathLike) -> dict[str, Path]:
                                      f"{shard.name}; remove the stray file")
                 files[name] = shard
     return files
+
+
+def _file_kind(path: Path) -> str:
+    """What ``path`` is, in a word, when it is not a regular file."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "a broken link"
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((word for test, word in kinds if test(mode)), "not a plain file")
 
 
 def _shard_path(root: Path, index: Path, name: str) -> Path:

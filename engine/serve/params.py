@@ -31,6 +31,7 @@ MIN_TEMPERATURE = 1e-2
 # torch.Generator seeds are 64-bit unsigned (manual_seed maps a negative s to 2^64 + s, so two
 # different seeds would share one stream): [0, 2^64 - 1]. Child i of an n > 1 request uses seed + i.
 SEED_MIN, SEED_MAX = 0, 2**64 - 1
+MAX_N = 4096  # completions per prompt: past this, one call would queue more requests than any pool serves
 
 # field -> its neutral value: anything else needs chapter 34's full sampler.
 FULL_SAMPLER_FIELDS: dict[str, Any] = {
@@ -133,8 +134,8 @@ class SamplingParams:
         def bad(msg: str) -> ValueError:
             return ValueError(f"SamplingParams: {msg}")
 
-        if not _is_int(self.n) or self.n < 1:
-            raise bad(f"n must be an integer >= 1, got {self.n!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad(f"n must be an integer >= 1 (at most {MAX_N}), got {self.n!r}")
         if not _is_number(self.temperature) or not self.temperature >= 0 or math.isinf(self.temperature):
             raise bad(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature!r}")
         if 0 < self.temperature < MIN_TEMPERATURE:

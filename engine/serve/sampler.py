@@ -1,10 +1,13 @@
 """SimpleSampler: one token per sample row — argmax for greedy rows, chapter 8 for the rest."""
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import torch
 
 from engine.sampling import sample_token
-from engine.serve.params import FULL_SAMPLER_FIELDS
+from engine.serve.params import FULL_SAMPLER_FIELDS, SamplingParams
 from engine.serve.request import Request
 
 
@@ -19,7 +22,14 @@ class SimpleSampler:
         self.generator = generator
 
     def check(self, params) -> None:
-        """ValueError for the settings this sampler cannot honour (``SamplingParams``' list)."""
+        """ValueError for settings that are invalid or that this sampler cannot honour
+        (``SamplingParams``' list). The params are checked again as at construction, on a copy:
+        a field set after it (``params.n = 0``) must not slip through."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        with warnings.catch_warnings():  # the construction already warned about what it adjusts
+            warnings.simplefilter("ignore")
+            dataclasses.replace(params)  # __post_init__'s checks, leaving ``params`` as it is
         unsupported = params.full_sampler_fields()
         if unsupported:
             name = unsupported[0]

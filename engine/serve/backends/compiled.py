@@ -201,8 +201,16 @@ def _finish_compiles() -> None:
 
 
 def inductor_available() -> str | None:
-    """None when TorchInductor can compile for the CPU here, else why not."""
-    if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+    """None when TorchInductor can compile for the CPU here, else why not (it compiles with
+    ``$CXX`` when set, which must then be an executable)."""
+    if os.environ.get("CXX"):
+        from engine.serve.backends.cpu_attention import find_compiler
+
+        try:
+            find_compiler()
+        except ValueError as e:
+            return str(e).split(";")[0]
+    elif not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
         return "no C++ compiler (TorchInductor's CPU code is C++; install g++)"
     return None
 

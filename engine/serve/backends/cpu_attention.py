@@ -31,7 +31,10 @@ import hashlib
 import math
 import os
 import platform
+import shlex
 import shutil
+import signal
+import stat
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -50,6 +53,7 @@ SERIAL_FLAGS = tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in FLAGS)  
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 MIN_ROWS_PER_THREAD = 4  # fewer decode rows than this per thread: one thread does them all
 MIN_WRITE_ROWS_PER_THREAD = 64  # a row's K/V copy is far less work than its attention: share big writes only
+COMPILE_TIMEOUT_S = 300  # a compiler that hangs (or a CXX that waits on input) fails the build after this
 _library: ctypes.CDLL | None = None
 
 
@@ -84,28 +88,75 @@ def kernel_path(compiler: str, source: Path = SOURCE, flags: tuple[str, ...] = F
     return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
-def build_library(source: Path) -> ctypes.CDLL:
-    """``source`` compiled with the host's C++ compiler (once per source, compiler, flags and CPU;
-    then reused from ``cache_dir()``) and loaded; ValueError when there is no compiler or it fails."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not compiler:
+def find_compiler() -> list[str]:
+    """The C++ compiler's command line: ``$CXX`` split as a shell would ("ccache g++" is a launcher
+    and its compiler), else ``c++`` or ``g++`` on the PATH; ValueError when none is an executable file."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        try:
+            command = shlex.split(cxx)
+        except ValueError as e:
+            raise ValueError(f"CXX={cxx!r} is not a command line ({e})") from None
+        found = shutil.which(command[0]) if command else None
+        if found is None or not os.path.isfile(found):
+            raise ValueError(f"CXX={cxx!r}: {command[0] if command else cxx!r} is not an executable file "
+                             "(set CXX to a C++ compiler, or unset it); attention_backend='torch' needs none")
+        return [found, *command[1:]]
+    found = shutil.which("c++") or shutil.which("g++")
+    if not found:
         raise ValueError("the 'cpu' attention backend compiles a small C++ kernel and found no C++ compiler "
                          "(set CXX, or install g++); attention_backend='torch' needs none")
-    directory = cache_dir()
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return [found]
+
+
+def check_private(directory: Path) -> None:
+    """ValueError unless nobody but you (and root) can change what ``directory`` holds: it must be
+    yours and writable by you alone, and each folder above it yours or root's and not writable by
+    others, unless sticky (as /tmp is: others may add entries there but not rename or remove yours).
+    Otherwise another user could swap the folder, or a kernel in it, before the library is loaded."""
+    why = None
     info = directory.stat()
     if info.st_uid != os.getuid() or info.st_mode & 0o022:
-        raise ValueError(f"{directory} is not a directory only you can write to: the 'cpu' backend will not load "
-                         "a kernel from it (set ENGINE_KERNEL_CACHE to a private directory)")
+        why = f"{directory} is not a directory only you can write to"
+    for parent in directory.parents:
+        if why:
+            break
+        info = parent.stat()
+        if info.st_uid not in (0, os.getuid()):
+            why = f"{parent}, a folder above {directory}, belongs to another user"
+        elif info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            why = f"{parent}, a folder above {directory}, can be written by others and is not sticky"
+    if why:
+        raise ValueError(f"{why}: the 'cpu' backend will not load a kernel from it (set ENGINE_KERNEL_CACHE "
+                         "to a private directory)")
+
+
+def build_library(source: Path) -> ctypes.CDLL:
+    """``source`` compiled with the host's C++ compiler (once per source, compiler, flags and CPU;
+    then reused from ``cache_dir()``) and loaded; ValueError when there is no compiler, it fails or
+    takes longer than ``COMPILE_TIMEOUT_S``, or the cache is not private."""
+    compiler = find_compiler()
+    try:
+        directory = cache_dir()
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        directory = directory.resolve(strict=True)  # a symlink's target is what gets checked and used
+        check_private(directory)
+    except OSError as e:
+        raise ValueError(f"the kernel cache {str(cache_dir())!r} is not usable ({e.strerror or e}); set "
+                         "ENGINE_KERNEL_CACHE to a private directory") from None
     failed = None
+    name = " ".join(compiler)
     for flags in (FLAGS, SERIAL_FLAGS):  # a compiler without OpenMP: the same kernel on one thread
-        lib = kernel_path(compiler, source, flags)
+        lib = directory / kernel_path(name, source, flags).name
         if not lib.exists():
             failed = _compile(compiler, source, flags, lib)
             if failed is not None:
                 continue
-        return ctypes.CDLL(str(lib))
-    raise ValueError(f"building {source.name} failed ({compiler}):\n{failed[-2000:]}")
+        try:
+            return ctypes.CDLL(str(lib))
+        except OSError as e:
+            raise ValueError(f"{lib} is not a loadable library ({e}); delete it to rebuild") from None
+    raise ValueError(f"building {source.name} failed ({name}):\n{failed[-2000:]}")
 
 
 class OptionalKernels:
@@ -122,7 +173,7 @@ class OptionalKernels:
         if self.lib is None and self.why is None:
             try:
                 lib = build_library(self.source)
-            except ValueError as exc:
+            except (ValueError, OSError) as exc:  # build_library says why in a ValueError; OSError: belt and braces
                 self.why = str(exc)
                 return None
             self.declare(lib)
@@ -130,14 +181,32 @@ class OptionalKernels:
         return self.lib
 
 
-def _compile(compiler: str, source: Path, flags: tuple[str, ...], lib: Path) -> str | None:
-    """Build ``lib``; None on success, else the compiler's error output."""
-    tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-    done = subprocess.run([compiler, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True)
-    if done.returncode != 0:
-        return done.stderr
-    os.replace(tmp, lib)  # atomic: a concurrent build never loads a half-written file
-    return None
+def _compile(compiler: list[str], source: Path, flags: tuple[str, ...], lib: Path) -> str | None:
+    """Build ``lib``; None on success, else what went wrong (the compiler's error output). The
+    compiler writes a temporary file of a name no other build (thread or process) uses, renamed
+    onto ``lib`` when complete."""
+    fd, tmp = tempfile.mkstemp(dir=lib.parent, prefix=f".{lib.stem}-", suffix=".tmp")
+    os.close(fd)
+    try:
+        try:  # its own process group, so a timeout ends the compiler's children too
+            proc = subprocess.Popen([*compiler, *flags, str(source), "-o", tmp], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+        except OSError as e:
+            return f"the compiler could not be run: {e}"
+        try:
+            _, err = proc.communicate(timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return f"the compiler took longer than {COMPILE_TIMEOUT_S} s"
+        if proc.returncode != 0:
+            return err or f"exit status {proc.returncode}"
+        os.replace(tmp, lib)  # atomic: a concurrent build never loads a half-written file
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def load_kernel() -> ctypes.CDLL:
@@ -148,8 +217,8 @@ def load_kernel() -> ctypes.CDLL:
     _library = build_library(SOURCE)
     for name in DTYPES.values():
         fn = getattr(_library, f"paged_decode_{name}")
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 \
+        fn.restype = ctypes.c_int64  # the number of rows whose keys lie outside the pool (then nothing is computed)
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 7 \
             + [ctypes.c_double, ctypes.c_int64]
         fn = getattr(_library, f"write_kv_{name}")
         fn.restype = ctypes.c_int64  # the number of slots out of range (then nothing is written)
@@ -199,6 +268,9 @@ class CPUBackend(TorchBackend):
         k_pool, v_pool, slots = *cache, meta.slot_mapping
         source = torch.float32 if k_pool.dtype == torch.bfloat16 else k_pool.dtype
         n, hkv, d = k.shape
+        if v.shape != k.shape or k_pool.shape[2:] != (hkv, d) or v_pool.shape != k_pool.shape:
+            raise ValueError(f"write: rows k {tuple(k.shape)}, v {tuple(v.shape)} do not fit pools "
+                             f"{tuple(k_pool.shape)}, {tuple(v_pool.shape)} ([blocks, bs, Hkv, D] each)")
         rows_ok = all(t.dtype == source and t.stride(2) == 1 and t.stride(1) == d for t in (k, v))
         slots_ok = slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == n
         if not (rows_ok and slots_ok and k_pool.is_contiguous() and v_pool.is_contiguous()):
@@ -281,18 +353,29 @@ class CPUBackend(TorchBackend):
              window: int) -> torch.Tensor:
         """The kernel on rows q [G, Hq, D] with their tables [G, W] and positions [G] -> [G, Hq, D]."""
         k_pool, v_pool = cache
-        if q.dtype != k_pool.dtype:
-            raise ValueError(f"queries ({q.dtype}) and pool ({k_pool.dtype}) must share a dtype")
+        if q.dtype != k_pool.dtype or v_pool.dtype != k_pool.dtype:
+            raise ValueError(f"queries ({q.dtype}) and pools ({k_pool.dtype}, {v_pool.dtype}) must share a dtype")
+        g, hq, d = q.shape
+        num_blocks, bs, hkv, pool_d = k_pool.shape
+        if pool_d != d or bs < 1 or v_pool.shape != k_pool.shape or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+            raise ValueError(f"the 'cpu' backend reads contiguous K and V pools of one shape [blocks, bs, Hkv, {d}], "
+                             f"got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+        if hkv < 1 or hq % hkv != 0:
+            raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+        if tables.dim() != 2 or tables.shape[0] < g or q_pos.shape != (g,):
+            raise ValueError(f"{g} query rows need a block table of >= {g} rows and {g} positions, got "
+                             f"{tuple(tables.shape)} and {tuple(q_pos.shape)}")
         q = q.contiguous()
         if tables.stride(1) != 1 or tables.dtype != torch.int32:
             tables = tables.to(torch.int32).contiguous()
-        q_pos = q_pos.contiguous()  # int64 [G]
+        q_pos = q_pos.to(torch.int64).contiguous()  # int64 [G]
         out = torch.empty_like(q)
-        g, hq, d = q.shape
-        _, bs, hkv, _ = k_pool.shape
         fn = getattr(self._lib, f"paged_decode_{DTYPES[q.dtype]}")
         head = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(),
-                tables.stride(0), q_pos.data_ptr(), g)
-        tail = (hq, hkv, d, bs, float(scale), int(window))
-        fn(*head, max(1, min(torch.get_num_threads(), g // MIN_ROWS_PER_THREAD)), *tail)
+                tables.stride(0), tables.shape[1], q_pos.data_ptr(), g)
+        tail = (hq, hkv, d, bs, num_blocks, float(scale), int(window))
+        bad = fn(*head, max(1, min(torch.get_num_threads(), g // MIN_ROWS_PER_THREAD)), *tail)
+        if bad:
+            raise ValueError(f"attention: {bad} row(s) would read keys outside the K/V pool's {num_blocks} blocks "
+                             f"or past their block table's {tables.shape[1]} columns (a corrupt block table)")
         return out

@@ -65,6 +65,9 @@ def add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor | None, weight: to
     else:
         add = 1
     _check(hidden, residual, weight)
+    if residual.dim() != 2 or hidden.shape != residual.shape or weight.shape != residual.shape[1:]:
+        raise ValueError(f"add_rms_norm takes hidden and residual [N, D] and weight [D], got {tuple(hidden.shape)}, "
+                         f"{tuple(residual.shape)}, {tuple(weight.shape)}")
     n, d = residual.shape
     out = torch.empty_like(residual)
     library().add_rms_norm_float32(hidden.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
@@ -81,6 +84,11 @@ def qk_norm_rope(qkv: torch.Tensor, hq: int, hkv: int, dh: int, weight: torch.Te
         raise ValueError(f"qk_norm_rope takes an even head size of at most {MAX_HEAD_DIM}, not {dh}")
     _check(qkv, weight, cos, sin)
     n = qkv.shape[0]
+    if (qkv.dim() != 2 or qkv.shape[1] != (hq + 2 * hkv) * dh or weight.shape != (hq + hkv, dh)
+            or cos.shape != (n, dh) or sin.shape != (n, dh) or min(hq, hkv) < 1):
+        raise ValueError(f"qk_norm_rope(hq={hq}, hkv={hkv}, dh={dh}) takes qkv [N, {(hq + 2 * hkv) * dh}], weight "
+                         f"[{hq + hkv}, {dh}], cos and sin [N, {dh}]; got {tuple(qkv.shape)}, {tuple(weight.shape)}, "
+                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
     q = qkv.new_empty((n, hq, dh))
     library().qk_norm_rope_float32(qkv.data_ptr(), qkv.shape[1], n, hq, hkv, dh, weight.data_ptr(), cos.data_ptr(),
                                    sin.data_ptr(), q.data_ptr(), eps, _threads(n * (hq + hkv) * dh))
@@ -90,6 +98,8 @@ def qk_norm_rope(qkv: torch.Tensor, hq: int, hkv: int, dh: int, weight: torch.Te
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [N, 2I] (gate, then up) -> SiLU(gate) * up [N, I]."""
     _check(gate_up)
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul takes gate_up [N, 2I], got {tuple(gate_up.shape)}")
     n, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty((n, width))
     library().silu_mul_float32(gate_up.data_ptr(), out.data_ptr(), n, width, _threads(n * width))

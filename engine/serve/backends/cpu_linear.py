@@ -54,6 +54,9 @@ class SmallLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 -> [M, N] (any M: the panels are this weight's only copy)."""
+        if x.dim() != 2 or x.shape[1] != self.k or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"SmallLinear of K={self.k} takes float32 CPU rows [M, {self.k}], not {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
         x = x.contiguous()
         m = x.shape[0]
         y = x.new_empty((m, self.n))

@@ -272,18 +272,47 @@ void attend_rows(const T* q, const T* k_pool, const T* v_pool, T* out, const int
   }
 }
 
+// The rows whose keys would be read from outside the pool or the table: a visible key position
+// past the table's `width` columns, or a table entry it uses outside [0, num_blocks). The entry
+// points check every row before reading any key and return this count (then they compute nothing).
+int64_t count_bad_rows(const int32_t* tables, int64_t table_stride, int64_t width, const int64_t* q_pos,
+                       int64_t rows, int64_t bs, int64_t window, int64_t num_blocks) {
+  int64_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t last = q_pos[r];
+    if (last < 0) continue;  // a padding row reads nothing
+    const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
+    if (last / bs >= width) {
+      ++bad;
+      continue;
+    }
+    const int32_t* table = tables + r * table_stride;
+    for (int64_t b = first / bs; b <= last / bs; ++b) {
+      if (table[b] < 0 || table[b] >= num_blocks) {
+        ++bad;
+        break;
+      }
+    }
+  }
+  return bad;
+}
+
 }  // namespace
 
 #define ENTRY(NAME, T, W)                                                                        \
-  extern "C" void NAME(const void* q, const void* k, const void* v, void* out,                  \
-                       const int32_t* tables, int64_t table_stride, const int64_t* q_pos,       \
-                       int64_t rows, int64_t threads, int64_t hq,                               \
-                       int64_t hkv, int64_t d, int64_t bs, double scale, int64_t window) {      \
+  extern "C" int64_t NAME(const void* q, const void* k, const void* v, void* out,               \
+                          const int32_t* tables, int64_t table_stride, int64_t width,           \
+                          const int64_t* q_pos, int64_t rows, int64_t threads, int64_t hq,      \
+                          int64_t hkv, int64_t d, int64_t bs, int64_t num_blocks, double scale, \
+                          int64_t window) {                                                      \
+    const int64_t bad = count_bad_rows(tables, table_stride, width, q_pos, rows, bs, window, num_blocks); \
+    if (bad) return bad;                                                                         \
     share(rows, threads, [&](int64_t begin, int64_t end) {                                       \
       attend_rows<T, W>(static_cast<const T*>(q), static_cast<const T*>(k),                     \
                         static_cast<const T*>(v), static_cast<T*>(out), tables, table_stride,   \
                         q_pos, begin, end, hq, hkv, d, bs, scale, window);                      \
     });                                                                                          \
+    return 0;                                                                                    \
   }
 
 ENTRY(paged_decode_float32, float, float)
