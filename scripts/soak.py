@@ -110,7 +110,7 @@ class Soak:
 
     # ----- one episode ---------------------------------------------------------------------
     def random_config(self):
-        from engine.serve.engine import EngineConfig
+        from engine.serve.config import EngineConfig
 
         r = self.rng
         bs = r.choice((1, 2, 4, 8, 16))

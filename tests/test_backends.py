@@ -15,7 +15,8 @@ import torch
 from engine.generate import generate
 from engine.models.tiny import tiny_model
 from engine.serve import EngineConfig, EngineCore, SamplingParams
-from engine.serve.attention import BACKENDS, ReferenceBackend, get_backend
+from engine.serve.attention import ReferenceBackend
+from engine.serve.registry import ATTENTION_BACKENDS as BACKENDS, get_backend
 from engine.serve.batch import build_batch
 from engine.serve.request import Request
 from engine.serve.backends.torch_attention import TorchBackend

@@ -1,4 +1,4 @@
-"""CompiledFlatModel (``EngineConfig(fuse_ops=True, compile=True)``): the same tokens as ``generate()``.
+"""CompiledFlatModel (``EngineConfig(flat_model="compiled")``): the same tokens as ``generate()``.
 
 The layers run as one TorchInductor graph with attention as a custom op; on the float64 test model
 the engine must reproduce ``generate()`` token for token under chunked prefill (steps of many
@@ -28,7 +28,7 @@ def test_compiled_engine_matches_generate(dtype):
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (37, 5, 21)]
     prompts.append(prompts[0][:16] + prompts[1])  # adopts two cached blocks of 8
     lens = (12, 16, 9, 11)
-    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", fuse_ops=True, compile=True,
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="compiled",
                                           max_num_batched_tokens=16, long_prefill_token_threshold=8))
     assert isinstance(core.flat, CompiledFlatModel)
     core.flat.eager_rows = 0
@@ -44,10 +44,10 @@ def test_compiled_engine_matches_generate(dtype):
 def test_compile_refusals(monkeypatch):
     from engine.serve.backends import compiled
 
-    with pytest.raises(ValueError, match="needs fuse_ops=True"):
-        EngineConfig(compile=True)
+    with pytest.raises(ValueError, match="unknown flat model 'compile'"):
+        EngineConfig(flat_model="compile")
     with pytest.raises(ValueError, match="dense models only"):
-        EngineCore(tiny_model(seed=3, moe=True), EngineConfig(fuse_ops=True, compile=True))
+        EngineCore(tiny_model(seed=3, moe=True), EngineConfig(flat_model="compiled"))
     monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
-        EngineCore(tiny_model(seed=3), EngineConfig(fuse_ops=True, compile=True))
+        EngineCore(tiny_model(seed=3), EngineConfig(flat_model="compiled"))

@@ -2,7 +2,6 @@
 """EngineCore: one scheduler, one block pool, one flattened forward pass per step."""
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,101 +9,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.serve.attention import get_backend
 from engine.serve.blocks import BlockManager, encode_cache_key
-from engine.serve.cache_config import CacheConfig
-from engine.serve.flat import FlatModel
+from engine.serve.config import EngineConfig
 from engine.serve.observer import Observer, install as install_observer
 from engine.serve.params import SEED_MAX, SEED_MIN, SamplingParams
+from engine.serve.registry import get_backend, get_flat_model
 from engine.serve.request import Request, Status
 from engine.serve.runner import ModelRunner
 from engine.serve.sampler import SimpleSampler
-from engine.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-
-SAMPLERS = ("simple",)  # chapter 34 adds "full"
-
-
-@dataclass(init=False)
-class EngineConfig:
-    """Every knob of the engine core, composed as vLLM's ``VllmConfig``: ``cache`` (CacheConfig:
-    block_size, num_blocks, kv_cache_bytes, gpu_memory_utilization, enable_prefix_caching),
-    ``scheduler`` (SchedulerConfig: the token budget, max_num_seqs, chunking, policy, preemption
-    mode), and the model-level knobs declared here.
-
-    Every field is declared once, in the config that owns it; EngineConfig speaks for all of them
-    by name. The constructor hands each keyword to the config that declares it
-    (``EngineConfig(block_size=4, policy="priority")`` builds ``CacheConfig(block_size=4)`` and
-    ``SchedulerConfig(policy="priority")``, each validating its own fields), and each sub-config
-    field is a property of EngineConfig that reads and writes it there
-    (``config.max_num_batched_tokens`` is ``config.scheduler.max_num_batched_tokens``).
-    ``field_names()`` lists every keyword. ``scheduler_config()`` returns a copy of ``scheduler``.
-
-    ``max_model_len=None`` means the model's ``max_position_embeddings``. ``attention_backend``:
-    "torch" (vectorized, the default), "reference" (the chapter's Python loop, the oracle), "cpu"
-    (attention read in place from the pool by a C++ kernel) or "triton" (chapter 32, GPU).
-    """
-
-    cache: CacheConfig
-    scheduler: SchedulerConfig
-    attention_backend: str = "torch"
-    max_model_len: int | None = None
-    seed: int = 0
-    sampler: str = "simple"
-    fuse_ops: bool = False  # run the model through FusedFlatModel (merged projections, fused elementwise ops)
-    compile: bool = False  # with fuse_ops: the layers as one TorchInductor graph (CompiledFlatModel)
-
-    def __init__(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None,
-                 **options: Any) -> None:
-        def take(sub: type) -> dict[str, Any]:  # the keywords that ``sub`` declares
-            return {f.name: options.pop(f.name) for f in dataclasses.fields(sub) if f.name in options}
-
-        # replace() copies the given sub-config (nothing is shared with the caller) and validates it
-        self.cache = dataclasses.replace(cache or CacheConfig(), **take(CacheConfig))
-        self.scheduler = dataclasses.replace(scheduler or SchedulerConfig(), **take(SchedulerConfig))
-        for f in dataclasses.fields(self)[2:]:  # after cache and scheduler: the model-level knobs
-            setattr(self, f.name, options.pop(f.name, f.default))
-        if options:
-            raise TypeError(f"EngineConfig() got an unexpected keyword argument {next(iter(options))!r}")
-        self._check()
-
-    def _check(self) -> None:
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int)
-                                               or isinstance(self.max_model_len, bool) or self.max_model_len < 1):
-            raise ValueError(f"EngineConfig.max_model_len must be an integer >= 1, got {self.max_model_len!r}")
-        for flag in ("fuse_ops", "compile"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"EngineConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
-        if self.compile and not self.fuse_ops:
-            raise ValueError("EngineConfig.compile=True compiles FusedFlatModel's layers: it needs fuse_ops=True")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX:
-            raise ValueError(f"EngineConfig.seed must be an integer in [0, 2**64), got {self.seed!r}")
-        if self.sampler == "full":
-            raise ValueError("sampler='full' is chapter 34's sampler, not part of this chapter; use 'simple'")
-        if self.sampler not in SAMPLERS:
-            raise ValueError(f"unknown sampler {self.sampler!r}: choose one of {SAMPLERS}")
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        """Every keyword the constructor takes besides ``cache``/``scheduler``: theirs, then its own."""
-        return [f.name for sub in _SUB_CONFIGS for f in dataclasses.fields(sub)] + \
-            [f.name for f in dataclasses.fields(cls)[2:]]
-
-    def scheduler_config(self) -> SchedulerConfig:
-        return dataclasses.replace(self.scheduler)
-
-
-_SUB_CONFIGS = {CacheConfig: "cache", SchedulerConfig: "scheduler"}  # sub-config -> EngineConfig's field
-
-
-def _forwarded(sub: str, name: str) -> property:
-    return property(lambda self: getattr(getattr(self, sub), name),
-                    lambda self, value: setattr(getattr(self, sub), name, value),
-                    doc=f"``{sub}.{name}``")
-
-
-for _cls, _sub in _SUB_CONFIGS.items():
-    for _f in dataclasses.fields(_cls):
-        setattr(EngineConfig, _f.name, _forwarded(_sub, _f.name))
+from engine.serve.scheduler import Scheduler, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -133,16 +46,7 @@ class EngineCore:
         self.config = config = config or EngineConfig()
         self.model = model
         self.eos_token_id = eos_token_id
-        if config.fuse_ops and config.compile:
-            from engine.serve.backends.compiled import CompiledFlatModel
-
-            self.flat = CompiledFlatModel(model)
-        elif config.fuse_ops:
-            from engine.serve.backends.fused import FusedFlatModel
-
-            self.flat = FusedFlatModel(model)
-        else:
-            self.flat = FlatModel(model)
+        self.flat = get_flat_model(config.flat_model, model)  # "flat": the chapter's FlatModel
         cfg = model.cfg
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
@@ -151,12 +55,13 @@ class EngineCore:
         backend = get_backend(config.attention_backend)
         # The runner sizes the pool (the largest step it will run, against the memory left), then
         # allocates it; the block manager keeps the bookkeeping of those same blocks.
-        self.runner = ModelRunner(self.flat, backend, num_blocks=None, block_size=config.block_size)
-        num_blocks = config.num_blocks or self.runner.determine_num_blocks(
-            config.cache, max_num_tokens=min(config.max_num_batched_tokens, self.max_model_len))
+        cache = config.cache
+        self.runner = ModelRunner(self.flat, backend, num_blocks=None, block_size=cache.block_size)
+        num_blocks = cache.num_blocks or self.runner.determine_num_blocks(
+            cache, max_num_tokens=min(config.scheduler.max_num_batched_tokens, self.max_model_len))
         self.runner.initialize_kv_cache(num_blocks)
-        self.blocks = BlockManager(num_blocks=num_blocks, block_size=config.block_size,
-                                   enable_prefix_caching=config.enable_prefix_caching)
+        self.blocks = BlockManager(num_blocks=num_blocks, block_size=cache.block_size,
+                                   enable_prefix_caching=cache.enable_prefix_caching)
         scheduler = Scheduler(config.scheduler_config(), block_manager=self.blocks)
         scheduler.on_finish = self._on_finish  # a finished request's swapped K/V and generator go too
         self.scheduler = scheduler

@@ -16,7 +16,7 @@ from torch import nn
 from engine.models.layers import add_norm
 from engine.rope import rope_cos_sin
 from engine.serve.attention import AttentionBackend, KVCache
-from engine.serve.batch import BatchMeta
+from engine.serve.batch import Batch, BatchMeta
 
 __all__ = ["FlatModel", "add_norm"]
 
@@ -74,6 +74,16 @@ class FlatModel:
         (norm(hidden + residual), hidden + residual)) and return the normed rows.
         """
         raise NotImplementedError("FlatModel.forward is a hole: fill it in (Chapter 31, engine/serve/flat.py)")
+
+    def logits(self, batch: Batch, kv_caches: list[KVCache], backend: AttentionBackend) -> torch.Tensor:
+        """One forward pass over the batch -> logits of its ``logits_indices`` rows [M, V] (float32,
+        or float64 for a float64 model; [0, V] when no row needs one). A faster flat model may skip
+        the rows nobody reads; this one runs them all and selects."""
+        hidden = self.forward(batch.input_ids, batch.positions, kv_caches, batch.meta, backend)  # [N, D]
+        rows = batch.logits_indices
+        if rows.numel() == 0:
+            return hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
+        return self.compute_logits(hidden.index_select(0, rows))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on the rows the sampler needs only: hidden [M, D] -> logits [M, V], in float32

@@ -19,39 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.serve.blocks import BlockManager
+from engine.serve.config import SchedulerConfig
 from engine.serve.request import Request, Status
-
-POLICIES = ("fcfs", "priority")
-PREEMPTION_MODES = ("recompute", "swap")
-
-
-@dataclass
-class SchedulerConfig:
-    """``max_num_batched_tokens`` is the step's token budget; ``long_prefill_token_threshold``
-    caps one request's chunk (0 = no cap beyond the budget)."""
-
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
-    preemption_mode: str = "recompute"
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.enable_chunked_prefill, bool):
-            raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
-        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0 = no cap), "
-                             f"got {self.long_prefill_token_threshold!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}: choose one of {POLICIES}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}: choose one of {PREEMPTION_MODES}")
-
 
 @dataclass
 class SchedulerOutput:

@@ -1,4 +1,4 @@
-"""Attention over the block pool, and the registry of attention backends.
+"""Attention over the block pool: the write, and the chapter's reference paged attention.
 
 Per layer the pool is two tensors, K and V, of shape ``[num_blocks + 1, block_size, Hkv, D]``:
 slot-major, so flat slot s is block ``s // block_size``, offset ``s % block_size``, and a write is
@@ -7,7 +7,6 @@ there and the block manager never hands it out.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Protocol
 
 import torch
@@ -57,7 +56,7 @@ class AttentionBackend(Protocol):
 class ReferenceBackend:
     """Paged attention as a Python loop over requests: slow, and obviously right.
 
-    Every faster backend is tested against this one.
+    Every faster backend (``engine.serve.registry``) is tested against this one.
     """
 
     name = "reference"
@@ -100,21 +99,3 @@ class ReferenceBackend:
             out[start:end] = causal_attention(q[start:end], k_flat[slots], v_flat[slots], q_pos, k_pos,
                                               scale=scale, window=window)
         return out
-
-
-# Backends by name. Faster ones live in their own modules and are imported only when asked for.
-BACKENDS: dict[str, str] = {
-    "reference": "engine.serve.attention:ReferenceBackend",
-    "torch": "engine.serve.backends.torch_attention:TorchBackend",
-    "triton": "engine.serve.backends.triton_attention:TritonBackend",
-    "cpu": "engine.serve.backends.cpu_attention:CPUBackend",
-}
-
-
-def get_backend(name: str, **options) -> AttentionBackend:
-    """The attention backend called ``name`` (see ``BACKENDS``), built with ``options``."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}: choose one of {sorted(BACKENDS)}")
-    module_name, cls_name = BACKENDS[name].split(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    return cls(**options)

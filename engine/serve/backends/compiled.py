@@ -1,4 +1,4 @@
-"""CompiledFlatModel: FusedFlatModel's layers as one TorchInductor graph (``EngineConfig(compile=True)``).
+"""CompiledFlatModel: FusedFlatModel's layers as one TorchInductor graph (``EngineConfig(flat_model="compiled")``).
 
 Eager PyTorch pays a few microseconds of dispatch for each of the ~30 small operations of a layer
 (norms, RoPE, SiLU-mul, residual adds, casts) and makes a pass over memory for each. Compiled as
@@ -201,10 +201,10 @@ class CompiledFlatModel(FusedFlatModel):
     def __init__(self, model: nn.Module) -> None:
         why = inductor_available()
         if why:
-            raise ValueError(f"compile=True needs TorchInductor: {why}; use compile=False")
+            raise ValueError(f"flat_model='compiled' needs TorchInductor: {why}; use flat_model='fused'")
         super().__init__(model)
         if any(not isinstance(layer.mlp, Qwen3MLP) for layer in model.model.layers):
-            raise ValueError("compile=True serves dense models only (this one has MoE layers); use compile=False")
+            raise ValueError("flat_model='compiled' serves dense models only (this one has MoE layers); use 'fused'")
         entry = _compiled.get(model)
         if entry is None or entry[0] != (self.linear_dtype, self.dtype):
             entry = ((self.linear_dtype, self.dtype), torch.compile(_Layers(self).eval(), dynamic=True, fullgraph=True))
