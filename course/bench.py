@@ -33,7 +33,7 @@ import torch
 from engine.serve import EngineConfig, EngineCore, SamplingParams
 from engine.serve.slots import SlotEngine
 from course.workloads import ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload
-from course.impl_switch import add_impl_argument
+from engine._impl import add_impl_argument
 
 WORKLOADS = ("shared", "random", "chat")
 SCALING_POINTS = (16, 64, 256)

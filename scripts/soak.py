@@ -341,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--operations", "--ops", dest="ops", type=int, default=20_000,
                     help="random operations to run (default 20,000)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random workload")
-    ap.add_argument("--impl", choices=("engine", "solution"), default="solution",
-                    help="which chapter-31 implementation to soak (default: the reference)")
+    ap.add_argument("--impl", choices=("engine", "solution"), default="engine",
+                    help="which code fills the holes (engine/_impl.py's switch; make soak passes solution)")
     ap.add_argument("--faults", type=float, default=0.05,
                     help="share of operations that are a step whose forward pass fails (default 0.05)")
     ap.add_argument("--verbose", action="store_true", help="print each violation as it is found")
@@ -351,9 +351,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--operations must be >= 1")
     if not 0.0 <= args.faults <= 0.5:
         ap.error("--faults must be in [0, 0.5]")
-    os.environ["ENGINE_IMPL"] = args.impl  # before anything imports engine
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
+    from engine._impl import apply_impl
+
+    apply_impl(["--impl", args.impl])  # before anything imports engine.serve
     start = time.monotonic()
     soak = Soak(args.seed, args.verbose, args.faults)
     violations = soak.run(args.ops)
