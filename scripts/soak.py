@@ -217,8 +217,8 @@ class Soak:
         cache_key = r.choice(((), (), ("tenant-a",), ("tenant-b", 7)))
         cfg = core.config
         need = len(prompt) + max_tokens
-        expect_reject = (need > cfg.num_blocks * cfg.block_size
-                         or (not cfg.enable_chunked_prefill and len(prompt) > cfg.max_num_batched_tokens))
+        expect_reject = (need > cfg.cache.num_blocks * cfg.cache.block_size
+                         or (not cfg.scheduler.enable_chunked_prefill and len(prompt) > cfg.scheduler.max_num_batched_tokens))
         try:
             ids = core.add_request(rid, list(prompt), params, priority=r.choice((-1, 0, 0, 1, 2)),
                                    cache_key=cache_key)
