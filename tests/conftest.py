@@ -211,7 +211,7 @@ def pytest_runtest_teardown(item, nextitem):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    """A hole's test that crashes (not an assert, not the skeleton's NotImplementedError) fails with
+    """A hole's test that crashes (not an assert, not a stub's NotImplementedError) fails with
     what the test checks and where in engine/ it crashed, instead of a bare traceback line."""
     try:
         return (yield)
