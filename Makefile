@@ -8,10 +8,10 @@ IMPL   ?= solution
 # The chapter's tests plus the engine checks that run YOUR engine alone (isolation, state machines).
 LEARNER_TESTS := tests/test_ch31_engine_v2.py tests/test_isolation.py tests/test_reliability.py
 # The course's meta-tests (they test the tests and the tooling, not the engine): mutants, the learner-layer
-# contract (skeleton, grading, workspaces), notebook execution. `make test` runs everything else.
+# contract (stubs, solutions branch, handout, grading, workspaces), notebook execution. `make test` runs everything else.
 COURSE_TESTS := tests/test_mutants.py tests/test_learner_contract.py tests/test_notebook.py
 
-.PHONY: setup run test test-course test-learner check skeleton grade mutants soak notebooks figures test-triton gpu-check bench bench-peers clean
+.PHONY: setup run test test-course test-learner solutions-branch handout grade mutants soak notebooks figures test-triton gpu-check bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)                ## the chapter benchmark on the reference engine
-	$(PY) run.py core --requests 16
+	$(PY) run.py core --requests 16 --impl solution
 
 test: $(STAMP)               ## the engine's and the chapter's tests against the reference (not COURSE_TESTS)
 	$(PYTEST) -q --impl solution tests $(addprefix --ignore=,$(COURSE_TESTS))
@@ -35,11 +35,12 @@ test-course: $(STAMP)        ## the course's meta-tests: mutants, learner-layer 
 test-learner: $(STAMP)       ## the chapter's tests and engine checks against YOUR engine (red until the holes are filled)
 	$(PYTEST) -q --impl engine --timeout 120 $(LEARNER_TESTS)
 
-check: $(STAMP)              ## is engine/ exactly the skeleton generated from solutions/?
-	$(PY) -m course.skeleton --check
+solutions-branch: $(STAMP)   ## the local git branch `solutions`: every hole filled from solutions/ (your working tree is not touched)
+	$(PY) -m course.editions solutions-branch
 
-skeleton: $(STAMP)           ## regenerate engine/'s chapter files from solutions/ (keeps files with your work; FORCE=1: back up, then overwrite)
-	$(PY) -m course.skeleton $(if $(FORCE),--force,)
+handout: $(STAMP)            ## the learner edition, without solutions/: make handout DEST=dir
+	$(if $(DEST),,$(error give the directory: make handout DEST=dir))
+	$(PY) -m course.editions handout $(DEST)
 
 grade: $(STAMP)              ## grade checkouts hole by hole: make grade [CHECKOUT="path ..."] [FOLDER=dir]
 	$(PY) run.py grade $(CHECKOUT) $(if $(FOLDER),--folder $(FOLDER),)
@@ -49,10 +50,10 @@ mutants: $(STAMP)            ## apply each named bug to the reference; the tests
 
 SOAK_FAST_OPS ?= 5000
 soak: $(STAMP)               ## 20,000 random engine operations with invariant checks after each, then SOAK_FAST_OPS on each fast path
-	$(PY) scripts/soak.py --operations 20000
-	$(PY) scripts/soak.py --operations $(SOAK_FAST_OPS) --path torch
-	$(PY) scripts/soak.py --operations $(SOAK_FAST_OPS) --path cpu
-	$(PY) scripts/soak.py --operations $(SOAK_FAST_OPS) --path compiled
+	$(PY) scripts/soak.py --operations 20000 --impl solution
+	$(PY) scripts/soak.py --operations $(SOAK_FAST_OPS) --path torch --impl solution
+	$(PY) scripts/soak.py --operations $(SOAK_FAST_OPS) --path cpu --impl solution
+	$(PY) scripts/soak.py --operations $(SOAK_FAST_OPS) --path compiled --impl solution
 
 notebooks: $(STAMP)          ## execute the chapter notebook: make notebooks [IMPL=engine] (default: the reference)
 	$(PY) -m course.notebooks --impl $(IMPL)

@@ -5,7 +5,7 @@ Engines, all on the same weights and the same greedy requests (every request dec
 - ``ch24 slots``: chapter 24's SlotEngine (one static cache row per request);
 - ``core/reference``: chapter 31's EngineCore with the reference attention backend (a Python loop);
 - ``core/cpu`` (``core/triton`` on CUDA; ``core/torch`` without a C++ compiler): the core with the
-  fast backend and ``fuse_ops`` (FusedFlatModel: merged projections, fused elementwise ops);
+  fast backend and ``flat_model="fused"`` (FusedFlatModel: merged projections, fused elementwise ops);
 - ``HF generate``: transformers' ``generate`` on static, left-padded batches (skipped, with a
   message, when transformers is not installed).
 Workloads: ``shared`` (the chapter's 16 requests behind one 192-token system prompt), ``random``
@@ -34,7 +34,7 @@ import torch
 from engine.serve import EngineConfig, EngineCore, SamplingParams
 from engine.serve.slots import SlotEngine
 from course.workloads import ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload
-from course.impl_switch import add_impl_argument
+from engine._impl import add_impl_argument
 from course.machine import machine_line
 
 WORKLOADS = ("shared", "random", "chat")
@@ -190,7 +190,7 @@ class RunResult:
 
 
 def wait_compiled(core: EngineCore) -> None:
-    """Let a compile=True engine's background compile finish, so that its timed runs measure the graph."""
+    """Let a flat_model="compiled" engine's background compile finish, so that its timed runs measure the graph."""
     wait = getattr(core.flat, "wait_compiled", None)
     if wait is not None:
         wait()
@@ -343,18 +343,18 @@ class _StepClock:
 
 
 def scaling_point(model, backend: str, num_requests: int, steps: int = 20, prompt_len: int = 64,
-                  seed: int = 0, fuse_ops: bool = False, compile: bool = False) -> dict:
+                  seed: int = 0, flat_model: str = "flat") -> dict:
     """``num_requests`` distinct prompts decoding together: median step time, its split, tok/s."""
     rng = random.Random(seed)
     vocab = model.cfg.vocab_size
     release_memory()
     # A pool that holds every request to the end: the point measures R requests decoding, not a
     # preempting scheduler (a memory-sized default pool is too small for R = 256 on bigger models).
-    bs = EngineConfig().block_size
+    bs = EngineConfig().cache.block_size
     num_blocks = num_requests * -(-(prompt_len + steps + 8) // bs) + 1
     core = EngineCore(model, EngineConfig(attention_backend=backend, max_num_seqs=max(256, num_requests),
                                           max_num_batched_tokens=max(2048, num_requests), num_blocks=num_blocks,
-                                          fuse_ops=fuse_ops, compile=compile))
+                                          flat_model=flat_model))
     wait_compiled(core)
     for i in range(num_requests):
         core.add_request(f"s{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
@@ -471,9 +471,9 @@ def default_fast_backend(device: torch.device) -> str:
 
 
 def fast_config(fast_backend: str) -> dict:
-    """The fast core's EngineConfig options: fuse_ops, plus the layers compiled by TorchInductor
-    (``CompiledFlatModel``) with the ``cpu`` backend (which implies a C++ compiler)."""
-    return {"fuse_ops": True, "compile": fast_backend == "cpu"}
+    """The fast core's EngineConfig options: the fused flat model, or with the ``cpu`` backend
+    (which implies a C++ compiler) its layers compiled by TorchInductor (``CompiledFlatModel``)."""
+    return {"flat_model": "compiled" if fast_backend == "cpu" else "fused"}
 
 
 def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str | None = None,

@@ -30,7 +30,7 @@ from course.bench import CoreRunner, RunResult, SlotRunner, Workload, run_worklo
 from engine.models import tiny_model
 from engine.serve import EngineConfig
 from course.workloads import WorkItem, shared_prefix_workload
-from course.impl_switch import add_impl_argument
+from engine._impl import add_impl_argument
 from course.machine import machine_line
 
 # The ingredients --rounds measures: (label, attention backend, prefix caching).
@@ -102,7 +102,8 @@ def core_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the workload's random prompts and lengths (default 0)")
     add_impl_argument(ap)
     ap.add_argument("--model", default=None, help="an HF-format checkpoint directory instead of the test model")
-    ap.add_argument("--backend", default=None, help="attention backend of the core runs (default: EngineConfig's)")
+    ap.add_argument("--backend", default=None, help="attention backend of the core runs (default: the chapter's "
+                    "'reference' under --impl engine, EngineConfig's otherwise)")
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="run the core runs with the prefix cache off (to see what it contributes)")
     ap.add_argument("--repeat", type=int, default=3,
@@ -143,7 +144,9 @@ def core_main(argv: list[str] | None = None) -> int:
         for label, by in ratios.items():
             print(f"{label:22s} {summarize(by['wall']):32s} {summarize(by['cpu'])}")
         return 0
-    backend = args.backend or EngineConfig().attention_backend
+    backend = args.backend or ("reference" if args.impl == "engine" else EngineConfig().attention_backend)
+    print(json.dumps({"impl": args.impl, "attention_backend": backend, "flat_model": EngineConfig().flat_model}),
+          flush=True)  # which code ran: yours (engine) runs your own attention and FlatModel
     caching = {"enable_prefix_caching": not args.no_prefix_caching}
     slots = lambda: SlotRunner(model, num_slots=8, max_len=320)  # noqa: E731
     # Warm up the kernels both engines use, so neither pays first-call costs in its timing.

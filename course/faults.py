@@ -8,7 +8,7 @@ the model reaches ``layer`` it raises ``InjectedFault``, either before that laye
 already written them). The engine must then behave as if the step never ran. Nothing in the engine
 imports this module.
 
-The fast flat models (``EngineConfig(fuse_ops=True)``, ``compile=True``) run merged weights and
+The fast flat models (``flat_model="fused"``, ``"compiled"``) run merged weights and
 never call the model's own attention or MLP modules, so hooks on those never fire there.
 ``backend_fault(core, layer, where)`` fails the same two places through the engine's attention
 backend instead, which every flat model calls: before layer ``layer`` writes its K/V

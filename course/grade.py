@@ -31,8 +31,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from course.skeleton import all_holes, outside_hole_edits, skeleton_of
-from course.testrun import CHAPTER_TESTS, ROOT, TestRecord, TestRun, chapter_files, run_pytest, workspace
+from course.holes import all_holes, outside_hole_edits
+from course.testrun import (CHAPTER_TESTS, ROOT, TestRecord, TestRun, chapter_files, run_pytest, skeleton_files,
+                            workspace)
 
 PASS, PARTIAL, NOT_STARTED, FAIL, NO_TESTS = "pass", "partial", "not started", "fail", "no tests"
 ENGINE_CHECKS = ("tests/test_isolation.py", "tests/test_reliability.py")
@@ -111,10 +112,10 @@ def grade(checkout: Path, per_test_timeout: float = 60, timeout: float = 1800, k
             files[rel] = path.read_text()
         else:
             problems.append(f"engine/{rel} is missing: graded as the skeleton")
-            files[rel] = skeleton_of((ROOT / "solutions" / rel).read_text(), rel)
+            files[rel] = skeleton_files()[rel]
     with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
         bed = workspace(Path(tmp) / "repo", files)
-        edits = outside_hole_edits(bed / "engine")
+        edits = outside_hole_edits(bed / "engine", copy=lambda rel: (ROOT / "engine" / rel).read_text())
         select = ["-k", keyword] if keyword else []
         run = run_surviving_crashes(["-q", "--tb=line", "--impl", "engine", CHAPTER_TESTS, *ENGINE_CHECKS, *select],
                                     bed, per_test_timeout, timeout)

@@ -5,9 +5,9 @@ line counts per folder, the longest functions and the import graph's verdict: no
 engine into the course's tooling, and no import cycle. ``tests/test_layout.py`` asserts the same
 facts. Everything is read with ``ast``; nothing is imported.
 
-A chapter file's reference lives in ``solutions/`` under the path it has in ``engine/``; the graph
-reads the reference (``solutions/serve/blocks.py`` is module ``engine.serve.blocks``), because that
-is the code whose imports matter, and the skeleton in ``engine/`` has the same imports or fewer.
+A chapter file's answers live in ``solutions/`` under the path it has in ``engine/`` and run in
+that module's namespace, so the graph counts their imports as the module's
+(``solutions/serve/blocks.py`` adds to ``engine.serve.blocks``).
 """
 from __future__ import annotations
 
@@ -41,16 +41,10 @@ def module_name(rel: Path) -> str:
 
 
 def package_files(root: Path = ROOT) -> list[SourceFile]:
-    """Every module of ``engine`` (reference versions of the chapter files) and ``course``."""
-    files: dict[str, SourceFile] = {}
-    for top in ("engine", "course", "solutions"):
-        for path in sorted((root / top).rglob("*.py")):
-            rel = path.relative_to(root)
-            mod = module_name(rel)
-            if _is_skeleton(root, rel):
-                continue  # the generated skeleton: its reference stands for it
-            files[mod] = SourceFile(rel, mod, ast.parse(path.read_text(), str(rel)))
-    return list(files.values())
+    """Every file of ``engine``, ``course`` and ``solutions`` (a chapter module's answers count as that module)."""
+    return [SourceFile(path.relative_to(root), module_name(path.relative_to(root)),
+                       ast.parse(path.read_text(), str(path.relative_to(root))))
+            for top in ("engine", "course", "solutions") for path in sorted((root / top).rglob("*.py"))]
 
 
 def imports_of(src: SourceFile, known: set[str]) -> set[str]:
@@ -79,7 +73,10 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """module -> the modules it imports, among ``engine`` and ``course``."""
     files = package_files(root)
     known = {f.module for f in files}
-    return {f.module: imports_of(f, known) for f in files}
+    graph: dict[str, set[str]] = {}
+    for f in files:  # a chapter module and its answers file are one module
+        graph.setdefault(f.module, set()).update(imports_of(f, known))
+    return graph
 
 
 def engine_to_course(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
@@ -146,17 +143,12 @@ def line_counts(root: Path = ROOT) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def _is_skeleton(root: Path, rel: Path) -> bool:
-    """A generated chapter file in engine/ (its reference in solutions/ is counted instead)."""
-    return rel.parts[0] == "engine" and (root / "solutions" / rel.relative_to("engine")).exists()
-
-
 def longest_functions(root: Path = ROOT, top: int = 10,
                       folders: tuple[str, ...] = ("engine", "solutions", "course")) -> list[tuple[int, str]]:
     """The ``top`` longest functions (lines, docstring included) as (lines, 'path:name')."""
     found = []
     for rel in tracked_python(root):
-        if rel.parts[0] not in folders or _is_skeleton(root, rel):
+        if rel.parts[0] not in folders:
             continue
         for node in ast.walk(ast.parse((root / rel).read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -1,10 +1,11 @@
 """Mutants: named, realistic bugs applied to the reference one at a time; the tests must catch each.
 
 A test suite that passes the reference says little until it FAILS on the mistakes learners
-actually make. Each mutant below is one exact text replacement in a ``solutions/`` file. It plays
-a learner who filled every hole exactly as the reference, except for this one bug: a workspace
+actually make. Each mutant below is one exact text replacement in a chapter file whose holes are
+filled from ``solutions/`` (``course.testrun.reference_files``). It plays a learner who filled
+every hole exactly as the reference, except for this one bug: a workspace
 (``course.testrun.workspace``, a temporary copy of the repository; the working tree is never
-touched) gets the reference files in engine/ with the mutant applied, and the chapter's tests run
+touched) gets those files in engine/ with the mutant applied, and the chapter's tests run
 there in a subprocess under ``--impl engine`` — the learner's own route — restricted to the tests
 of the holes the bug lives in plus the milestone, hole tests first, stopping at the first failure.
 A mutant is
@@ -31,12 +32,11 @@ from pathlib import Path
 
 from course.testrun import CHAPTER_TESTS, ROOT, reference_files, run_pytest, workspace
 
-SOLUTIONS = ROOT / "solutions"
-
 
 @dataclass(frozen=True)
 class Mutant:
-    """One bug: replace ``old`` (which must occur exactly once) by ``new`` in ``solutions/<file>``.
+    """One bug: replace ``old`` (which must occur exactly once) by ``new`` in ``engine/<file>``
+    with every hole filled.
     ``holes`` names the holes whose tests should catch it (the milestone always runs too);
     ``keyword``, when set, narrows those tests further (pytest ``-k``) to skip slow ones; ``own``
     says a test of one of ``holes`` must be the one to catch it."""
@@ -57,10 +57,6 @@ MUTANTS: list[Mutant] = [
            "slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + n)]",
            "slots += [table[(p - 1) // block_size] * block_size + p % block_size for p in range(c, c + n)]",
            "the first position of each block is written into the previous block's table entry"),
-    Mutant("decode-slot-off-by-one-at-block-boundary", "serve/batch.py", ("build_batch",),
-           "slots.append(table[c // block_size] * block_size + c % block_size)",
-           "slots.append(table[(c - 1) // block_size] * block_size + c % block_size)",
-           "a decode that starts a new block writes its K/V into the previous block (the decode fast path)"),
     Mutant("recompute-keeps-stale-num-computed", "serve/scheduler.py", ("Scheduler._preempt",),
            "        else:\n            request.num_computed_tokens = 0\n",
            "        else:\n            pass  # forgets to reset: resumes as if its K/V were still there\n",
@@ -74,11 +70,11 @@ MUTANTS: list[Mutant] = [
            "out.swap_in.append((req, self.blocks.req_blocks[req.request_id][-num_saved:]))",
            "a swapped-out request's saved K/V is restored into the LAST blocks of its new table"),
     Mutant("logits-from-first-row-of-span", "serve/batch.py", ("build_batch",),
-           "            sample_rows.append(start + n - 1)",
-           "            sample_rows.append(start)",
+           "        sample_rows += range(start + n - k, start + n)",
+           "        sample_rows += range(start, start + k)",
            "logits are taken from the first (mid-prompt) row of a span instead of its last"),
     Mutant("mid-prompt-chunk-samples", "serve/batch.py", ("build_batch",),
-           "k = 0 if k < 0 else (n if k > n else k)",
+           "k = min(n, max(0, c + n - (req.num_tokens - 1)))",
            "k = 1",
            "every span samples one row, even a chunk that stops mid-prompt"),
     Mutant("abort-leaks-blocks", "serve/scheduler.py", ("EngineCore.step",),
@@ -352,13 +348,13 @@ class Result:
     seconds: float = 0.0
 
 
-def check_applies(mutant: Mutant, solutions: Path = SOLUTIONS) -> str | None:
-    """None if the mutant's text occurs exactly once in the reference, else why not."""
-    path = solutions / mutant.file
-    if not path.is_file():
-        return f"solutions/{mutant.file} does not exist"
-    count = path.read_text().count(mutant.old)
-    return None if count == 1 else f"its text occurs {count} times in solutions/{mutant.file} (want exactly 1)"
+def check_applies(mutant: Mutant, files: dict[str, str] | None = None) -> str | None:
+    """None if the mutant's text occurs exactly once in its filled chapter file, else why not."""
+    files = files or reference_files()
+    if mutant.file not in files:
+        return f"engine/{mutant.file} is not a chapter file"
+    count = files[mutant.file].count(mutant.old)
+    return None if count == 1 else f"its text occurs {count} times in the filled engine/{mutant.file} (want exactly 1)"
 
 
 # The bugs the chapter's milestone section lists, in its order (tests/test_mutants.py checks that
@@ -374,10 +370,10 @@ MILESTONE_MUST_CATCH = ("kv-written-after-attention", "layer-reads-first-pool", 
 def run_mutant(mutant: Mutant, timeout: float = 600, milestone_only: bool = False) -> Result:
     """Apply one mutant to the reference in a workspace's engine/ and run its selected tests (``-x``);
     ``milestone_only``: the milestone alone."""
-    stale = check_applies(mutant)
+    files = reference_files()
+    stale = check_applies(mutant, files)
     if stale:
         return Result(mutant, "stale", detail=stale)
-    files = reference_files()
     files[mutant.file] = files[mutant.file].replace(mutant.old, mutant.new)
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
         bed = workspace(Path(tmp) / "repo", files)

@@ -1,16 +1,15 @@
 """Execute the chapter notebooks, against the reference or against YOUR engine.
 
-    python -m course.notebooks                   # run every notebook in notebooks/; save nothing
-    python -m course.notebooks --impl engine     # the same on your engine/ (make notebooks IMPL=engine)
+    python -m course.notebooks                   # run every notebook in notebooks/ on your engine; save nothing
+    python -m course.notebooks --impl solution   # the same on the reference (make notebooks; IMPL=engine: yours)
     python -m course.notebooks --save DIR        # also write the executed copies (with outputs) to DIR
     python -m course.notebooks --clean           # strip outputs from the stored notebooks, in place (nbstripout)
     python -m course.notebooks --check-clean     # exit 1 if a stored notebook carries outputs
 
 The stored notebooks are kept without outputs, so a change to the code shows up in a diff as a
 change to the code only. Each notebook runs in a fresh kernel started from this interpreter, in
-the notebook's own directory, with ``ENGINE_IMPL`` set to ``--impl`` (default ``solution``); the
-notebook's first cell chooses the implementation too, and for ``--impl engine`` that line is run
-as ``"engine"`` (the stored file is not changed). Exit status 1 when a cell fails; the failing
+the notebook's own directory, with ``ENGINE_IMPL`` set to ``--impl`` (default ``solution``,
+the walkthrough of the finished engine), which the notebook reads; nothing in it is rewritten. Exit status 1 when a cell fails; the failing
 cell's error is printed.
 """
 from __future__ import annotations
@@ -22,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from engine._impl import add_impl_argument
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 
@@ -32,23 +33,17 @@ def notebook_paths(paths: list[str] | None = None) -> list[Path]:
     return sorted(NOTEBOOKS.glob("*.ipynb"))
 
 
-IMPL_LINE = 'os.environ["ENGINE_IMPL"] = "solution"'
-
-
-def execute(path: Path, timeout: int = 600, save_to: Path | None = None, impl: str = "solution"):
+def execute(path: Path, timeout: int = 600, save_to: Path | None = None, impl: str | None = None):
     """Run every cell of ``path`` in a fresh kernel; returns the executed notebook (the file on
-    disk is not touched). Raises ``nbclient.exceptions.CellExecutionError`` when a cell fails."""
+    disk is not touched), with ``ENGINE_IMPL=impl`` (None: as this process has it). Raises
+    ``nbclient.exceptions.CellExecutionError`` when a cell fails."""
     import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
-    if impl != "solution":
-        first = next(c for c in nb.cells if c.cell_type == "code")
-        if IMPL_LINE not in first.source:
-            raise ValueError(f"{path.name}: the first code cell must contain {IMPL_LINE!r} to switch implementation")
-        first.source = first.source.replace(IMPL_LINE, IMPL_LINE.replace('"solution"', f'"{impl}"'))
     previous = os.environ.get("ENGINE_IMPL")
-    os.environ["ENGINE_IMPL"] = impl  # the kernel inherits this process's environment
+    if impl is not None:
+        os.environ["ENGINE_IMPL"] = impl  # the kernel inherits this process's environment
     try:
         NotebookClient(nb, timeout=timeout, kernel_name="python3",
                        resources={"metadata": {"path": str(path.parent)}}).execute()
@@ -79,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=600, help="seconds allowed per cell (default 600)")
     ap.add_argument("--clean", action="store_true", help="strip outputs in place instead of running")
     ap.add_argument("--check-clean", action="store_true", help="exit 1 if a notebook carries outputs")
-    ap.add_argument("--impl", choices=("solution", "engine"), default="solution",
-                    help="run the reference (default) or your engine/")
+    add_impl_argument(ap)  # make notebooks passes IMPL (default solution)
     args = ap.parse_args(argv)
     paths = notebook_paths(args.paths)
     if not paths:

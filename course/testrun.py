@@ -6,9 +6,11 @@ process so that each run imports its own ``engine``. The records come from the p
 ``course/pytest_plugins/ch31_report.py``.
 
 ``workspace(dst, hole_files)`` makes the one kind of test bed they all use: a copy of THIS
-repository (its tests, conftest, tools, reference and given code) whose chapter files under
-engine/ are replaced by the given texts — a learner's files, the reference (every hole filled), a
-mutated reference, or the fresh skeleton.
+repository (its tests, conftest, tools, answers and given code) whose chapter files under engine/
+are replaced by the given texts — a learner's files, the chapter files with every hole filled
+(``reference_files``), a mutated one, or the course's own files with their stubs
+(``skeleton_files``). A test session there compares its chapter files with THIS repository's
+(``ENGINE_COURSE_COPY``) to find edits outside the holes.
 """
 from __future__ import annotations
 
@@ -34,9 +36,9 @@ _NOT_COPIED = shutil.ignore_patterns(".git", ".venv", ".venv-peers", "grades", "
 
 def chapter_files() -> list[str]:
     """The chapter's files with holes, relative to engine/ ("serve/blocks.py", ...)."""
-    from course.skeleton import SOLUTIONS, solution_files
+    from engine._impl import CHAPTER_FILES
 
-    return [p.relative_to(SOLUTIONS).as_posix() for p in solution_files()]
+    return list(CHAPTER_FILES)
 
 
 def workspace(dst: Path, hole_files: dict[str, str] | None = None) -> Path:
@@ -47,16 +49,16 @@ def workspace(dst: Path, hole_files: dict[str, str] | None = None) -> Path:
     return dst
 
 
-def reference_files() -> dict[str, str]:
-    """Every chapter file as the reference writes it: a learner who filled every hole exactly so."""
-    return {rel: (ROOT / "solutions" / rel).read_text() for rel in chapter_files()}
-
-
 def skeleton_files() -> dict[str, str]:
-    """Every chapter file as the skeleton generator makes it from the reference (a fresh clone)."""
-    from course.skeleton import skeleton_of
+    """Every chapter file as the course hands it out: given code and stubs (a fresh clone)."""
+    return {rel: (ROOT / "engine" / rel).read_text() for rel in chapter_files()}
 
-    return {rel: skeleton_of(text, rel) for rel, text in reference_files().items()}
+
+def reference_files() -> dict[str, str]:
+    """Every chapter file with every hole filled from solutions/: a learner who wrote the answers."""
+    from course.holes import filled_files
+
+    return filled_files(engine_texts=skeleton_files())
 # The chapter's tests use neither plugin; hypothesis alone costs ~1.5 s of start-up per run.
 LEAN = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:anyio")
 
@@ -109,6 +111,7 @@ def run_pytest(args: list[str], cwd: Path = ROOT, env: dict[str, str] | None = N
     """
     child_env = {k: v for k, v in os.environ.items() if k not in REDIRECTS}
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGIN_DIR), child_env.get("PYTHONPATH")]))
+    child_env.setdefault("ENGINE_COURSE_COPY", str(ROOT))  # the course's chapter files: this checkout's
     child_env.update(env or {})
     with tempfile.TemporaryDirectory(prefix="ch31-report-") as tmp:
         report = Path(tmp) / "report.json"

@@ -55,7 +55,6 @@ DTYPES = {"auto": None, "half": "float16", "float": "float32"}  # vLLM's spellin
 # apply_chat_template's own parameters and the names it sets: not for chat_template_kwargs.
 CHAT_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tokenize",
                                 "chat_template"})
-LLM_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.32's LLM default (EngineConfig's own is 0.9)
 # generation_config.json keys vLLM takes as default sampling params -> SamplingParams field.
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
@@ -71,7 +70,8 @@ class LLM(VllmExtras):
     (``dtype="auto"`` keeps the checkpoint's). ``chat_template``: a Jinja template (or a file
     holding one) replacing the tokenizer's. Other keywords: ``EngineConfig`` fields
     (``num_blocks``, ``max_num_batched_tokens``, ``enable_prefix_caching``, ``seed`` ...) or
-    vLLM's engine arguments, sorted by ``engine.llm_options``.
+    vLLM's engine arguments, sorted by ``engine.llm_options``. An option not given (``seed``,
+    ``gpu_memory_utilization`` ...) or given as None takes ``EngineConfig``'s default, its only one.
 
     Invariant: every live engine request of this LLM has a ``CompletionState`` in ``_live``, and
     the core is only touched with ``_lock`` held.
@@ -86,8 +86,6 @@ class LLM(VllmExtras):
         device: torch.device | str | None = None,
         skip_tokenizer_init: bool = False,
         chat_template: str | os.PathLike | None = None,
-        seed: int = 0,
-        gpu_memory_utilization: float = LLM_GPU_MEMORY_UTILIZATION,
         kv_cache_memory_bytes: int | None = None,
         **engine_options: Any,
     ) -> None:
@@ -95,8 +93,7 @@ class LLM(VllmExtras):
         from engine.serve.sizing import num_blocks_for_memory
 
         known = set(EngineConfig.field_names())
-        options, front = split_options({**engine_options, "seed": seed, "kv_cache_memory_bytes": kv_cache_memory_bytes,
-                                        "gpu_memory_utilization": gpu_memory_utilization}, known)
+        options, front = split_options({**engine_options, "kv_cache_memory_bytes": kv_cache_memory_bytes}, known)
         config = EngineConfig(**options)  # checked before loading: a typo should not cost a multi-GB load
         self.chat_template = read_template(chat_template)
         if isinstance(dtype, str):
@@ -138,10 +135,10 @@ class LLM(VllmExtras):
             layers, kv_heads, head_dim = FlatModel(self.model).kv_spec()
             dt = next(self.model.parameters()).dtype
             blocks = num_blocks_for_memory(front["kv_cache_memory_bytes"], layers, kv_heads, head_dim,
-                                           config.block_size, dt)
+                                           config.cache.block_size, dt)
             if blocks < 1:
                 raise ValueError(f"LLM: kv_cache_memory_bytes={front['kv_cache_memory_bytes']} holds no "
-                                 f"{config.block_size}-token block of this model's K/V")
+                                 f"{config.cache.block_size}-token block of this model's K/V")
             config = dataclasses.replace(config, num_blocks=blocks)
         eos = tokenizer.eos_token_id if tokenizer is not None else None
         self.engine = EngineCore(self.model, config, eos_token_id=eos)

@@ -76,7 +76,7 @@ NEUTRAL_ONLY: dict[str, tuple[Any, str]] = {
     "structured_outputs_config": (None, "structured outputs come with chapter 34's sampler"),
     "pooler_config": (None, "pooling models are not part of the course engine"),
     "profiler_config": (None, "profile with torch.profiler around LLM.generate"),
-    "attention_config": (None, "choose attention with attention_backend= (our names: engine.serve.attention.BACKENDS)"),
+    "attention_config": (None, "choose attention with attention_backend= (our names: engine.serve.registry.ATTENTION_BACKENDS)"),
     "enable_return_routed_experts": (False, "the engine does not return MoE routing"),
     "return_sampling_mask": (False, "sampling masks come with chapter 34's sampler"),
     "enable_prompt_embeds": (False, "prompts are token ids"),

@@ -38,9 +38,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-from course.impl_switch import add_impl_argument, apply_impl  # noqa: E402
+from engine._impl import add_impl_argument, apply_impl  # noqa: E402
 
-if __name__ == "__main__":  # the switch acts when ``engine`` is first imported, so before the imports
+if __name__ == "__main__":  # the switch acts when ``engine.serve`` is first imported, so before the imports
     apply_impl(sys.argv[1:], prog="experiments/ch31.py")
 
 import torch  # noqa: E402

@@ -12,7 +12,7 @@ kv heads of 64, blocks of 16): TorchBackend (gather, then bmm), CPUBackend (the 
 the pool in place) and the same gather-free attention written as tensor indexing and compiled by
 TorchInductor (the lever measured first and not kept). ``step`` times the core's decode step with
 R requests of ~200-token contexts (``--prefill``: a fresh engine's first step over R prompts), for
-the torch backend, the cpu backend, the cpu backend with ``fuse_ops``, and with ``fuse_ops`` and
+the torch backend, the cpu backend, the cpu backend with the fused flat model, and with the compiled one and
 ``compile`` (``--variants`` picks). ``elementwise`` times one layer's residual adds, norms, RoPE and SiLU-mul, eager
 against TorchInductor-compiled, at 16, 64 and 600 rows.
 """
@@ -114,7 +114,7 @@ def attention(args) -> None:
 def step(args) -> None:
     from course.bench import MODEL_PRESETS
     from engine.models import tiny_model
-    from engine.serve import EngineConfig, EngineCore, SamplingParams
+    from engine.serve import EngineConfig, EngineCore, FlatModel, SamplingParams
     from engine.serve.backends.torch_attention import TorchBackend
 
     dtype = getattr(torch, args.dtype)
@@ -124,8 +124,8 @@ def step(args) -> None:
     def engine(name: str, prefill: bool) -> EngineCore:
         rng = random.Random(0)
         backend, _, fuse = name.partition("+")
-        core = EngineCore(model, EngineConfig(attention_backend=backend.removesuffix("/tiles"), fuse_ops=bool(fuse),
-                                              compile=fuse.startswith("compiled"), num_blocks=args.requests * 20 + 1))
+        core = EngineCore(model, EngineConfig(attention_backend=backend.removesuffix("/tiles"), flat_model=fuse.partition("/")[0] or "flat",
+                                              num_blocks=args.requests * 20 + 1))
         if backend == "cpu/tiles":  # the cpu backend's previous design: only decode rows in the kernel
             core.runner.backend.prefill_in_place = False
         if fuse.startswith("compiled"):
@@ -136,7 +136,7 @@ def step(args) -> None:
             core.flat.elementwise = False
             core.runner.backend.write = functools.partial(TorchBackend.write, core.runner.backend)
         if fuse.endswith("/all-rows"):  # the last layer on every row, not only the logits rows
-            core.flat.selects_rows = False
+            core.flat.logits = functools.partial(FlatModel.logits, core.flat)
         if fuse.endswith("/no-prefetch"):  # the small-batch linear kernel without its software prefetch
             for entry in core.flat.layers:
                 for linear in entry.values():
@@ -208,7 +208,7 @@ def parts(args) -> None:
     timed(cpu_attention.CPUBackend, "forward", "attention")
     timed(cpu_attention.CPUBackend, "write", "write")
     model = tiny_model(seed=0, **MODEL_PRESETS["small"]).to(getattr(torch, args.dtype))
-    core = EngineCore(model, EngineConfig(attention_backend="cpu", fuse_ops=True, compile=True, max_num_seqs=256,
+    core = EngineCore(model, EngineConfig(attention_backend="cpu", flat_model="compiled", max_num_seqs=256,
                                           num_blocks=args.requests * (-(-(args.context + 80) // 16) + 1) + 1))
     rng = random.Random(0)
     for i in range(args.requests):
@@ -312,7 +312,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants", default="torch,cpu,cpu+fused,cpu+compiled",
-                    help="step: engines to compare (backend, +fused: fuse_ops, +compiled: fuse_ops and compile; "
+                    help="step: engines to compare (backend, +fused: flat_model="fused", +compiled: flat_model="compiled"; "
                          "cpu/tiles: the cpu backend with prefill tiles gathered for SDPA; +fused/onednn: "
                          "no small-batch linear kernel; +fused/torch-ew: PyTorch elementwise ops and write_kv; "
                          "+fused/no-prefetch: the linear kernel without software prefetch; +compiled/all-rows: the last "

@@ -19,8 +19,8 @@ its streamed tokens must add up to its final output. Each episode ends by runnin
 every block must be free and every per-request structure empty.
 
 ``--path`` picks the forward pass every episode runs (``PATHS``): the plain flat model on the
-reference backend (the default), or the fast flat model (``fuse_ops=True``) on the torch or cpu
-backend, or compiled (``compile=True``, cpu backend; one graph, compiled in the first episode). On
+reference backend (the default), or the fast flat model (``flat_model="fused"``) on the torch or cpu
+backend, or compiled (``flat_model="compiled"``, cpu backend; one graph, compiled in the first episode). On
 the fast paths the failing steps fail inside the attention backend (``course.faults.backend_fault``),
 since those models never call the modules the plain model's hooks sit on.
 
@@ -43,9 +43,9 @@ NUM_SUFFIXES = 8
 STALL_STEPS = 2000  # draining with no request finishing for this long counts as a livelock
 # --path: the EngineConfig fields that select each forward path.
 PATHS = {"reference": {},
-         "torch": {"attention_backend": "torch", "fuse_ops": True},
-         "cpu": {"attention_backend": "cpu", "fuse_ops": True},
-         "compiled": {"attention_backend": "cpu", "fuse_ops": True, "compile": True}}
+         "torch": {"attention_backend": "torch", "flat_model": "fused"},
+         "cpu": {"attention_backend": "cpu", "flat_model": "fused"},
+         "compiled": {"attention_backend": "cpu", "flat_model": "compiled"}}
 
 
 @dataclass
@@ -126,7 +126,7 @@ class Soak:
 
     # ----- one episode ---------------------------------------------------------------------
     def random_config(self):
-        from engine.serve.engine import EngineConfig
+        from engine.serve.config import EngineConfig
 
         r = self.rng
         bs = r.choice((1, 2, 4, 8, 16))
@@ -233,8 +233,8 @@ class Soak:
         cache_key = r.choice(((), (), ("tenant-a",), ("tenant-b", 7)))
         cfg = core.config
         need = len(prompt) + max_tokens
-        expect_reject = (need > cfg.num_blocks * cfg.block_size
-                         or (not cfg.enable_chunked_prefill and len(prompt) > cfg.max_num_batched_tokens))
+        expect_reject = (need > cfg.cache.num_blocks * cfg.cache.block_size
+                         or (not cfg.scheduler.enable_chunked_prefill and len(prompt) > cfg.scheduler.max_num_batched_tokens))
         try:
             ids = core.add_request(rid, list(prompt), params, priority=r.choice((-1, 0, 0, 1, 2)),
                                    cache_key=cache_key)
@@ -295,7 +295,7 @@ class Soak:
         r, core = self.rng, self.core
         layer, where = r.randrange(core.model.cfg.num_hidden_layers), r.choice(PLACES)
         self.counts["faults"] += 1
-        fault = backend_fault(core, layer, where) if core.config.fuse_ops else forward_fault(core.model, layer, where)
+        fault = backend_fault(core, layer, where) if core.config.flat_model != "flat" else forward_fault(core.model, layer, where)
         try:
             with fault:
                 outs = core.step()
@@ -359,21 +359,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="random operations to run (default 20,000)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     ap.add_argument("--impl", choices=("engine", "solution"), default="solution",
-                    help="which chapter-31 implementation to soak (default: the reference)")
+                    help="which code fills the holes (engine/_impl.py's switch; default solution)")
     ap.add_argument("--faults", type=float, default=0.05,
                     help="share of operations that are a step whose forward pass fails (default 0.05)")
     ap.add_argument("--path", choices=sorted(PATHS), default="reference",
                     help="the forward path: reference (plain model, reference backend; the default), "
-                         "torch / cpu (fuse_ops=True on that backend), compiled (compile=True, cpu backend)")
+                         "torch / cpu (flat_model="fused" on that backend), compiled (flat_model="compiled", cpu backend)")
     ap.add_argument("--verbose", action="store_true", help="print each violation as it is found")
     args = ap.parse_args(argv)
     if args.ops < 1:
         ap.error("--operations must be >= 1")
     if not 0.0 <= args.faults <= 0.5:
         ap.error("--faults must be in [0, 0.5]")
-    os.environ["ENGINE_IMPL"] = args.impl  # before anything imports engine
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
+    from engine._impl import apply_impl
+
+    apply_impl(["--impl", args.impl])  # before anything imports engine.serve
     start = time.monotonic()
     soak = Soak(args.seed, args.verbose, args.faults, args.path)
     violations = soak.run(args.ops)

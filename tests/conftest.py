@@ -4,32 +4,42 @@
 named (``BlockManager.free``) or the part after the dot where that is unique (``free``) — and
 ``--hole milestone`` the milestone; an unknown or ambiguous name is a usage error listing the holes.
 
-``--impl solution`` runs the tests against the reference in ``solutions/``. The default,
-``--impl engine``, tests YOUR engine: the session imports your ``engine/`` as it is, and for each
-test swaps in the reference for the holes that test is not about (see ``tests/learner_holes.py``
-and docs/learner-layer.md):
+``--impl`` is the one switch of ``engine/_impl.py`` (its choices, default and help are declared
+there). ``--impl solution``: the reference answers in every hole. The default, ``--impl engine``,
+tests YOUR engine as it is, and for each test puts the reference into the holes that test is not
+about (``engine._impl.Switch``; docs/learner-layer.md):
 - a test marked ``hole("X")``: your X, the reference for every other hole;
 - a test marked ``given`` (code the chapter hands you complete): the reference for every hole;
 - the ``milestone`` and tests without a marker: your engine alone, exactly as run.py runs it.
-The session header says how many holes you filled and lists any edit outside the holes.
+Without ``solutions/`` (a handout) there is no reference: every test runs your engine alone, and
+the header says so. The header also says how many holes you filled and lists any edit outside
+the holes. A chapter file of yours that does not import is replaced by the course's copy of it
+(the tests of its holes, and the milestone, fail saying why).
 
 The switch must take effect before anything imports a chapter module, so this file imports
-``engine`` only inside hooks.
+``engine.serve`` only inside hooks.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
+import tempfile
+import traceback
+from pathlib import Path
 
 import pytest
 
+from engine import _impl
+
 _ISOLATION_KEY = pytest.StashKey()
 _HOLES_KEY = pytest.StashKey()  # --hole's names, resolved to full hole names
+_BROKEN_KEY = pytest.StashKey()  # chapter file -> why it does not import
+_COPIES = tempfile.TemporaryDirectory(prefix="ch31-course-copy-")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--impl", choices=("engine", "solution"), default=None,
-                     help="which implementation of chapter 31's holes to test (default: engine, yours)")
+    parser.addoption("--impl", choices=_impl.IMPLS, default=None, help=_impl.HELP)
     parser.addoption("--hole", action="append", default=[], metavar="NAME",
                      help="run only the tests of this hole (its name, e.g. BlockManager.allocate_slots, or the part "
                           "after the dot where that is unique; 'milestone' for the milestone); repeat for several, "
@@ -39,21 +49,48 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    impl = config.getoption("--impl") or os.environ.get("ENGINE_IMPL") or "engine"
-    os.environ["ENGINE_IMPL"] = impl
+    impl = _impl.apply_impl(["--impl", config.getoption("--impl") or _impl.current_impl()])
     config.addinivalue_line("markers", "hole(name): tests of one hole, e.g. hole('BlockManager.allocate_slots')")
     config.addinivalue_line("markers", "milestone: the chapter's end-to-end milestone (all your holes together)")
     config.addinivalue_line("markers", "given: tests of code the chapter gives complete (none of your holes)")
     config.addinivalue_line("markers", "slow: longer tests")
     if config.getoption("--hole"):
-        from learner_holes import all_holes  # tests/ is on sys.path
-
-        holes = [h.qualname for h in all_holes()]
+        holes = list(_impl.all_holes())
         config.stash[_HOLES_KEY] = [resolve_hole(name, holes) for name in config.getoption("--hole")]
-    if impl == "engine":
-        from learner_holes import Isolation, import_learner_engine
+    config.stash[_BROKEN_KEY] = import_engine()
+    if impl == "engine" and (_impl.ROOT / "solutions").is_dir():
+        config.stash[_ISOLATION_KEY] = _impl.Switch()
 
-        config.stash[_ISOLATION_KEY] = Isolation(import_learner_engine())
+
+def import_engine() -> dict[str, str]:
+    """Import ``engine.serve``; a chapter file that fails to import is served from the course's
+    copy instead. Returns {"serve/blocks.py": why it did not import}."""
+    from course.holes import course_copy
+
+    files = {str((_impl.ROOT / "engine" / rel).resolve()): rel for rel in _impl.CHAPTER_FILES}
+    broken: dict[str, str] = {}
+    for _ in range(len(files) + 1):
+        try:
+            importlib.import_module("engine.serve")
+            return broken
+        except Exception as exc:  # a learner's syntax or import error
+            frames = [(f.filename, f.lineno) for f in traceback.extract_tb(exc.__traceback__)]
+            if isinstance(exc, SyntaxError):
+                frames.append((exc.filename, exc.lineno))
+            culprit = next(((files[str(Path(f).resolve())], line) for f, line in reversed(frames)
+                            if f and str(Path(f).resolve()) in files), None)
+            copy = course_copy(culprit[0]) if culprit and culprit[0] not in broken else None
+            if copy is None:
+                raise
+            rel, line = culprit
+            last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            broken[rel] = f"your engine/{rel} does not import: {last} (line {line}); fix that file first"
+            for name in [m for m in sys.modules if m == "engine.serve" or m.startswith("engine.serve.")]:
+                del sys.modules[name]
+            path = Path(_COPIES.name) / rel.replace("/", "_")
+            path.write_text(copy)
+            _impl.serve_from(rel, path)
+    raise RuntimeError("could not import engine.serve")
 
 
 def resolve_hole(name: str, holes: list[str]) -> str:
@@ -85,12 +122,15 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for r, _, item in sorted((r, i, item) for r, i, item in ranked if r is not None)]
 
 
-def _warnings(isolation) -> list[str]:
-    from learner_holes import skeleton_tool
+def _warnings(config) -> list[str]:
+    from course.holes import outside_hole_edits
 
-    lines = [f"NOT IMPORTED: {why}" for why in isolation.broken.values()]
-    edits = skeleton_tool().outside_hole_edits()
-    if edits:
+    lines = [f"NOT IMPORTED: {why}" for why in config.stash.get(_BROKEN_KEY, {}).values()]
+    edits = outside_hole_edits()
+    if edits is None:
+        lines.append("edits outside the holes: not checked (no course copy of the chapter files: no git "
+                     f"history here; set {'ENGINE_COURSE_COPY'} to a checkout of the course)")
+    elif edits:
         lines.append(f"{len(edits)} edit(s) OUTSIDE the holes (your engine runs them, and so does every "
                      "test; no hole's contract asks for them):")
         lines += [f"  {e}" for e in edits]
@@ -98,20 +138,20 @@ def _warnings(isolation) -> list[str]:
 
 
 def pytest_report_header(config):
-    isolation = config.stash.get(_ISOLATION_KEY, None)
-    if isolation is None:
-        return [f"chapter 31: testing the reference (--impl {os.environ.get('ENGINE_IMPL')})"]
-    from learner_holes import skeleton_tool
+    if _impl.current_impl() == "solution":
+        return ["chapter 31: the reference answers in every hole (--impl solution)"]
+    from course.holes import unfilled_holes
 
-    left = len(skeleton_tool().unfilled_holes())
-    return [f"chapter 31: testing YOUR engine (engine/): {len(isolation.holes) - left} of "
-            f"{len(isolation.holes)} holes filled; a hole's tests use the reference for the other holes",
-            *("  " + line for line in _warnings(isolation))]
+    total, left = len(_impl.all_holes()), len(unfilled_holes())
+    how = ("a hole's tests use the reference for the other holes" if _ISOLATION_KEY in config.stash else
+           "no solutions/ here (a handout): every test runs your own holes, so a bug in one hole can fail "
+           "the tests of later ones")
+    return [f"chapter 31: testing YOUR engine (engine/): {total - left} of {total} holes filled; {how}",
+            *("  " + line for line in _warnings(config))]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    isolation = config.stash.get(_ISOLATION_KEY, None)
-    lines = _warnings(isolation) if isolation is not None else []
+    lines = _warnings(config) if _impl.current_impl() == "engine" else []
     if lines:
         terminalreporter.section("chapter 31: your engine/")
         for line in lines:
@@ -130,29 +170,33 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def _reference_holes(item, isolation) -> list[str]:
+def _reference_holes(item, holes: list[str]) -> list[str]:
     """The holes this test runs with the reference version of (raises on a bad marker)."""
-    names = isolation.check_names(m.args[0] for m in item.iter_markers("hole"))
+    names = [m.args[0] for m in item.iter_markers("hole")]
+    unknown = [n for n in names if n not in holes]
+    if unknown:
+        raise pytest.UsageError(f"{item.nodeid}: hole marker(s) {unknown} name no hole; holes are: {', '.join(holes)}")
     given = item.get_closest_marker("given") is not None
     if given and names:
         raise pytest.UsageError(f"{item.nodeid}: a test is either given or of a hole, not both")
     if given:
-        return list(isolation.holes)
-    return [h for h in isolation.holes if h not in names] if names else []
+        return list(holes)
+    return [h for h in holes if h not in names] if names else []
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    isolation = item.config.stash.get(_ISOLATION_KEY, None)
-    if isolation is None:
+    switch = item.config.stash.get(_ISOLATION_KEY, None)
+    if switch is None:
         return
-    swap = _reference_holes(item, isolation)
-    mine = {isolation.file_of(h) for h in isolation.holes if h not in swap}
-    broken = [isolation.broken[f] for f in sorted(mine) if f in isolation.broken]
-    if broken:
-        pytest.fail("; ".join(broken), pytrace=False)
+    swap = _reference_holes(item, list(switch.holes))
+    mine = {switch.holes[h] for h in switch.holes if h not in swap}
+    broken = item.config.stash.get(_BROKEN_KEY, {})
+    why = [broken[f] for f in sorted(mine) if f in broken]
+    if why:
+        pytest.fail("; ".join(why), pytrace=False)
     try:
-        isolation.use_reference_for(swap)
+        switch.use_reference(swap)
     except RuntimeError as exc:  # a chapter class renamed or removed
         pytest.fail(str(exc), pytrace=False)
 
@@ -160,14 +204,14 @@ def pytest_runtest_setup(item):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield
-    isolation = item.config.stash.get(_ISOLATION_KEY, None)
-    if isolation is not None:
-        isolation.restore()
+    switch = item.config.stash.get(_ISOLATION_KEY, None)
+    if switch is not None:
+        switch.restore()
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    """A hole's test that crashes (not an assert, not the skeleton's NotImplementedError) fails with
+    """A hole's test that crashes (not an assert, not a stub's NotImplementedError) fails with
     what the test checks and where in engine/ it crashed, instead of a bare traceback line."""
     try:
         return (yield)
@@ -177,8 +221,6 @@ def pytest_runtest_call(item):
         holes = [m.args[0] for m in item.iter_markers("hole")]
         if not holes and item.get_closest_marker("milestone") is None:
             raise
-        import traceback
-
         where = [f"{f.filename.split(os.sep + 'engine' + os.sep, 1)[-1]}:{f.lineno} in {f.name}"
                  for f in traceback.extract_tb(exc.__traceback__)
                  if os.sep + "engine" + os.sep in f.filename and os.sep + "tests" + os.sep not in f.filename]

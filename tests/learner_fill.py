@@ -3,6 +3,8 @@
 tests/test_learner_contract.py fills these holes (the reference fills the rest) and runs the
 chapter's tests and engine checks the learner's way: if a docstring leaves out something a test
 checks, this fails. Keep them plain and different from solutions/ (they are a second opinion).
+Each body is written without indentation; ``indented`` gives it the hole's. A handout leaves this
+file out, with solutions/: it holds answers too.
 """
 from __future__ import annotations
 
@@ -37,7 +39,9 @@ return normed
     },
     "serve/blocks.py": {
         "hash_block": """
+import hashlib
 import struct
+
 digest = hashlib.blake2b(digest_size=16)
 digest.update(parent if parent is not None else ROOT_HASH)
 digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
@@ -46,7 +50,9 @@ if len(extra) > 0:
 return digest.digest()
 """,
         "BlockManager.find_cached_prefix": """
-if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+if request.params.prompt_logprobs is not None:
+    return []  # its prompt rows must run to produce their logprobs
+if not self.enable_prefix_caching:
     return []
 self.update_hashes(request)
 limit = (request.num_tokens - 1) // self.block_size
@@ -89,11 +95,11 @@ return True
 """,
         "BlockManager.cache_full_blocks": """
 rid = request.request_id
-if not self.enable_prefix_caching or rid not in self.req_blocks:
+table = self.req_blocks.get(rid)
+if table is None or not self.enable_prefix_caching:
     return
 upto = request.num_computed_tokens if num_tokens is None else num_tokens
 self.update_hashes(request)
-table = self.req_blocks[rid]
 full = min(upto // self.block_size, len(request.block_hashes), len(table))
 done = self.num_published[rid]
 while done < full:
@@ -155,15 +161,16 @@ return None
         "EngineCore.step": """
 plan = self.scheduler.schedule()
 try:
-    for request, blocks in plan.swap_out:
-        self.runner.swap_out(request, blocks)
-    for request, blocks in plan.swap_in:
-        self.runner.swap_in(request, blocks)
+    copies = [(self.runner.swap_out, pair) for pair in plan.swap_out]
+    copies += [(self.runner.swap_in, pair) for pair in plan.swap_in]  # outs before ins
+    for copy, (request, blocks) in copies:
+        copy(request, blocks)
     if len(plan.scheduled) == 0:
         return []
-    batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)
-    logits = self.runner.execute(batch)
+    tables = self.blocks.req_blocks
+    batch = self.runner.prepare(plan.scheduled, tables)
     rows = batch.num_sample_rows
+    logits = self.runner.execute(batch)
     owners = []
     for (request, _), count in zip(plan.scheduled, batch.sample_counts):
         owners += [request] * count
@@ -195,3 +202,10 @@ return results
 """,
     },
 }
+
+
+def indented(rel: str) -> dict[str, str]:
+    """``BODIES[rel]`` indented as the holes' bodies in engine/<rel> (a method 8 spaces, a function 4)."""
+    return {q: "".join((" " * (8 if "." in q else 4) + line) if line.strip() else line
+                       for line in body.strip("\n").splitlines(keepends=True)) + "\n"
+            for q, body in BODIES[rel].items()}

@@ -15,7 +15,8 @@ import torch
 from engine.generate import generate
 from engine.models.tiny import tiny_model
 from engine.serve import EngineConfig, EngineCore, SamplingParams
-from engine.serve.attention import BACKENDS, ReferenceBackend, get_backend
+from engine.serve.attention import ReferenceBackend
+from engine.serve.registry import ATTENTION_BACKENDS as BACKENDS, get_backend
 from engine.serve.batch import build_batch
 from engine.serve.request import Request
 from engine.serve.backends.torch_attention import TorchBackend
@@ -500,7 +501,7 @@ def test_cpu_kernel_cache_parents_must_be_private_too(tmp_path):
 
 
 def test_fused_torch_engine_needs_no_compiler(tmp_path):
-    """fuse_ops=True on the torch backend runs without a C++ compiler (its kernels are optional):
+    """flat_model="fused" on the torch backend runs without a C++ compiler (its kernels are optional):
     with $CXX missing, in a fresh process and kernel cache, it serves generate()'s tokens."""
     import os
     import subprocess
@@ -511,7 +512,7 @@ def test_fused_torch_engine_needs_no_compiler(tmp_path):
               "from engine.models.tiny import tiny_model\n"
               "from engine.serve import EngineConfig, EngineCore, SamplingParams\n"
               "m = tiny_model(seed=3)\n"
-              "core = EngineCore(m, EngineConfig(block_size=8, attention_backend='torch', fuse_ops=True))\n"
+              "core = EngineCore(m, EngineConfig(block_size=8, attention_backend='torch', flat_model='fused'))\n"
               "core.add_request('r', [5, 9, 2, 7], SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))\n"
               "assert core.run_until_done()['r'] == generate(m, [5, 9, 2, 7], 6)\n"
               "print('served')\n")

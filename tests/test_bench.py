@@ -126,3 +126,17 @@ def test_core_rounds_interleave_every_variant_between_chapter_24_runs(capsys):
     assert "1 interleaved rounds" in out and "cores" in out
     for label, _, _ in RATIO_VARIANTS:
         assert any(line.startswith(label) and "median" in line and "range" in line for line in out.splitlines()), label
+@pytest.mark.parametrize("impl, backend", [("engine", "reference"), ("solution", "torch")])
+def test_run_py_core_says_which_code_ran(impl, backend):
+    """``run.py core --impl engine`` (the default) runs the learner's own reference attention and
+    FlatModel, and its first line says so; ``--impl solution`` runs the default fast backend."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "run.py", "core", "--requests", "2", "--repeat", "1", "--impl", impl],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    first = json.loads(out.stdout.splitlines()[0])
+    assert first == {"impl": impl, "attention_backend": backend, "flat_model": "flat"}, out.stdout + out.stderr
+    assert out.returncode in ((0, 2) if impl == "engine" else (0,)), out.stderr  # 2: holes left to fill

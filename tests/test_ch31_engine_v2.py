@@ -3,7 +3,7 @@
 Tests are grouped by hole, in the order the chapter builds them; each carries
 ``@pytest.mark.hole("<hole>")`` and the hole's short name in its test name, and
 ``pytest tests/test_ch31_engine_v2.py --hole allocate_slots`` checks exactly that hole — your version of
-it, with the reference for every other hole (tests/learner_holes.py). A few tests of code the chapter
+it, with the reference for every other hole (engine/_impl.py's Switch). A few tests of code the chapter
 gives complete are marked ``given``. The milestone at the end runs all your holes together. Every expected value comes from an independent oracle: the
 spec's worked example, a plain PyTorch computation, or ``generate()`` on one prompt alone.
 """

@@ -1,4 +1,4 @@
-"""CompiledFlatModel (``EngineConfig(fuse_ops=True, compile=True)``): the same tokens as ``generate()``.
+"""CompiledFlatModel (``EngineConfig(flat_model="compiled")``): the same tokens as ``generate()``.
 
 Every layer runs through one TorchInductor layer graph with attention and the linears as custom
 ops; on the test model the engine must reproduce ``generate()`` token for token under chunked
@@ -28,7 +28,7 @@ def test_compiled_engine_matches_generate(dtype):
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (37, 5, 21)]
     prompts.append(prompts[0][:16] + prompts[1])  # adopts two cached blocks of 8
     lens = (12, 16, 9, 11)
-    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", fuse_ops=True, compile=True,
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="compiled",
                                           max_num_batched_tokens=16, long_prefill_token_threshold=8))
     assert isinstance(core.flat, CompiledFlatModel)
     assert core.flat.wait_compiled(), f"the background compile failed: {core.flat.graphs.error!r}"
@@ -45,21 +45,21 @@ def test_compiled_engine_matches_generate(dtype):
 def test_compile_refusals(monkeypatch):
     from engine.serve.backends import compiled
 
-    with pytest.raises(ValueError, match="needs fuse_ops=True"):
-        EngineConfig(compile=True)
+    with pytest.raises(ValueError, match="unknown flat model 'compile'"):
+        EngineConfig(flat_model="compile")
     with pytest.raises(ValueError, match="dense models only"):
-        EngineCore(tiny_model(seed=3, moe=True), EngineConfig(fuse_ops=True, compile=True))
+        EngineCore(tiny_model(seed=3, moe=True), EngineConfig(flat_model="compiled"))
     monkeypatch.setenv("CXX", "/nonexistent/c++")  # TorchInductor compiles with $CXX: one it cannot run
-    with pytest.raises(ValueError, match="compile=True needs TorchInductor: CXX='/nonexistent/c\\+\\+'"):
-        EngineCore(tiny_model(seed=3), EngineConfig(fuse_ops=True, compile=True))
+    with pytest.raises(ValueError, match="flat_model='compiled' needs TorchInductor: CXX='/nonexistent/c\\+\\+'"):
+        EngineCore(tiny_model(seed=3), EngineConfig(flat_model="compiled"))
     monkeypatch.delenv("CXX")
     monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
-        EngineCore(tiny_model(seed=3), EngineConfig(fuse_ops=True, compile=True))
+        EngineCore(tiny_model(seed=3), EngineConfig(flat_model="compiled"))
 
 
 def test_two_compiled_engines_in_two_threads():
-    """Two compile=True engines on one model (one shared graph), stepped at once from two threads:
+    """Two flat_model="compiled" engines on one model (one shared graph), stepped at once from two threads:
     each must get exactly generate()'s tokens, so neither may write K/V into the other's pool nor
     run its attention on the other's step (the step context is the calling thread's)."""
     from ch31_helpers import run_in_threads
@@ -69,7 +69,7 @@ def test_two_compiled_engines_in_two_threads():
     gen = torch.Generator().manual_seed(11)
     prompts = [[torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in sizes]
                for sizes in ((29, 13), (17, 31))]
-    cores = [EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", fuse_ops=True, compile=True,
+    cores = [EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="compiled",
                                             max_num_batched_tokens=16)) for _ in prompts]
 
     def prepare(core) -> None:

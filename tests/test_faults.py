@@ -24,11 +24,11 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 FAULTS = [(layer, where) for layer in range(2) for where in PLACES]  # the test model has 2 layers
 
 
-FAST = dict(fuse_ops=True, attention_backend="cpu")  # FusedFlatModel: faults through the backend
+FAST = dict(flat_model="fused", attention_backend="cpu")  # FusedFlatModel: faults through the backend
 
 
 def _failed_step(core: EngineCore, layer: int, where: str) -> None:
-    fault = backend_fault(core, layer, where) if core.config.fuse_ops else forward_fault(core.model, layer, where)
+    fault = backend_fault(core, layer, where) if core.config.flat_model != "flat" else forward_fault(core.model, layer, where)
     with fault, pytest.raises(InjectedFault):
         core.step()
     check_engine_invariants(core)

@@ -1,4 +1,4 @@
-"""FusedFlatModel (``EngineConfig(fuse_ops=True)``): the same tokens as ``generate()``.
+"""FusedFlatModel (``EngineConfig(flat_model="fused")``): the same tokens as ``generate()``.
 
 Merged q/k/v and gate/up projections, q and k normed and rotated together, SiLU fused in place:
 the engine on it must reproduce ``generate()`` token for token (float64 model: exact arithmetic
@@ -12,7 +12,7 @@ import torch
 
 from engine.generate import generate
 from engine.models.tiny import tiny_model
-from engine.serve import EngineConfig, EngineCore, SamplingParams
+from engine.serve import EngineConfig, EngineCore, FlatModel, SamplingParams
 from engine.serve.backends.fused import FusedFlatModel, fast_16bit_matmul
 
 pytestmark = pytest.mark.given  # complete code the chapter gives; the reference holes serve as oracle
@@ -38,7 +38,7 @@ def prompts_for(model, seed: int = 5) -> list[list[int]]:
 def test_fused_engine_matches_generate(name, backend, moe):
     model = tiny_model(seed=3, moe=moe, dtype=torch.float64)
     prompts = prompts_for(model)
-    core = EngineCore(model, EngineConfig(block_size=8, attention_backend=backend, fuse_ops=True, **CONFIGS[name]))
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend=backend, flat_model="fused", **CONFIGS[name]))
     assert isinstance(core.flat, FusedFlatModel) and core.flat.linear_dtype == torch.float64
     for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
         core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
@@ -59,9 +59,9 @@ def test_kept_rows_match_every_row(backend):
     prompts = prompts_for(model)
     results = []
     for fuse in (True, False):
-        core = EngineCore(model, EngineConfig(block_size=8, attention_backend=backend, fuse_ops=fuse,
+        core = EngineCore(model, EngineConfig(block_size=8, attention_backend=backend, flat_model="fused" if fuse else "flat",
                                               **CONFIGS["chunked"]))
-        assert getattr(core.flat, "selects_rows", False) == fuse
+        assert (type(core.flat).logits is not FlatModel.logits) == fuse, "the fused model selects its own rows"
         for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
             core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0,
                                                         prompt_logprobs=2 if i == 1 else None))
@@ -91,7 +91,7 @@ def test_fused_float32_linears_for_a_16bit_model():
     fused = FusedFlatModel(model16, linear_dtype=torch.float32)
     assert fused.linear_dtype == torch.float32 and fused.layers[0]["qkv"].dtype == torch.float32
     prompt = prompts_for(model16)[0]
-    core16 = EngineCore(model16, EngineConfig(attention_backend="cpu", fuse_ops=True))
+    core16 = EngineCore(model16, EngineConfig(attention_backend="cpu", flat_model="fused"))
     core16.flat = core16.runner.flat = fused
     core16.add_request("a", prompt, SamplingParams(max_tokens=1, temperature=0.0))
     core32 = EngineCore(model32, EngineConfig(attention_backend="cpu"))
@@ -102,16 +102,16 @@ def test_fused_float32_linears_for_a_16bit_model():
     assert fast_16bit_matmul(torch.float32, torch.device("cpu"))
 
 
-def test_fuse_ops_must_be_a_bool():
-    with pytest.raises(ValueError, match="fuse_ops must be True or False"):
-        EngineConfig(fuse_ops=1)
+def test_an_unknown_flat_model_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="unknown flat model 'fast'.*'compiled', 'flat', 'fused'"):
+        EngineConfig(flat_model="fast")
 
 
 def test_fused_float32_prepacked_matches_generate():
     """Float32 on a CPU: oneDNN-prepacked weights (a different summation order than generate()'s
     matmuls) still give generate()'s greedy tokens on the test model's well-separated logits."""
     model = tiny_model(seed=3)
-    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", fuse_ops=True))
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused"))
     assert core.flat.pack == torch.backends.mkldnn.is_available()
     prompts = prompts_for(model)
     for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):

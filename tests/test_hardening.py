@@ -24,8 +24,8 @@ KINDS = {
     "reference": {},
     "torch": {"attention_backend": "torch"},
     "cpu": {"attention_backend": "cpu"},
-    "fused-torch": {"attention_backend": "torch", "fuse_ops": True},
-    "fused-cpu": {"attention_backend": "cpu", "fuse_ops": True},
+    "fused-torch": {"attention_backend": "torch", "flat_model": "fused"},
+    "fused-cpu": {"attention_backend": "cpu", "flat_model": "fused"},
 }
 
 

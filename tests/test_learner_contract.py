@@ -1,117 +1,116 @@
-"""The learner layer's contract: skeleton and reference stay in step, the tests can grade, and a
-learner's work is never at risk.
+"""The learner layer's contract: every line once, the one switch, and a learner's work never at risk.
 
-Maintainer checks, on engine/ as it is — they run on a pristine skeleton (a fresh clone, CI) and
-stand aside on a learner's checkout (some hole filled or helper added), because there engine/ is
-the learner's work, not the skeleton. Under CI (``CI=true``, as .ci/run runs) a non-pristine
-engine/ is an error instead.
-(a) engine/ is exactly the skeleton course/skeleton.py generates from solutions/;
-(b) every signature in the reference is the same in engine/.
+Maintainer checks, on engine/ as it is — they run on the course's own files (a fresh clone, CI)
+and stand aside on a learner's checkout (some hole filled), because there engine/ is the learner's
+work. Under CI (``CI=true``, as .ci/run runs) a filled engine/ is an error instead.
+(a) every hole in engine/ is a stub raising its NotImplementedError; solutions/ answers exactly
+    the holes, each with the hole's parameters, and holds no class of its own;
+(b) EngineCore and the chapter's files import nothing from backends/ or course/; engine/ never
+    imports solutions/.
 Checks that never depend on the learner's files (they use a workspace: a temporary copy of this
 repository with chosen chapter files, ``course.testrun.workspace``):
-(c) engine/ never imports solutions/;
-(d) on the fresh skeleton every hole's tests fail with THAT hole's NotImplementedError (no false
+(d) on the course's stubs every hole's tests fail with THAT hole's NotImplementedError (no false
     pass on a fresh clone), every hole has tests, every test is of one hole, the milestone or given,
     and ``--hole NAME`` selects exactly that hole's tests;
-(e) with every hole filled with the reference, the tests pass the learner's way (--impl engine);
-(f) ``make skeleton`` keeps a file with filled holes or helpers (or, forced, backs it up first);
-(g) an edit outside the holes is reported, and the tests run it (one engine everywhere);
+(e) ``make solutions-branch``, ``git checkout solutions``: the chapter's tests pass with the
+    default ``--impl``; ``make handout``: no answers, and its README's commands run;
+(g) an edit outside the holes — a given line changed, or a module-level line appended — is
+    reported, and the tests run it (one engine everywhere); a helper is not an edit;
 (h) a learner file that does not import fails only its own holes' tests (and the milestone);
-(j) grading uses the instructor's tests whatever the checkout's tests/ say, and a hung hole costs
-    only its own tests;
 (i) holes written from their docstrings alone (tests/learner_fill.py) pass the chapter's tests and
-    the engine checks: no test checks what no docstring says.
+    the engine checks: no test checks what no docstring says;
+(j) grading uses the instructor's tests whatever the checkout's tests/ say, and a hung hole costs
+    only its own tests.
 """
 from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from learner_holes import all_holes, skeleton_tool
+from course.holes import all_holes, answers, edits_in, fill, outside_hole_edits, unfilled_holes
 from course.testrun import CHAPTER_TESTS, reference_files, run_pytest, skeleton_files, workspace
+from engine._impl import CHAPTER_FILES, HOLE_MARKER, holes_of
 
 ROOT = Path(__file__).resolve().parent.parent
-SOLUTIONS = ROOT / "solutions"
 SPOT_MILESTONE = "12-block pool, swap"  # the milestone config (e) runs: preemption and swap-in
 
 
-def rel_files() -> list[str]:
-    return [p.relative_to(SOLUTIONS).as_posix() for p in skeleton_tool().solution_files()]
-
-
 def maintainer_check_applies() -> None:
-    """Skip on a learner's checkout (fail under CI, where engine/ must be the pristine skeleton)."""
-    if skeleton_tool().is_learner_checkout():
-        reason = ("engine/ holds filled holes or helpers (a learner's checkout): this maintainer check "
-                  "compares engine/ with the skeleton, so it does not apply; nothing to do")
+    """Skip on a learner's checkout (fail under CI, where engine/ must be the course's own files)."""
+    if len(unfilled_holes()) < len(all_holes()):
+        reason = ("engine/ holds filled holes (a learner's checkout): this maintainer check compares "
+                  "engine/ with the course's stubs, so it does not apply; nothing to do")
         if os.environ.get("CI"):
-            pytest.fail("under CI engine/ must be the pristine skeleton, but " + reason.split(":")[0], pytrace=False)
+            pytest.fail("under CI engine/ must hold the course's stubs, but " + reason.split(":")[0], pytrace=False)
         pytest.skip(reason)
 
 
+def _defs(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    return {(f"{n.name}." if c is not n else "") + f.name: f
+            for n in tree.body for c, f in ([(n, n)] if isinstance(n, ast.FunctionDef) else
+                                            [(None, m) for m in n.body if isinstance(m, ast.FunctionDef)]
+                                            if isinstance(n, ast.ClassDef) else [])}
+
+
 # ---------------------------------------------------------------------------------------- (a)
-def test_skeleton_is_exactly_what_the_generator_makes():
+@pytest.mark.parametrize("rel", CHAPTER_FILES)
+def test_every_hole_is_a_stub_and_solutions_answers_exactly_the_holes(rel):
     maintainer_check_applies()
-    stale = skeleton_tool().generate(check=True)
-    assert stale == [], f"{stale} differ from the skeleton generated from solutions/ (maintainers: run `make skeleton`)"
+    text = (ROOT / "engine" / rel).read_text()
+    holes, mine = holes_of(text), _defs(ast.parse(text))
+    assert holes and not text.startswith("# GENERATED"), f"engine/{rel}: hand-kept, with holes"
+    for q in holes:
+        body = mine[q].body[1:]
+        want = f'raise NotImplementedError("{q} is a hole: fill it in (Chapter 31, engine/{rel})")'
+        assert len(body) == 1 and ast.unparse(body[0]) == ast.unparse(ast.parse(want).body[0]), \
+            f"engine/{rel}: hole {q} must be only its docstring and `{want}`"
+    ref_tree = ast.parse((ROOT / "solutions" / rel).read_text())
+    ref = _defs(ref_tree)
+    assert sorted(q for q in ref if "." in q or q in holes) == sorted(holes), \
+        f"solutions/{rel} must answer exactly the holes {holes}, got {sorted(ref)}"
+    for q in holes:
+        args = lambda f: [a.arg for a in f.args.posonlyargs + f.args.args + f.args.kwonlyargs]  # noqa: E731
+        assert args(ref[q]) == args(mine[q]), f"solutions/{rel}: {q} takes other parameters than the hole"
+        assert ast.get_docstring(ref[q]) is None, f"solutions/{rel}: {q}'s contract is the hole's docstring only"
+    classes = [n.name for n in ref_tree.body if isinstance(n, ast.ClassDef)]
+    assert all(isinstance(m, ast.FunctionDef) and f"{c.name}.{m.name}" in holes
+               for c in ref_tree.body if isinstance(c, ast.ClassDef) for m in c.body), \
+        f"solutions/{rel}: classes {classes} hold the holes' answers and nothing else"
 
 
 # ---------------------------------------------------------------------------------------- (b)
-def signatures(tree: ast.Module) -> dict[str, str]:
-    """'Class.method' / 'function' / 'Class' -> its decorators, arguments and return annotation."""
-    found: dict[str, str] = {}
-
-    def visit(body, prefix: str) -> None:
-        for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                decorators = " ".join("@" + ast.unparse(d) for d in node.decorator_list)
-                returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
-                found[prefix + node.name] = f"{decorators} def({ast.unparse(node.args)}){returns}".strip()
-            elif isinstance(node, ast.ClassDef):
-                decorators = " ".join("@" + ast.unparse(d) for d in node.decorator_list)
-                found[prefix + node.name] = f"{decorators} class({', '.join(map(ast.unparse, node.bases))})".strip()
-                visit(node.body, f"{prefix}{node.name}.")
-
-    visit(tree.body, "")
+def _imports(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found += [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) \
+                and ast.unparse(node.func).split(".")[-1] in ("import_module", "__import__"):
+            found.append(node.args[0].value)
     return found
 
 
-@pytest.mark.parametrize("rel", rel_files())
-def test_skeleton_and_reference_have_the_same_signatures(rel):
-    maintainer_check_applies()
-    ref = signatures(ast.parse((SOLUTIONS / rel).read_text()))
-    mine = signatures(ast.parse((ROOT / "engine" / rel).read_text()))
-    changed = {name: (mine.get(name), ref[name]) for name in ref if mine.get(name) != ref[name]}
-    assert not changed, f"engine/{rel}: signatures differ from the reference (engine, reference): {changed}"
-    extra = sorted(set(mine) - set(ref))
-    assert not extra, f"engine/{rel} defines names the reference lacks: {extra}"
+def test_engine_core_and_the_chapter_files_import_no_fast_path_and_no_course_tooling():
+    offenders = [f"{d}/{rel} imports {name}" for d in ("engine", "solutions") for rel in CHAPTER_FILES
+                 for name in _imports(ROOT / d / rel)
+                 if name.startswith(("engine.serve.backends", "course", "solutions"))]
+    assert not offenders, "the chapter's files must name no fast path and no tooling: " + "; ".join(offenders)
+    engine_py = (ROOT / "engine/serve/engine.py").read_text()
+    assert "backends" not in engine_py and "fuse" not in engine_py, "EngineCore finds its flat model by name"
 
 
-# ---------------------------------------------------------------------------------------- (c)
 def test_engine_never_imports_solutions():
-    offenders = []
-    for path in sorted((ROOT / "engine").rglob("*.py")):
-        try:
-            tree = ast.parse(path.read_text())
-        except SyntaxError:
-            continue  # a file being edited; the tests of its holes say so
-        for node in ast.walk(tree):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                names = [node.module or ""]
-            elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
-                    and isinstance(node.args[0].value, str) \
-                    and ast.unparse(node.func).split(".")[-1] in ("import_module", "__import__"):
-                names = [node.args[0].value]
-            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
-                          if n == "solutions" or n.startswith("solutions.")]
+    offenders = [f"{p.relative_to(ROOT)} imports {n}" for p in sorted((ROOT / "engine").rglob("*.py"))
+                 for n in _imports(p) if n == "solutions" or n.startswith("solutions.")]
     assert not offenders, "engine/ must not import the reference: " + "; ".join(offenders)
 
 
@@ -169,50 +168,60 @@ def test_skeleton_fails_every_hole_test_with_that_holes_NotImplementedError(skel
 
 
 # ---------------------------------------------------------------------------------------- (e)
-def test_all_holes_filled_pass_the_learners_way(skeleton_run, tmp_path):
+def _git(repo: Path, *args: str) -> str:
+    out = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, f"git {args}: {out.stderr}"
+    return out.stdout
+
+
+def test_solutions_branch_passes_with_the_default_impl_and_the_handout_has_no_answers(skeleton_run, tmp_path):
+    repo = workspace(tmp_path / "repo", skeleton_files())
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "the course")
+    tool = [sys.executable, "-m", "course.editions"]
+    made = subprocess.run([*tool, "solutions-branch"], cwd=repo, capture_output=True, text=True)
+    assert made.returncode == 0 and "branch solutions" in made.stdout, made.stdout + made.stderr
+    assert _git(repo, "status", "--porcelain") == "", "the working tree is not touched"
+    _git(repo, "checkout", "-q", "solutions")
     first_of_each: dict[str, str] = {}
     for t in skeleton_run.tests:
         for name in t.holes:
             first_of_each.setdefault(name, t.nodeid)
     milestone = [t.nodeid for t in skeleton_run.tests if t.milestone and SPOT_MILESTONE in t.nodeid]
     given = [t.nodeid for t in skeleton_run.tests if t.given]
-    assert milestone, f"no milestone test named {SPOT_MILESTONE!r}"
     selected = [*first_of_each.values(), *milestone, *given]
-    bed = workspace(tmp_path / "repo", reference_files())
-    run = run_pytest(["-q", "--tb=short", "--impl", "engine", *selected], cwd=bed)
+    assert milestone
+    run = run_pytest(["-q", "--tb=short", *selected], cwd=repo)  # the default --impl: the branch's engine/
     failed = [f"{t.name}: {t.message}" for t in run.tests if not t.passed]
     assert len(run.tests) == len(selected) and not failed, \
-        "with every hole filled from solutions/ these failed under --impl engine:\n" + "\n".join(failed) + \
-        f"\n{run.output[-3000:]}"
+        "on the solutions branch these failed with the default --impl:\n" + "\n".join(failed) + run.output[-3000:]
+    assert "edit(s) OUTSIDE" not in run.output, run.output[-2000:]
 
-
-# ---------------------------------------------------------------------------------------- (f)
-def test_make_skeleton_never_overwrites_a_learners_work(tmp_path):
-    tool = skeleton_tool()
-    engine = tmp_path / "engine"
-    files = skeleton_files()
-    files["serve/blocks.py"] = reference_files()["serve/blocks.py"]  # every hole of this file filled
-    files["serve/batch.py"] += "\n\ndef _my_helper():\n    return 1\n"  # a helper, no hole filled yet
-    files["serve/flat.py"] = files["serve/flat.py"].replace("#", "# stale comment,", 1)  # an old skeleton
-    for rel, text in files.items():
-        (engine / rel).parent.mkdir(parents=True, exist_ok=True)
-        (engine / rel).write_text(text)
-    said: list[str] = []
-    tool.generate(engine_dir=engine, say=said.append)
-    assert (engine / "serve/blocks.py").read_text() == files["serve/blocks.py"], "a filled file was overwritten"
-    assert (engine / "serve/batch.py").read_text() == files["serve/batch.py"], "a learner's helper was overwritten"
-    assert (engine / "serve/flat.py").read_text() == skeleton_files()["serve/flat.py"], "a stale skeleton is regenerated"
-    kept = [s for s in said if s.startswith("kept")]
-    assert len(kept) == 2 and "filled" in kept[0] + kept[1] and "helper _my_helper" in "".join(kept), said
-    said.clear()
-    tool.generate(engine_dir=engine, force=True, say=said.append)
-    backups = sorted((tmp_path / tool.BACKUP_DIR).rglob("*.py"))
-    assert [b.name for b in backups] == ["batch.py", "blocks.py"], "--force backs the learner's files up first"
-    assert backups[1].read_text() == files["serve/blocks.py"] and any(str(backups[1]) in s for s in said), said
+    _git(repo, "checkout", "-q", "main")
+    dest = tmp_path / "handout"
+    out = subprocess.run([*tool, "handout", str(dest)], cwd=repo, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert not (dest / "solutions").exists() and not (dest / "tests/learner_fill.py").exists()
+    readme = (dest / "README.md").read_text()
+    commands = re.findall(r"^\$ (.+)$", readme, re.M)
+    assert commands, "the handout README lists its commands as '$ command' lines"
+    for command in commands:  # the README's python is .venv/bin/python: here, this interpreter
+        cmd = command.replace(".venv/bin/python", sys.executable)
+        got = subprocess.run(cmd, shell=True, cwd=dest, capture_output=True, text=True, timeout=600,
+                             env={**{k: v for k, v in os.environ.items() if k != "ENGINE_IMPL"},
+                                  "ENGINE_COURSE_COPY": str(dest)})  # the README's commands, as typed
+        said = got.stdout + got.stderr
+        assert got.returncode in (0, 1, 2) and "Traceback" not in said, f"{command}: exit {got.returncode}\n{said[-2000:]}"
+        if "pytest" in command:
+            assert "no solutions/ here" in said and "NotImplementedError" in said, said[-2000:]
+        if "run.py core" in command:
+            assert "Your engine is not finished yet" in said, said[-2000:]
 
 
 # ---------------------------------------------------------------------------------------- (g)
-EDIT_OUTSIDE = ("            del self.cached[h]\n", "            pass  # keeps the stale hash entry\n")
+EDIT_OUTSIDE = ("        owner = self.cached.pop(digest, None)\n", "        owner = self.cached.get(digest)\n")
 
 
 def test_an_edit_outside_the_holes_is_reported_and_runs_everywhere(tmp_path):
@@ -220,26 +229,37 @@ def test_an_edit_outside_the_holes_is_reported_and_runs_everywhere(tmp_path):
     assert files["serve/blocks.py"].count(EDIT_OUTSIDE[0]) == 1
     files["serve/blocks.py"] = files["serve/blocks.py"].replace(*EDIT_OUTSIDE)  # in BlockManager._forget_hash
     files["serve/batch.py"] += "\n\nimport math\n\n\ndef _my_helper():\n    return math.pi\n"  # allowed
+    files["serve/flat.py"] += "\nprint('appended')\n"  # one line at the end of a chapter file
     bed = workspace(tmp_path / "repo", files)
-    edits = skeleton_tool().outside_hole_edits(bed / "engine")
-    assert edits == ["engine/serve/blocks.py: BlockManager._forget_hash (given code) differs from the chapter's"], edits
+    edits = outside_hole_edits(bed / "engine", copy=lambda rel: (ROOT / "engine" / rel).read_text())
+    assert edits == ["engine/serve/flat.py: an added statement in module reaches outside the file "
+                     f"(line {files['serve/flat.py'].count(chr(10))}): print('appended')",
+                     "engine/serve/blocks.py: BlockManager._forget_hash (given code) differs from the chapter's"], edits
     run = run_pytest(["-q", "--impl", "engine", CHAPTER_TESTS, "-k", "evicts_the_old_hash"], cwd=bed)
-    assert "edit(s) OUTSIDE the holes" in run.output and "BlockManager._forget_hash" in run.output, run.output[-2000:]
+    assert "edit(s) OUTSIDE the holes" in run.output and "BlockManager._forget_hash" in run.output \
+        and "print('appended')" in run.output, run.output[-2000:]
     assert run.tests and not any(t.passed for t in run.tests), "the tests must run the learner's _forget_hash too"
 
 
-def test_a_learner_who_drops_an_unused_import_still_gets_the_reference_elsewhere(tmp_path):
-    from learner_fill import BODIES
+@pytest.mark.parametrize("line", ["torch.manual_seed = lambda *a: None", "build_batch = print",
+                                  "import course.grade", "EXTRA = open('../solutions/serve/batch.py').read()",
+                                  "Batch.num_sample_rows = 0"])
+def test_an_added_line_that_reaches_out_is_an_edit(line):
+    text = (ROOT / "engine/serve/batch.py").read_text()
+    assert edits_in(text + "\n" + line + "\n", text, "serve/batch.py"), line
+    assert edits_in(text + "\nMY_CONSTANT = 3\n\n\ndef _mine(x):\n    return x\n", text, "serve/batch.py") == []
+
+
+def test_a_learner_without_the_references_imports_still_gets_the_reference_elsewhere(tmp_path):
+    from learner_fill import indented
 
     files = reference_files()
-    mine = skeleton_tool().replace_bodies(files["serve/blocks.py"], "serve/blocks.py",
-                                          {"hash_block": BODIES["serve/blocks.py"]["hash_block"]})
-    for line in ("import sys\n", "from array import array\n"):  # unused by this hash_block: an editor drops them
+    mine = fill(files["serve/blocks.py"], {"hash_block": indented("serve/blocks.py")["hash_block"]})
+    for line in ("import sys\n", "from array import array\n"):  # the reference hash_block's: this one needs neither
         assert mine.count(line) == 1
         mine = mine.replace(line, "")
     files["serve/blocks.py"] = mine
     bed = workspace(tmp_path / "repo", files)
-    assert skeleton_tool().outside_hole_edits(bed / "engine") == []
     run = run_pytest(["-q", "--impl", "engine", CHAPTER_TESTS, "-k", "find_cached_prefix or hash_block"], cwd=bed)
     failed = [f"{t.name}: {t.message}" for t in run.tests if not t.passed]
     assert run.tests and not failed, "the reference hash_block, swapped in for other holes' tests, must still " \
@@ -264,12 +284,11 @@ def test_a_learner_file_that_does_not_import_fails_only_its_own_holes(tmp_path):
 
 # ---------------------------------------------------------------------------------------- (i)
 def test_holes_written_from_their_docstrings_pass(tmp_path):
-    from learner_fill import BODIES
+    from learner_fill import BODIES, indented
 
-    tool = skeleton_tool()
     files = reference_files()
-    for rel, bodies in BODIES.items():
-        files[rel] = tool.replace_bodies(files[rel], rel, bodies)
+    for rel in BODIES:
+        files[rel] = fill(files[rel], indented(rel))
     bed = workspace(tmp_path / "repo", files)
     run = run_pytest(["-q", "--tb=short", "--impl", "engine", CHAPTER_TESTS, "tests/test_isolation.py"], cwd=bed,
                      per_test_timeout=120)

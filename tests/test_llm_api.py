@@ -339,7 +339,7 @@ def test_constructor_takes_vllms_names(model, tok):
     llm = LLM(model, tok, block_size=4, num_gpu_blocks_override=24, scheduling_policy="priority",
               enforce_eager=True, trust_remote_code=True, tensor_parallel_size=1, disable_log_stats=True,
               swap_space=4, dtype="auto", hf_overrides={}, seed=0)
-    assert llm.engine.blocks.num_blocks == 24 and llm.engine.config.policy == "priority"
+    assert llm.engine.blocks.num_blocks == 24 and llm.engine.config.scheduler.policy == "priority"
     from engine.serve.sizing import kv_bytes_per_block
 
     per_block = kv_bytes_per_block(2, model.cfg.num_key_value_heads, model.cfg.head_dim, 4, torch.float64)

@@ -643,7 +643,7 @@ def test_engine_core_matches_hf_generate(ckpt, hf_models, name, setup):
         got, reason = done[f"r{i}"]
         assert got == want, f"{name}/{setup}: request r{i} (prompt length {len(p)}) differs from HF generate"
         assert reason == ("stop" if want[-1] in (0, 2) else "length")
-    assert core.blocks.num_free == config.num_blocks, "blocks leaked at idle"
+    assert core.blocks.num_free == config.cache.num_blocks, "blocks leaked at idle"
     if setup in ("preempt", "all"):
         assert core.preemptions > 0, "the 12-block pool should have forced a preemption"
     if setup == "prefix":

@@ -8,7 +8,7 @@ tests cannot see that bug: strengthen tests/test_ch31_engine_v2.py (keep the mar
 """
 from __future__ import annotations
 
-from learner_holes import all_holes
+from course.holes import all_holes
 from course.mutants import MILESTONE_MUST_CATCH, MUTANTS, format_table, run_all
 
 

@@ -357,8 +357,8 @@ class EngineMachine(RuleBasedStateMachine):
         rid = f"q{self.count}"
         self.count += 1
         cfg = self.core.config
-        never = (len(prompt) + max_tokens > cfg.num_blocks * cfg.block_size
-                 or (not cfg.enable_chunked_prefill and len(prompt) > cfg.max_num_batched_tokens))
+        never = (len(prompt) + max_tokens > cfg.cache.num_blocks * cfg.cache.block_size
+                 or (not cfg.scheduler.enable_chunked_prefill and len(prompt) > cfg.scheduler.max_num_batched_tokens))
         if never:
             with pytest.raises(ValueError):
                 self.core.add_request(rid, list(prompt), params, priority=priority, cache_key=key)

@@ -7,7 +7,7 @@ import torch
 
 from engine.serve.attention import AttentionBackend, KVCache
 from engine.serve.batch import Batch, build_batch
-from engine.serve.cache_config import CacheConfig
+from engine.serve.config import CacheConfig
 from engine.serve.flat import FlatModel
 from engine.serve.params import SamplingParams
 from engine.serve.request import Request
@@ -111,13 +111,5 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:
-        """One forward pass over the batch -> logits [len(logits_indices), V] (float32/float64).
-        A model with ``selects_rows`` (the fast flat models) computes only the rows whose logits
-        are needed past its last layer's K/V write, when those are not all the rows."""
-        rows = batch.logits_indices
-        keep = getattr(self.flat, "selects_rows", False) and rows.numel() < batch.input_ids.shape[0]
-        hidden = self.flat.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend,
-                                   **({"keep_rows": rows} if keep else {}))  # [M, D] if keep, else [N, D]
-        if rows.numel() == 0:
-            return hidden.new_empty((0, self.flat.cfg.vocab_size), dtype=torch.float32)
-        return self.flat.compute_logits(hidden if keep else hidden.index_select(0, rows))
+        """One forward pass over the batch -> logits [len(logits_indices), V] (float32/float64)."""
+        return self.flat.logits(batch, self.kv_caches, self.backend)

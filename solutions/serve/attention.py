@@ -1,39 +1,16 @@
-"""Attention over the block pool, and the registry of attention backends.
+"""The reference bodies of engine/serve/attention.py's holes (the chapter's answers).
 
-Per layer the pool is two tensors, K and V, of shape ``[num_blocks + 1, block_size, Hkv, D]``:
-slot-major, so flat slot s is block ``s // block_size``, offset ``s % block_size``, and a write is
-one ``index_copy_`` over flat slot numbers. The extra last block is scratch: padding rows write
-there and the block manager never hands it out.
+Each function runs in that module's namespace (engine/_impl.py puts it there), so it uses the
+module's names as they are; its contract is the hole's docstring in engine/serve/attention.py.
 """
 from __future__ import annotations
-
-import importlib
-from typing import Protocol
 
 import torch
 
 from engine.attention import causal_attention
-from engine.serve.batch import BatchMeta
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_pool, v_pool), each [num_blocks + 1, block_size, Hkv, D]
 
 
-def zero_pools(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
-    """One layer's K pool and V pool, both of ``shape`` and filled with zeros."""
-    k_pool = torch.zeros(shape, dtype=dtype, device=device)
-    return k_pool, torch.zeros_like(k_pool)
-
-
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K and V rows into their pool slots. (Your engine: Chapter 31)
-
-    k, v: [N, Hkv, D]; slot_mapping: int64 [N] flat slot numbers. Padding rows carry slot -1
-    (``PAD_SLOT``) and are written too, into the pool's very last slot (it lies in the scratch
-    block). Dropping them instead would give a result whose size depends on the data: the host
-    would have to wait for the device to learn how many rows are real, and a captured CUDA graph
-    cannot include such a wait. Writes in place, one ``index_copy_`` per pool.
-    """
+def write_kv(k_cache, v_cache, k, v, slot_mapping):
     scratch_slot = k_cache.shape[0] * k_cache.shape[1] - 1  # the scratch block's last slot
     slots = slot_mapping.masked_fill(slot_mapping < 0, scratch_slot)
     for pool, rows in ((k_cache, k), (v_cache, v)):
@@ -41,46 +18,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         flat.index_copy_(0, slots, rows.to(pool.dtype))
 
 
-class AttentionBackend(Protocol):
-    """What FlatModel needs from a backend: a pool per layer, a write, and paged attention."""
-
-    name: str
-
-    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache: ...
-
-    def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None: ...
-
-    def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
-                window: int = 0) -> torch.Tensor: ...
-
-
 class ReferenceBackend:
-    """Paged attention as a Python loop over requests: slow, and obviously right.
-
-    Every faster backend is tested against this one.
-    """
-
-    name = "reference"
-
-    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
-        return zero_pools(shape, dtype, device)
-
-    def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
-        k_pool, v_pool = cache
-        write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
-
-    def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
-                window: int = 0) -> torch.Tensor:
-        """Attention for every row of the flat batch. (Your engine: Chapter 31)
-
-        q: [N, Hq, D] -> [N, Hq, D]. For request r with t = its number of rows and L = seq_lens[r]:
-        look up the slots of its positions 0 .. L-1 through ``block_table[r]`` (position p lives
-        in slot ``table[p // block_size] * block_size + p % block_size``), read K and V there,
-        and run chapter 5's causal attention. Its t queries close the context: query i is at
-        position L-t+i and sees keys 0 .. L-t+i (with ``window > 0``, only keys with
-        k_pos > q_pos - window). Requests with L == 0 are
-        padding: their rows are left as zeros.
-        """
+    def forward(self, q, cache, meta, scale=None, window=0):
         k_pool, v_pool = cache
         bs = meta.block_size
         k_flat = k_pool.view(-1, *k_pool.shape[2:])  # [slots, Hkv, D]
@@ -100,21 +39,3 @@ class ReferenceBackend:
             out[start:end] = causal_attention(q[start:end], k_flat[slots], v_flat[slots], q_pos, k_pos,
                                               scale=scale, window=window)
         return out
-
-
-# Backends by name. Faster ones live in their own modules and are imported only when asked for.
-BACKENDS: dict[str, str] = {
-    "reference": "engine.serve.attention:ReferenceBackend",
-    "torch": "engine.serve.backends.torch_attention:TorchBackend",
-    "triton": "engine.serve.backends.triton_attention:TritonBackend",
-    "cpu": "engine.serve.backends.cpu_attention:CPUBackend",
-}
-
-
-def get_backend(name: str, **options) -> AttentionBackend:
-    """The attention backend called ``name`` (see ``BACKENDS``), built with ``options``."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}: choose one of {sorted(BACKENDS)}")
-    module_name, cls_name = BACKENDS[name].split(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    return cls(**options)

@@ -1,95 +1,29 @@
-"""FlatModel: an already loaded Qwen3 / Qwen3-MoE, run on the flattened batch's rows.
+"""The reference bodies of engine/serve/flat.py's holes (the chapter's answers).
 
-Nothing is copied or renamed: FlatModel drives the model's own modules (projections, norms, MLP
-or MoE block, LM head) on ``[N, ...]`` rows that may belong to many requests, through the model's
-own decoder loop (``Qwen3Model.run_layers``, the loop ``generate()`` runs too). Only attention
-looks at request boundaries, through ``BatchMeta`` and an attention backend: it is the one piece
-FlatModel hands the loop. ``add_norm`` (residual add + norm, the seam a later chapter fuses) lives
-in ``engine.models.layers`` and is re-exported here.
+Each function runs in that module's namespace (engine/_impl.py puts it there), so it uses the
+module's names as they are; its contract is the hole's docstring in engine/serve/flat.py.
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from engine.models.layers import add_norm
 from engine.rope import rope_cos_sin
-from engine.serve.attention import AttentionBackend, KVCache
-from engine.serve.batch import BatchMeta
-
-__all__ = ["FlatModel", "add_norm"]
 
 
 class FlatModel:
-    """Runs a Qwen3-family model on N flat rows with K/V in a block pool."""
-
-    def __init__(self, model: nn.Module) -> None:
-        if not all(hasattr(model, a) for a in ("cfg", "model", "compute_logits")):
-            raise ValueError("FlatModel wraps a Qwen3ForCausalLM-style model: .cfg, .model, .compute_logits")
-        self.model = model
-        self.cfg = model.cfg
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.model.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.model.embed_tokens.weight.device
-
-    def kv_spec(self) -> tuple[int, int, int]:
-        """(layers, kv_heads, head_dim): for each token, every one of the ``layers`` layers keeps
-        ``kv_heads`` K vectors and as many V vectors, each of ``head_dim`` numbers."""
-        c = self.cfg
-        per_layer = (c.num_key_value_heads, c.head_dim)
-        return (c.num_hidden_layers, *per_layer)
-
-    def attention(self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  kv_cache: KVCache, meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
-        """One layer's attention on the flat rows. (Your engine: Chapter 31)
-
-        x: [N, D] (already normed); cos/sin [N, head_dim], computed once per step. ``attn.qkv(x,
-        cos, sin)`` gives q [N, Hq, Dh] and k, v [N, Hkv, Dh], with Qwen3's per-head RMSNorm and
-        RoPE by each row's own position already applied to q and k. Write this step's k and v —
-        AFTER RoPE, as they come out of ``qkv`` — into the pool FIRST; then attend through the
-        backend (which reads this step's K/V back from the pool) with the layer's ``attn.scale``
-        and the model's ``self.cfg.sliding_window``; then ``attn.o_proj`` on the [N, Hq * Dh]
-        output. Returns [N, D].
-        """
+    def attention(self, attn, x, cos, sin, kv_cache, meta, backend):
         q, k, v = attn.qkv(x, cos, sin)  # [N, Hq, Dh], [N, Hkv, Dh], [N, Hkv, Dh]
         backend.write(kv_cache, k, v, meta)
         o = backend.forward(q, kv_cache, meta, scale=attn.scale, window=self.cfg.sliding_window)
         return attn.o_proj(o.reshape(x.shape[0], -1))  # [N, Hq * Dh] -> [N, D]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
-        """The whole model on the flat batch: input_ids, positions [N] -> final hidden [N, D].
-        (Your engine: Chapter 31)
-
-        Embed the rows (``self.model.model.embed_tokens``); compute the RoPE tables ONCE for all N
-        rows from their ``positions`` (``rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta,
-        self.dtype)``, shared by every layer); run the model's decoder loop
-        ``self.model.model.run_layers(hidden, cos, sin, attend)`` with an ``attend(layer_idx,
-        attn, x, cos, sin)`` that is ``self.attention`` on layer ``layer_idx``'s pool
-        ``kv_caches[layer_idx]``. The loop returns (hidden, residual) with the last residual add
-        still to do: finish with ``add_norm(hidden, residual, self.model.model.norm)`` (it returns
-        (norm(hidden + residual), hidden + residual)) and return the normed rows.
-        """
+    def forward(self, input_ids, positions, kv_caches, meta, backend):
         m = self.model.model
         hidden = m.embed_tokens(input_ids)  # [N, D]
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, hidden.dtype)
 
-        def attend(i: int, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        def attend(i, attn, x, cos, sin):  # layer i attends through its own pool
             return self.attention(attn, x, cos, sin, kv_caches[i], meta, backend)
 
         hidden, residual = m.run_layers(hidden, cos, sin, attend)
         out, _ = add_norm(hidden, residual, m.norm)
         return out
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head on the rows the sampler needs only: hidden [M, D] -> logits [M, V], in float32
-        (float64 for a float64 model). A 2,000-token prefill sends one row through here, not 2,000.
-        The model's own ``compute_logits``: the matmul runs in the model's dtype and only the
-        logits are widened (upcasting the [V, D] weight instead would copy the model's largest
-        matrix every step)."""
-        return self.model.compute_logits(hidden)

@@ -1,4 +1,4 @@
-"""CompiledFlatModel: FusedFlatModel's decoder layer as one TorchInductor graph (``EngineConfig(compile=True)``).
+"""CompiledFlatModel: FusedFlatModel's decoder layer as one TorchInductor graph (``EngineConfig(flat_model="compiled")``).
 
 Eager PyTorch pays a few microseconds of dispatch for each of the ~30 small operations of a layer
 (norms, RoPE, SiLU-mul, residual adds, casts) and makes a pass over memory for each. Compiled, the
@@ -196,7 +196,7 @@ def _finish_compiles() -> None:
     is inside TorchInductor aborts the process. (It may delay the exit by the compile's rest.)"""
     for graphs in list(_graphs.values()):
         if graphs.thread is not None and graphs.thread.is_alive():
-            print("compile=True: waiting for the background compile to end before exiting", file=sys.stderr, flush=True)
+            print("flat_model='compiled': waiting for the background compile to end before exiting", file=sys.stderr, flush=True)
             graphs.thread.join()
 
 
@@ -235,10 +235,10 @@ class CompiledFlatModel(FusedFlatModel):
     def __init__(self, model: nn.Module, background: bool = True) -> None:
         why = inductor_available()
         if why:
-            raise ValueError(f"compile=True needs TorchInductor: {why}; use compile=False")
+            raise ValueError(f"flat_model='compiled' needs TorchInductor: {why}; use flat_model='fused'")
         super().__init__(model)
         if any(not isinstance(layer.mlp, Qwen3MLP) for layer in model.model.layers):
-            raise ValueError("compile=True serves dense models only (this one has MoE layers); use compile=False")
+            raise ValueError("flat_model='compiled' serves dense models only (this one has MoE layers); use 'fused'")
         m, cfg = model.model, self.cfg
         work = self.linear_dtype
         first = m.layers[0]
@@ -287,7 +287,7 @@ class CompiledFlatModel(FusedFlatModel):
         returns zeros: the graph is dynamic in N, so every later step size reuses it. Announced on
         stderr with its duration; a failure is announced too and leaves the engine eager."""
         cfg, work, graphs = self.cfg, self.linear_dtype, self.graphs
-        print(f"compile=True: compiling the decoder layer ({cfg.num_hidden_layers} layers, one graph) with "
+        print(f"flat_model='compiled': compiling the decoder layer ({cfg.num_hidden_layers} layers, one graph) with "
               f"TorchInductor in the background (steps run eagerly until it is done); cache "
               f"{os.environ['TORCHINDUCTOR_CACHE_DIR']}", file=sys.stderr, flush=True)
         hits, misses = _cache_counts()
@@ -300,12 +300,12 @@ class CompiledFlatModel(FusedFlatModel):
                 self._run(hidden, cos, sin, step, self.dtype, compiled=True)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: say so, stay eager
             graphs.error = exc
-            print(f"compile=True: compiling failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            print(f"flat_model='compiled': compiling failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                   "this engine keeps running eagerly", file=sys.stderr, flush=True)
         else:
             graphs.seconds = time.perf_counter() - start
             hits2, misses2 = _cache_counts()
-            print(f"compile=True: compiled in {graphs.seconds:.1f} s (FX graph cache: {hits2 - hits} hit(s), "
+            print(f"flat_model='compiled': compiled in {graphs.seconds:.1f} s (FX graph cache: {hits2 - hits} hit(s), "
                   f"{misses2 - misses} miss(es)); steps of more than {self.eager_rows} rows now run the graph",
                   file=sys.stderr, flush=True)
         finally:

@@ -1,4 +1,4 @@
-"""FusedFlatModel: the flat forward pass in fewer, larger operations (``EngineConfig(fuse_ops=True)``).
+"""FusedFlatModel: the flat forward pass in fewer, larger operations (``EngineConfig(flat_model="fused")``).
 
 ``FlatModel`` drives the model's own modules one by one: three projections for q, k and v, two
 for gate and up, a norm and a RoPE for q and another for k. Each is a separate pass over memory
@@ -44,7 +44,7 @@ from engine.precision import work_dtype
 from engine.rope import rope_cos_sin
 from engine.serve.attention import AttentionBackend, KVCache
 from engine.serve.backends import cpu_elementwise, cpu_linear
-from engine.serve.batch import BatchMeta
+from engine.serve.batch import Batch, BatchMeta
 from engine.serve.flat import FlatModel
 
 
@@ -237,7 +237,16 @@ class FusedFlatModel(FlatModel):
             return norm(x)
         return F.rms_norm(x, (x.shape[-1],), self._norm_weight(norm), norm.eps)
 
-    selects_rows = True  # forward takes keep_rows (ModelRunner.execute passes logits_indices)
+    def logits(self, batch: Batch, kv_caches: list[KVCache], backend: AttentionBackend) -> torch.Tensor:
+        """FlatModel's ``logits``, with the last layer past its K/V write run on the batch's
+        ``logits_indices`` rows alone when those are not all the rows."""
+        rows = batch.logits_indices
+        if rows.numel() == batch.input_ids.shape[0]:
+            return super().logits(batch, kv_caches, backend)
+        hidden = self.forward(batch.input_ids, batch.positions, kv_caches, batch.meta, backend, keep_rows=rows)
+        if rows.numel() == 0:
+            return hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
+        return self.compute_logits(hidden)  # [M, D] -> [M, V]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: BatchMeta, backend: AttentionBackend, keep_rows: torch.Tensor | None = None) -> torch.Tensor:

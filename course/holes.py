@@ -1,0 +1,243 @@
+"""The chapter files read on the syntax tree: which holes are filled, what changed outside them, and filling them.
+
+``outside_hole_edits`` compares a learner's chapter file with the course's own copy of it (hole
+bodies aside; formatting, comments and docstrings don't count) and lists, one line each: a given
+def or class that differs or is missing, a hole whose signature differs, a given statement changed
+or removed, and ADDED module- or class-level statements that reach beyond the file: reassigning a
+name the course's file defines, patching (assigning into, or calling a method on) a name of
+``engine``, ``torch`` or the course, any other bare call, and anything that imports ``course`` or
+reads ``solutions/``. New helpers (functions, methods, constants, imports) are the learner's own.
+
+The course's copy: ``ENGINE_COURSE_COPY`` (a checkout whose engine/ is the course's, which the
+grader and the workspaces set), else git: the file as ``origin/HEAD``, ``origin/main`` or ``HEAD``
+has it, the first that exists.
+
+``fill(text, answers)`` writes the reference bodies of ``solutions/`` into a chapter file's text
+(``make solutions-branch``, the mutants, the contract tests).
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine._impl import CHAPTER_FILES, ROOT, holes_of
+
+COPY_VAR = "ENGINE_COURSE_COPY"
+GIT_REFS = ("origin/HEAD", "origin/main", "HEAD")
+REACH = {"engine", "torch", "course", "solutions", "sys", "builtins", "importlib"}  # names an added line may not patch
+
+
+@dataclass(frozen=True)
+class Hole:
+    qualname: str  # "BlockManager.allocate_slots"
+    file: str  # "engine/serve/blocks.py"
+
+
+def all_holes() -> list[Hole]:
+    """Every hole of the chapter, file by file in the chapter's order."""
+    from engine._impl import all_holes as holes
+
+    return [Hole(q, f"engine/{rel}") for q, rel in holes().items()]
+
+
+def _defs(tree: ast.Module) -> dict[str, ast.AST]:
+    """'Class.method' / 'function' / 'Class' -> its node, for every def and class (not inside functions)."""
+    found: dict[str, ast.AST] = {}
+
+    def visit(body, prefix: str) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found[prefix + node.name] = node
+                if isinstance(node, ast.ClassDef):
+                    visit(node.body, f"{prefix}{node.name}.")
+
+    visit(tree.body, "")
+    return found
+
+
+def _body(fn: ast.FunctionDef) -> list[ast.stmt]:
+    return fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
+
+
+def is_stub(fn: ast.AST) -> bool:
+    body = _body(fn) if isinstance(fn, ast.FunctionDef) else []
+    return (len(body) == 1 and isinstance(body[0], ast.Raise) and isinstance(body[0].exc, ast.Call)
+            and getattr(body[0].exc.func, "id", "") == "NotImplementedError")
+
+
+def unfilled_holes(engine_dir: Path = ROOT / "engine") -> list[Hole]:
+    """The holes whose body in ``engine_dir`` is still the chapter's ``raise NotImplementedError``."""
+    left = []
+    for hole in all_holes():
+        try:
+            defs = _defs(ast.parse((engine_dir / hole.file.removeprefix("engine/")).read_text()))
+        except (OSError, SyntaxError):
+            continue
+        if is_stub(defs.get(hole.qualname)):
+            left.append(hole)
+    return left
+
+
+def course_copy(rel: str) -> str | None:
+    """The course's own text of ``engine/<rel>`` (None when neither source has it)."""
+    if os.environ.get(COPY_VAR):
+        path = Path(os.environ[COPY_VAR]) / "engine" / rel
+        return path.read_text() if path.is_file() else None
+    for ref in GIT_REFS:
+        try:
+            out = subprocess.run(["git", "show", f"{ref}:engine/{rel}"], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if out.returncode == 0:
+            return out.stdout
+    return None
+
+
+def _shape(node: ast.AST, hole: bool) -> str:
+    """A def's comparable form: without its docstring; a hole's is its signature only."""
+    if isinstance(node, ast.ClassDef):
+        return ast.dump(ast.ClassDef(node.name, node.bases, node.keywords, [], node.decorator_list))
+    head = ast.dump(node.args) + "".join(map(ast.dump, node.decorator_list)) + ast.dump(node.returns or ast.Pass())
+    return head if hole else head + "".join(map(ast.dump, _body(node)))
+
+
+def _statements(tree: ast.Module, imports: bool = False) -> Counter:
+    """Module- and class-level statements other than defs, docstrings and (unless ``imports``)
+    imports: (scope, text)."""
+    found: Counter = Counter()
+
+    def visit(body, scope: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                visit(node.body, node.name if scope == "module" else f"{scope}.{node.name}")
+            elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and (imports or not isinstance(node, (ast.Import, ast.ImportFrom))) and not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+                found[(scope, ast.unparse(node))] += 1
+
+    visit(tree.body, "module")
+    return found
+
+
+def _reaches_out(node: ast.stmt, given: set[str]) -> bool:
+    """Whether an added statement does more than define something of the learner's own."""
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        return any(n.split(".")[0] in ("course", "solutions") for n in names)
+    if any(isinstance(n, ast.Constant) and isinstance(n.value, str) and "solutions" in n.value for n in ast.walk(node)):
+        return True  # reads the answers
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in targets:
+            for t in ast.walk(target):
+                if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store) and t.id in given:
+                    return True  # reassigns a name the course's file defines
+                if isinstance(t, (ast.Attribute, ast.Subscript)) and isinstance(t.ctx, ast.Store):
+                    return True  # patches something that is not new
+        return any(isinstance(n, ast.Call) for n in ast.walk(node.value)) and \
+            any(isinstance(n, ast.Name) and n.id in REACH | given for n in ast.walk(node.value))
+    return not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)) and not isinstance(node, ast.Pass)
+
+
+def edits_in(mine_text: str, course_text: str, rel: str) -> list[str]:
+    """The edits outside the holes of one chapter file (see the module docstring)."""
+    course_tree, mine_tree = ast.parse(course_text), ast.parse(mine_text)
+    holes = set(holes_of(course_text))
+    mine, course = _defs(mine_tree), _defs(course_tree)
+    edits = []
+    for q, node in course.items():
+        if q not in mine:
+            edits.append(f"engine/{rel}: {q} is missing")
+        elif _shape(mine[q], q in holes) != _shape(node, q in holes):
+            edits.append(f"engine/{rel}: " + (f"the signature of hole {q} differs" if q in holes
+                                               else f"{q} (given code) differs from the chapter's"))
+    for (scope, text), _ in (_statements(course_tree) - _statements(mine_tree)).items():
+        edits.append(f"engine/{rel}: a given statement in {scope} was changed or removed: {text[:60]}")
+    given = {n.id for n in ast.walk(course_tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} | \
+        {q.split(".")[0] for q in course} | {(a.asname or a.name).split(".")[0] for n in ast.walk(course_tree)
+                                             if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    known = {(scope, text) for scope, text in _statements(course_tree, imports=True)}
+
+    def added(body, scope: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                added(node.body, node.name)
+            elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and (scope, ast.unparse(node)) not in known and _reaches_out(node, given):
+                edits.append(f"engine/{rel}: an added statement in {scope} reaches outside the file "
+                             f"(line {node.lineno}): {ast.unparse(node).splitlines()[0][:60]}")
+
+    added(mine_tree.body, "module")
+    return edits
+
+
+def outside_hole_edits(engine_dir: Path = ROOT / "engine", copy=course_copy) -> list[str] | None:
+    """Every edit outside the holes in ``engine_dir``'s chapter files, one line each; None when
+    the course's copy of the files can't be found (``copy(rel)`` gives it)."""
+    edits = []
+    for rel in CHAPTER_FILES:
+        course = copy(rel)
+        if course is None:
+            return None
+        try:
+            edits += edits_in((engine_dir / rel).read_text(), course, rel)
+        except (OSError, SyntaxError):
+            continue  # reported where the file is imported
+    return edits
+
+
+# ----- filling holes with their reference bodies ----------------------------------------------
+def answers(rel: str, solutions: Path = ROOT / "solutions", text: str | None = None) -> tuple[dict[str, str], list[str]]:
+    """``solutions/<rel>``: (hole qualname -> its body's source, indented as in the chapter file;
+    the file's import lines)."""
+    source = (solutions / rel).read_text() if text is None else text
+    lines, tree = source.splitlines(keepends=True), ast.parse(source)
+    bodies, imports = {}, []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "module", "") != "__future__":
+            imports.append(ast.unparse(node))
+        for fn, prefix in ([(node, "")] if isinstance(node, ast.FunctionDef) else
+                           [(f, node.name + ".") for f in node.body if isinstance(f, ast.FunctionDef)]
+                           if isinstance(node, ast.ClassDef) else []):
+            start = fn.body[0].lineno - 1
+            while start > fn.lineno and lines[start - 1].strip().startswith("#"):
+                start -= 1  # comments above the first statement belong to the body
+            bodies[prefix + fn.name] = "".join(lines[start:fn.end_lineno])
+    return bodies, imports
+
+
+def fill(text: str, bodies: dict[str, str], imports: list[str] = ()) -> str:
+    """``text`` (a chapter file) with each named hole's body after its docstring replaced by
+    ``bodies[name]``, and the ``imports`` it lacks added after its last top-level import."""
+    tree = ast.parse(text)
+    lines = text.splitlines(keepends=True)
+    edits = []
+    for q, fn in _defs(tree).items():
+        if q in bodies and isinstance(fn, ast.FunctionDef):
+            first = fn.body[0]
+            begin = first.end_lineno if ast.get_docstring(fn) is not None else fn.body[0].lineno - 1
+            edits.append((begin, fn.end_lineno, bodies[q] if bodies[q].endswith("\n") else bodies[q] + "\n"))
+    present = {ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))}
+    bound = {a.asname or a.name for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    missing = [i for i in imports if i not in present
+               and not {a.asname or a.name for a in ast.parse(i).body[0].names} <= bound]
+    last_import = max((n.end_lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))), default=0)
+    if missing:
+        edits.append((last_import, last_import, "".join(m + "\n" for m in missing)))
+    for start, end, new in sorted(edits, reverse=True):
+        lines[start:end] = [new]
+    return "".join(lines)
+
+
+def filled_files(solutions: Path = ROOT / "solutions", engine_texts: dict[str, str] | None = None) -> dict[str, str]:
+    """Every chapter file with every hole filled from ``solutions`` (the solutions branch's files)."""
+    out = {}
+    for rel in CHAPTER_FILES:
+        text = engine_texts[rel] if engine_texts else course_copy(rel) or (ROOT / "engine" / rel).read_text()
+        bodies, imports = answers(rel, solutions)
+        out[rel] = fill(text, bodies, imports)
+    return out
