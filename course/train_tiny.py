@@ -390,12 +390,15 @@ def plot_curve(curve: list[tuple[int, float]], evals: list[tuple[int, float]], p
 
 
 def greedy_card_generations(folder: Path, max_new_tokens: int = 48) -> dict[str, str]:
-    """prompt -> its greedy continuation by ``engine.generate`` on the saved checkpoint (EOS ends it)."""
+    """prompt -> its greedy continuation by ``engine.generate`` on the saved checkpoint, computed
+    in float64 (exact greedy choices on any CPU), EOS included; "[EOS]" or "[...]" marks the end."""
+    import torch
+
     from engine.generate import generate
     from engine.models.loader import load_model
     from engine.tokenizer import Tokenizer
 
-    model = load_model(folder)
+    model = load_model(folder, dtype=torch.float64)
     tok = Tokenizer.from_pretrained(folder)
     out = {}
     for prompt in CARD_PROMPTS:
@@ -404,9 +407,15 @@ def greedy_card_generations(folder: Path, max_new_tokens: int = 48) -> dict[str,
     return out
 
 
+def card_line(prompt: str, generation: str) -> str:
+    """One quoted continuation as the model card lists it: the prompt in bold, then the text."""
+    return f"- **{prompt}**{generation if generation.startswith(' ') else ' ' + generation}"
+
+
 def model_card(f: dict) -> str:
+    """The model card (README.md) from training.json's figures."""
     tc = f["config"]
-    gens = "\n".join(f"- **{p}**{g}" if g.startswith(" ") else f"- **{p}** {g}" for p, g in f["generations"].items())
+    gens = "\n".join(card_line(p, g) for p, g in f["generations"].items())
     evals = ", ".join(f"step {s}: {l:.3f}" for s, l in f["evals"])
     return f"""# qwen3-kjv-tiny
 
@@ -443,7 +452,8 @@ above to within 0.05 on any x86 CPU (same machine and thread count: the same dig
 
 ## Greedy continuations
 
-By `engine.generate` (greedy, at most 48 new tokens) on this checkpoint, quoted verbatim; `[EOS]` marks
+By `engine.generate` (greedy, at most 48 new tokens; the bfloat16 weights computed in float64, so
+every choice is exact) on this checkpoint, quoted verbatim; `[EOS]` marks
 where the model ended the verse itself, `[...]` where the 48 tokens ran out.
 
 {gens}
@@ -466,7 +476,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=TrainConfig.steps, help="optimizer steps (default %(default)s)")
     ap.add_argument("--seed", type=int, default=TrainConfig.seed)
     ap.add_argument("--threads", type=int, default=TrainConfig.threads, help="torch CPU threads (default %(default)s)")
+    ap.add_argument("--card-only", action="store_true",
+                    help="do not train: recompute the greedy continuations of the checkpoint in --out and "
+                         "rewrite its README.md from its training.json")
     args = ap.parse_args(argv)
+    if args.card_only:
+        out = Path(args.out)
+        figures = json.loads((out / "training.json").read_text())
+        figures["generations"] = greedy_card_generations(out)
+        (out / "training.json").write_text(json.dumps(figures, indent=1) + "\n")
+        (out / "README.md").write_text(model_card(figures))
+        print(f"rewrote {out / 'README.md'}")
+        return 0
     if args.steps < 1 or args.threads < 1:
         raise SystemExit("--steps and --threads must be >= 1")
     train(TrainConfig(seed=args.seed, steps=args.steps, threads=args.threads), Path(args.out))
