@@ -11,7 +11,7 @@ LEARNER_TESTS := tests/test_ch31_engine_v2.py tests/test_isolation.py tests/test
 # contract (stubs, solutions branch, handout, grading, workspaces), notebook execution. `make test` runs everything else.
 COURSE_TESTS := tests/test_mutants.py tests/test_learner_contract.py tests/test_notebook.py
 
-.PHONY: setup run test test-course test-learner solutions-branch handout grade mutants soak notebooks figures test-triton gpu-check bench bench-peers clean
+.PHONY: setup run test test-course test-learner solutions-branch handout grade mutants soak notebooks figures test-triton gpu-check bench bench-peers train-tiny clean
 
 setup: $(STAMP)
 
@@ -84,6 +84,18 @@ test-triton: $(STAMP)        ## the Triton backend's full tests under the CPU in
 
 gpu-check: $(STAMP)          ## Triton backend tests and the bench on a CUDA device
 	$(PY) scripts/gpu_check.py
+
+# The shipped models/qwen3-kjv-tiny: the King James text comes from Debian's bible-kjv(-text) packages,
+# installed here when missing (as root, with apt-get); elsewhere the message says what to install.
+TINY_OUT ?= models/qwen3-kjv-tiny
+train-tiny: $(STAMP)         ## retrain the shipped tiny real model (KJV text; 45 min on 2 cores shared with 5 other jobs): make train-tiny [TINY_OUT=dir]
+	@command -v bible >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bible-kjv bible-kjv-text; \
+	  else \
+	    echo "train-tiny needs Debian's King James text: sudo apt-get install bible-kjv bible-kjv-text" >&2; exit 2; \
+	  fi; }
+	$(PY) -m course.train_tiny --out $(TINY_OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -11,11 +11,14 @@ Engines, all on the same weights and the same greedy requests (every request dec
 Workloads: ``shared`` (the chapter's 16 requests behind one 192-token system prompt), ``random``
 (nano-vllm's benchmark scaled for a CPU: 64 independent random prompts and output lengths) and
 ``chat`` (8 conversations x 4 turns; each turn's prompt is the previous prompt + its answer + a
-new message, so turns run round by round).
+new message, so turns run round by round); on request, ``text`` (16 real-text prompts behind Psalm 23
+as a shared system prompt, on the repository's ``models/qwen3-kjv-tiny`` unless ``--model`` names
+another checkpoint; it prints one completion, so you can read what the engines computed).
 
 The scaling table runs R requests at once, decode-heavy, for R = 16, 64, 256, and splits the core's
 step into schedule / build batch / forward / sample / bookkeeping (medians over the timed steps).
-The model is a random seeded Qwen3 (``--preset small``, the default, or ``test``) or a checkpoint.
+The model is a random seeded Qwen3 (``--preset small``, the default, or ``test``) or a checkpoint;
+the text workload needs a tokenizer, so it runs on a checkpoint (the KJV model in float32 by default).
 """
 from __future__ import annotations
 
@@ -33,11 +36,13 @@ import torch
 
 from engine.serve import EngineConfig, EngineCore, SamplingParams
 from engine.serve.slots import SlotEngine
-from course.workloads import ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload
+from course.workloads import (OPENINGS, ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload,
+                              text_workload)
 from engine._impl import add_impl_argument
 from course.machine import machine_line
 
-WORKLOADS = ("shared", "random", "chat")
+WORKLOADS = ("shared", "random", "chat")  # the default set: token ids, any model
+TEXT = "text"  # real text through a checkpoint's tokenizer (models/qwen3-kjv-tiny by default)
 SCALING_POINTS = (16, 64, 256)
 # Random seeded Qwen3 models the bench can build (``--preset``), as overrides of the test model's
 # config. "small" (the default) is Qwen3-0.6B's shape scaled down (4 layers, hidden 512, 8 query /
@@ -80,8 +85,9 @@ class Workload:
         return items
 
 
-def make_workload(name: str, vocab_size: int, seed: int = 0, scale: float = 1.0) -> Workload:
-    """The named workload; ``scale`` < 1 shrinks request counts (quick runs and tests)."""
+def make_workload(name: str, vocab_size: int, seed: int = 0, scale: float = 1.0, tokenizer=None) -> Workload:
+    """The named workload; ``scale`` < 1 shrinks request counts (quick runs and tests).
+    ``tokenizer`` (an ``engine.tokenizer.Tokenizer``) is needed by ``text`` only."""
     count = lambda n: max(2, round(n * scale))  # noqa: E731
     if name == "shared":
         return Workload(name, [shared_prefix_workload(count(16), seed=seed, vocab_size=vocab_size)])
@@ -90,7 +96,11 @@ def make_workload(name: str, vocab_size: int, seed: int = 0, scale: float = 1.0)
     if name == "chat":
         system, rounds = chat_workload(count(8), seed=seed, vocab_size=vocab_size)
         return Workload(name, rounds, system)
-    raise ValueError(f"unknown workload {name!r}: choose from {WORKLOADS}")
+    if name == TEXT:
+        if tokenizer is None:
+            raise ValueError("the text workload needs the checkpoint's tokenizer (a random preset model has none)")
+        return Workload(name, [text_workload(tokenizer, count(16), seed=seed)])
+    raise ValueError(f"unknown workload {name!r}: choose from {WORKLOADS + (TEXT,)}")
 
 
 # ----- engines --------------------------------------------------------------------------------
@@ -215,22 +225,6 @@ def peak_rss() -> int | None:
     except OSError:
         pass
     return None
-
-
-def cpu_description() -> str:
-    """The CPU's model name and its vector flags (printed beside every figure)."""
-    name, flags = "unknown CPU", []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and name == "unknown CPU":
-                    name = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = [x for x in value.split() if x.startswith(("avx", "amx", "fma"))]
-    except OSError:
-        pass
-    return f"cpu: {name}; {os.cpu_count()} cores; flags {' '.join(flags) or '?'}"
 
 
 def run_workload(runner, workload: Workload) -> RunResult:
@@ -479,7 +473,7 @@ def fast_config(fast_backend: str) -> dict:
 def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str | None = None,
               scaling: tuple[int, ...] = SCALING_POINTS, scaling_backends: tuple[str, ...] | None = None,
               scaling_steps: int = 20, scale: float = 1.0, seed: int = 0, hf_batch: int = 64,
-              repeat: int = 1) -> dict:
+              repeat: int = 1, tokenizer=None) -> dict:
     """Everything ``run.py bench`` prints, as a dict (also what ``--json`` writes)."""
     device = model.model.embed_tokens.weight.device
     fast_backend = fast_backend or default_fast_backend(device)
@@ -495,16 +489,19 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
     shape = {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size,
              "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
              "vocab": cfg.vocab_size, "experts": cfg.num_experts}
-    print(cpu_description())
     print(f"model: {shape['layers']} layers, hidden {shape['hidden']}, {shape['heads']}/{shape['kv_heads']} heads "
           f"of {shape['head_dim']}, vocab {shape['vocab']}; {device}, {torch.get_num_threads()} thread(s)", flush=True)
     print(f"machine: {machine_line()}", flush=True)
     by_workload: dict[str, list[RunResult]] = {}
     for name in workloads:
-        wl = make_workload(name, model.cfg.vocab_size, seed=seed, scale=scale)
+        wl = make_workload(name, model.cfg.vocab_size, seed=seed, scale=scale, tokenizer=tokenizer)
         print(f"running workload {name!r} ...", flush=True)
         by_workload[name] = compare_engines(model, wl, fast_backend, engines, hf, hf_batch, repeat)
         print_results(by_workload[name], wl)
+        if name == TEXT and by_workload[name]:
+            first = wl.rounds[0][0]  # Psalm 23, then OPENINGS[0]
+            said = tokenizer.decode(by_workload[name][0].outputs[first.request_id])
+            print(f"  {first.request_id} ({by_workload[name][0].engine}): {OPENINGS[0]}{said}", flush=True)
     points = []
     for backend in scaling_backends or ("reference", fast_backend):
         for r in scaling:
@@ -523,7 +520,9 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
 def bench_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="run.py bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {WORKLOADS}")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help=f"comma-separated, from {WORKLOADS + (TEXT,)} (default: {','.join(WORKLOADS)}); "
+                         "'text' runs on a checkpoint: models/qwen3-kjv-tiny unless --model is given")
     ap.add_argument("--engines", default="ch24,reference,fast,hf",
                     help="comma-separated, from ch24, reference, fast, hf (default: all)")
     ap.add_argument("--backend", default=None,
@@ -540,11 +539,11 @@ def bench_main(argv: list[str] | None = None) -> int:
                          "and OpenMP threads spinning on a busy machine can slow a step a hundredfold; "
                          "0 = torch's default). Every engine runs with the same setting.")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--preset", choices=tuple(MODEL_PRESETS), default="small",
+    ap.add_argument("--preset", choices=tuple(MODEL_PRESETS), default=None,
                     help="the random model to build: 'small' (4 layers, hidden 512: Qwen3-0.6B's shape "
-                         "scaled down; the default) or 'test' (2 layers, hidden 128: the tests' model, "
-                         "quick, and dominated by per-op overhead) or 'qwen3-0.6b' (Qwen3-0.6B's own shape; "
-                         "meant for --memory)")
+                         "scaled down; the default without the text workload) or 'test' (2 layers, hidden 128: "
+                         "the tests' model, quick, and dominated by per-op overhead) or 'qwen3-0.6b' "
+                         "(Qwen3-0.6B's own shape; meant for --memory)")
     ap.add_argument("--memory", action="store_true",
                     help="instead: each engine's start-up and peak RSS, one fresh process per engine "
                          "(course.bench_memory; its options: run.py bench --memory --help)")
@@ -557,8 +556,11 @@ def bench_main(argv: list[str] | None = None) -> int:
     workloads = [w for w in args.workloads.split(",") if w]
     engines = [e for e in args.engines.split(",") if e]
     for w in workloads:
-        if w not in WORKLOADS:
-            ap.error(f"unknown workload {w!r}: choose from {WORKLOADS}")
+        if w not in WORKLOADS + (TEXT,):
+            ap.error(f"unknown workload {w!r}: choose from {WORKLOADS + (TEXT,)}")
+    if TEXT in workloads and args.preset:
+        ap.error("the text workload needs a checkpoint's tokenizer: drop --preset (it then runs on "
+                 "models/qwen3-kjv-tiny) or pass --model DIR")
     for e in engines:
         if e not in ("ch24", "reference", "fast", "hf"):
             ap.error(f"unknown engine {e!r}: choose from ch24, reference, fast, hf")
@@ -571,19 +573,26 @@ def bench_main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    if args.model:
+    tokenizer = None
+    if args.model or (TEXT in workloads and not args.preset):
+        from course.train_tiny import DEFAULT_MODEL
         from engine.models import load_model
+        from engine.tokenizer import Tokenizer
 
-        model = load_model(args.model, device=args.device)
+        # The shipped KJV model runs in float32 (its bfloat16 weights widened), as the presets do.
+        model = load_model(args.model or DEFAULT_MODEL, dtype=None if args.model else torch.float32,
+                           device=args.device)
+        if TEXT in workloads:
+            tokenizer = Tokenizer.from_pretrained(args.model or DEFAULT_MODEL)
     else:
         from engine.models import tiny_model
 
-        model = tiny_model(seed=0, **MODEL_PRESETS[args.preset]).to(args.device)
+        model = tiny_model(seed=0, **MODEL_PRESETS[args.preset or "small"]).to(args.device)
     report = run_bench(model, workloads, engines, args.backend,
                        scaling=tuple(int(x) for x in args.scaling.split(",") if x),
                        scaling_backends=tuple(args.scaling_backends.split(",")) if args.scaling_backends else None,
                        scaling_steps=args.steps, scale=args.scale, seed=args.seed, hf_batch=args.hf_batch,
-                       repeat=args.repeat)
+                       repeat=args.repeat, tokenizer=tokenizer)
     results = report.pop("_results")
     if args.json:
         with open(args.json, "w") as f:

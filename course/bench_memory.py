@@ -260,9 +260,9 @@ def memory_main(argv: list[str] | None = None) -> int:
     for e in engines:
         if e not in ENGINES:
             raise ValueError(f"unknown memory engine {e!r}: choose from {', '.join(ENGINES)}")
-    from course.bench import cpu_description
+    from course.machine import machine_line
 
-    print(cpu_description())
+    print(f"machine: {machine_line()}")
     rows = memory_table(args.preset, dtypes, engines, args.threads, args.requests, args.prompt_len,
                         args.max_tokens, args.kv_cache_bytes, args.vllm_kv_gib, rounds=args.repeat)
     print_table(rows)

@@ -1,10 +1,13 @@
 """``python run.py generate``: stream one completion from a real checkpoint to the terminal.
 
+    python run.py generate --prompt "And God said"        # the shipped models/qwen3-kjv-tiny
     python run.py generate --model ~/models/Qwen3-0.6B --prompt "The capital of France is"
     python run.py generate --model ~/models/Qwen3-0.6B --chat --prompt "Name three rivers." \\
         --max-tokens 200 --temperature 0.7 --seed 1
 
-The checkpoint must already be on disk (this engine never downloads). Text is printed as it is
+Without ``--model`` it runs the repository's own small real model, ``models/qwen3-kjv-tiny``
+(a Qwen3 trained on the King James Bible by ``course/train_tiny.py``); any other checkpoint must
+already be on disk (this engine never downloads). Text is printed as it is
 produced, through the incremental detokenizer, so a character split across tokens appears
 whole. Statistics (tokens, time, finish reason) go to stderr, keeping stdout for the text.
 """
@@ -15,12 +18,16 @@ import math
 import sys
 import time
 
+from course.train_tiny import DEFAULT_MODEL
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="run.py generate",
         description="Generate text from a local HF-format Qwen3 / Qwen3-MoE checkpoint directory.")
-    p.add_argument("--model", required=True, help="checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help="checkpoint directory (config.json, *.safetensors, tokenizer.json); default: the "
+                        "repository's small model trained on the King James Bible (models/qwen3-kjv-tiny)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message with the checkpoint's chat template")

@@ -1,8 +1,10 @@
 """Run one offline script on the course engine and on vLLM, and diff what they return.
 
     .venv/bin/python scripts/vllm_same_script.py [--vllm-python PATH] [--script FILE] [--workdir DIR]
+        [--model DIR [--record FILE]]
 
-1. writes a tiny HF checkpoint (``scripts/tiny_hf_checkpoint.py``) that both engines load;
+1. writes a tiny HF checkpoint (``scripts/tiny_hf_checkpoint.py``) that both engines load, or
+   takes ``--model DIR`` as it is (e.g. ``models/qwen3-kjv-tiny``, the repository's real model);
 2. runs ``--script`` (default ``scripts/offline_same_script.py``) with this Python on the course
    engine, and with vLLM's Python (``--vllm-python``, else ``$VLLM_PYTHON``, else
    ``.venv-peers/bin/python`` in the repository, which ``make bench-peers`` builds) with
@@ -11,7 +13,9 @@
    cached-token counts, prompt logprobs to 3 decimals) and, for sampled runs, only their shape.
 
 Prints one line per run and exits 0 when everything compared is identical, 1 otherwise, 2 when
-vLLM's environment is missing.
+vLLM's environment is missing. ``--record FILE`` also writes vLLM's outputs with its version and
+the model's path (``tests/vllm_kjv_tiny.json`` is one: ``tests/test_tiny_model.py`` checks the
+course engine against it where vLLM is not installed).
 """
 from __future__ import annotations
 
@@ -93,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", str(ROOT / ".venv-peers" / "bin" / "python")))
     ap.add_argument("--script", default=str(ROOT / "scripts" / "offline_same_script.py"))
     ap.add_argument("--workdir", default=None, help="keep the checkpoint and both JSON files here")
+    ap.add_argument("--model", default=None, help="an existing HF checkpoint directory instead of the random tiny one")
+    ap.add_argument("--record", default=None, metavar="FILE", help="also write vLLM's outputs (with its version) here")
     args = ap.parse_args(argv)
     if not Path(args.vllm_python).exists():
         print(f"no vLLM environment at {args.vllm_python}: build it with `make bench-peers` or pass --vllm-python",
@@ -103,11 +109,17 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "scripts"))
     from tiny_hf_checkpoint import save_tiny_checkpoint
 
-    model = save_tiny_checkpoint(work / "tiny-qwen3")
+    model = Path(args.model).resolve() if args.model else save_tiny_checkpoint(work / "tiny-qwen3")
     script = Path(args.script).resolve()
     ours = run_script(sys.executable, script, model, work / "ours.json", vllm=False)
     theirs = run_script(args.vllm_python, script, model, work / "vllm.json", vllm=True)
     problems = diff_runs(ours, theirs)
+    if args.record:
+        version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                                 text=True, check=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}).stdout.split()[-1]
+        where = str(model.relative_to(ROOT)) if model.is_relative_to(ROOT) else str(model)
+        Path(args.record).write_text(json.dumps({"vllm_version": version, "model": where, "runs": theirs}, indent=1) + "\n")
+        print(f"recorded vLLM {version}'s outputs in {args.record}")
     print(f"{script.name} on the course engine and on vLLM ({args.vllm_python}), checkpoint {model}:")
     print("\n".join(summary(ours, theirs)))
     for p in problems:

@@ -32,6 +32,8 @@ def test_notebook_runs_top_to_bottom():
     text = "".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs)
     assert "same greedy outputs with both pools: True" in text
     assert "idle: free blocks 16 of 16" in text
+    # section 5: the shipped KJV model writes sentences that end by themselves, and a stop string cuts one
+    assert text.count("finish_reason=stop]") >= 3 and "And God said" in text and "stop_reason=','" in text
     images = sum("image/png" in out.get("data", {}) for cell in nb.cells if cell.cell_type == "code"
                  for out in cell.outputs)
     assert images == 5, f"expected the notebook's 5 pictures, got {images}"
