@@ -361,7 +361,7 @@ def check_applies(mutant: Mutant, files: dict[str, str] | None = None) -> str | 
 # the milestone alone catches each one).
 MILESTONE_MUST_CATCH = ("kv-written-after-attention", "layer-reads-first-pool", "rope-by-row-index",
                         "seq-len-without-computed", "queries-at-first-positions",
-                        "decode-slot-off-by-one-at-block-boundary", "mid-prompt-chunk-samples",
+                        "slot-off-by-one-at-block-boundary", "mid-prompt-chunk-samples",
                         "step-samples-indexed-by-request", "running-request-never-grows",
                         "cached-free-adoption-not-counted", "reused-block-keeps-old-hash",
                         "swap-in-into-wrong-blocks")

@@ -107,7 +107,7 @@ class BlockManager:
         self.num_published: dict[str, int] = {}  # per request: leading blocks already offered to the cache
         self.num_queries = 0  # tokens looked up in the prefix cache
         self.num_hits = 0  # of those, tokens found
-        self.num_evicted = 0  # cached blocks whose hash was dropped because the block was reused
+        self.num_evicted = 0  # cached blocks whose hash was dropped: reused by the allocator, or reset_prefix_cache
         self.pending_lookups: dict[str, tuple[int, int]] = {}  # request id -> (queries, hits) not yet admitted
 
     # ----- sizes -------------------------------------------------------------------------

@@ -158,8 +158,8 @@ class Scheduler:
 
     # ----- endings -------------------------------------------------------------------------
     def finish(self, request: Request, status: Status) -> None:
-        """End ``request`` with a FINISHED_* status and free its blocks at once (so the same step
-        can admit into them)."""
+        """End ``request`` with a FINISHED_* status and free its blocks at once. The engine calls
+        it after the step's forward pass, so the blocks serve the NEXT plan, not this one."""
         if not status.finished:
             raise ValueError(f"finish() needs a FINISHED_* status, got {status}")
         if request in self.running:
