@@ -83,6 +83,7 @@ class Sandbox:
     workspace: Path
     scratch: Path
     processes: int = Limits.processes
+    hide: tuple[Path, ...] = ()  # folders inside the workspace that this run must not see (empty tmpfs)
 
     def argv(self, cmd: list[str]) -> list[str]:
         # As root bwrap needs no user namespace, and the launcher inside drops to nobody; otherwise
@@ -105,6 +106,7 @@ class Sandbox:
                 a += [*_parents(d, made), "--ro-bind", str(d), str(d)]
         a += [*_parents(self.workspace, made), "--ro-bind", str(self.workspace), str(self.workspace),
               *_parents(self.scratch, made), "--bind", str(self.scratch), str(self.scratch),
+              *[x for h in self.hide for x in ("--tmpfs", str(h))],
               "--chdir", str(self.workspace), "--setenv", "HOME", str(self.scratch),
               "--setenv", "TMPDIR", str(self.scratch), "--"]
         if os.geteuid() == 0:  # root ignores RLIMIT_NPROC: the launcher sets it, then becomes nobody
@@ -153,6 +155,15 @@ def _parents(path: Path, made: set[str]) -> list[str]:
             made.add(str(parent))
             out += ["--perms", "0755", "--dir", str(parent)]
     return out
+
+
+def unsafe_preexec(limits: Limits):
+    """``--unsafe``: the same resource limits, no isolation (the grade is marked unsafe)."""
+    def setup() -> None:
+        os.setsid()
+        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds))
+    return setup
 
 
 def _owner(p: Path) -> int | None:
