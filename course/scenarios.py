@@ -89,8 +89,9 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
         cases = []
         for _ in range(6):
             plen = rnd.randint(2, 6)
+            most = rnd.randint(2, 6)
             cases.append({"prompt": toks(plen), "outputs": toks(rnd.randint(0, 5)), "eos": rnd.choice([None, 7]),
-                          "params": {"max_tokens": rnd.randint(1, 6), "min_tokens": rnd.choice([0, 0, 2]),
+                          "params": {"max_tokens": most, "min_tokens": rnd.choice([0, 0, 2]),
                                      "stop_token_ids": rnd.choice([[], [7], [rnd.randrange(VOCAB)]]),
                                      "ignore_eos": rnd.random() < 0.2}})
         cases[0]["outputs"] = cases[0]["outputs"][:1] + [7]
