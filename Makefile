@@ -9,9 +9,10 @@ IMPL   ?= solution
 LEARNER_TESTS := tests/test_ch31_engine_v2.py tests/test_isolation.py tests/test_reliability.py
 # The course's meta-tests (they test the tests and the tooling, not the engine): mutants, the learner-layer
 # contract (skeleton, grading, workspaces), notebook execution. `make test` runs everything else.
-COURSE_TESTS := tests/test_mutants.py tests/test_learner_contract.py tests/test_notebook.py
+COURSE_TESTS := tests/test_mutants.py tests/test_learner_contract.py tests/test_notebook.py \
+                tests/test_grading_hostile.py tests/test_gradescope.py
 
-.PHONY: setup run test test-course test-learner check skeleton grade mutants soak notebooks test-triton gpu-check bench bench-peers clean
+.PHONY: setup run test test-course test-learner check skeleton grade gradescope mutants soak notebooks test-triton gpu-check bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -42,7 +43,10 @@ skeleton: $(STAMP)           ## regenerate engine/'s chapter files from solution
 	$(PY) -m course.skeleton $(if $(FORCE),--force,)
 
 grade: $(STAMP)              ## grade checkouts hole by hole: make grade [CHECKOUT="path ..."] [FOLDER=dir]
-	$(PY) run.py grade $(CHECKOUT) $(if $(FOLDER),--folder $(FOLDER),)
+	$(PY) run.py grade $(CHECKOUT) $(if $(FOLDER),--folder $(FOLDER),) $(if $(JOBS),--jobs $(JOBS),)
+
+gradescope: $(STAMP)         ## the Gradescope bundle: gradescope/setup.sh and gradescope/run_autograder
+	$(PY) -m course.gradescope write gradescope
 
 mutants: $(STAMP)            ## apply each named bug to the reference; the tests must kill every one
 	$(PY) -m course.mutants

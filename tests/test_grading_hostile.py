@@ -79,14 +79,12 @@ BODY = {  # hole bodies replaced: (file, the reference's line, the learner's)
               "    raise RuntimeError(open('/etc/hostname').read() + ''.join(open(p).read() for p in "
               "__import__('glob').glob({out!r} + '/*/grade.json')))\n"),
     "exit": ("serve/blocks.py", "    h = hashlib.blake2b(digest_size=16)\n", "    import os; os._exit(0)\n"),
-    "torch": ("serve/attention.py", "    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)",
-              "    return\n    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)"),
 }
 
 
 def _write_kv_line() -> str:
     text = reference_files()["serve/attention.py"]
-    return next(line for line in text.splitlines(keepends=True) if "index_copy_" in line and "k_cache" in line)
+    return next(line for line in text.splitlines(keepends=True) if "scratch_slot = k_cache.shape" in line)
 
 
 @pytest.fixture(scope="module")
