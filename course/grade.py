@@ -222,7 +222,8 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
         elif rec is not None:
             outcome = rec.get("outcome") if rec.get("outcome") in ("passed", "failed", "error", "skipped") else "failed"
             message = "" if outcome == "passed" else (
-                "hole not started (NotImplementedError)" if _unfilled(rec, t) else "failed")
+                f"NotImplementedError: {t.holes[0] if t.holes else 'a hole'} is a hole, not filled yet"
+                if _unfilled(rec, t) else "failed (run it yourself: pytest " + n + ")")
         records.append(TestRecord(n, t.holes, t.milestone, t.given, outcome, message,
                                   float(rec.get("duration", 0) or 0) if isinstance(rec, dict) else 0.0))
     chapter = [t for t in records if t.nodeid.startswith(CHAPTER_TESTS)]

@@ -190,7 +190,10 @@ def test_a_patched_oracle_or_torch_function_earns_nothing_for_its_hole(graded, c
     got = points(doc)
     assert got[hole] == 0 and {k: v for k, v in got.items() if k != hole} == \
         {k: v for k, v in ROWS.items() if k != hole}, got
-    assert any(f.startswith(hole) and "disagree" in f for f in doc["flags"]), doc["flags"]
+    row = next(r for r in doc["holes"] if r["name"] == hole)
+    claimed = row["passed"] == row["total"]  # what the (patched) tests said
+    assert row["verified"] == "fail" and (not claimed or any(f.startswith(hole) and "disagree" in f
+                                                             for f in doc["flags"])), (row, doc["flags"])
 
 
 def test_an_exfiltrating_message_shows_nothing_to_the_learner(graded):
