@@ -40,7 +40,8 @@ RUN = """#!/usr/bin/env bash
 set -uo pipefail
 A="${AUTOGRADER_ROOT:-/autograder}"
 cd "$A/source"
-"${PYTHON:-.venv/bin/python}" -m course.gradescope run ${GRADE_ARGS:-}
+eval "set -- ${GRADE_ARGS:-}"  # extra grader flags, shell-quoted (the course staff's, never a submission's)
+"${PYTHON:-.venv/bin/python}" -m course.gradescope run "$@"
 """
 
 

@@ -52,6 +52,15 @@ def _launch(sandbox: Sandbox | None, cmd: list[str], cwd: Path, env: dict, limit
     return run_watched(sandbox.argv(cmd), cwd, env, sandbox.preexec(limits), watch, timeout)
 
 
+def _next_run(w: Watched, top: Path, label: str, bed: Path, bwrap: str | None, limits: Limits,
+              hide: tuple[Path, ...] = ()) -> tuple[Path, Sandbox | None]:
+    """A fresh scratch folder (and sandbox) for the next child: nothing carries over between runs."""
+    w.runs += 1
+    scratch = top / f"scratch-{label}-{w.runs}"
+    prepare_dirs(top, scratch)
+    return scratch, (Sandbox(bwrap, bed, scratch, limits.processes, hide) if bwrap else None)
+
+
 def run_tests(bed: Path, top: Path, bwrap: str | None, nodeids: list[str], group_of: dict[str, str],
               per_test: float, total: float, limits: Limits, threads: int, extra_args: list[str]) -> Watched:
     """Run ``nodeids`` (the instructor's own collection) in the sandbox, restarting after each kill."""
@@ -59,11 +68,8 @@ def run_tests(bed: Path, top: Path, bwrap: str | None, nodeids: list[str], group
     left = list(nodeids)
     deadline = time.monotonic() + total
     while left and time.monotonic() < deadline:
-        w.runs += 1
-        scratch = top / f"scratch-tests-{w.runs}"
-        prepare_dirs(top, scratch)
+        scratch, sandbox = _next_run(w, top, "tests", bed, bwrap, limits)
         report = scratch / "report.json"
-        sandbox = Sandbox(bwrap, bed, scratch, limits.processes) if bwrap else None
         cmd = [sys.executable, "-m", "pytest", "-p", "ch31_report", "--report-json", str(report), *LEAN,
                "-q", "--tb=line", "--impl", "engine", *extra_args, *left]
 
@@ -115,12 +121,9 @@ def run_scenarios(bed: Path, top: Path, bwrap: str | None, specs: list[dict], pe
     left = list(specs)
     deadline = time.monotonic() + total
     while left and time.monotonic() < deadline:
-        w.runs += 1
-        scratch = top / f"scratch-scenarios-{w.runs}"
-        prepare_dirs(top, scratch)
+        scratch, sandbox = _next_run(w, top, "scenarios", bed, bwrap, limits, hide)
         spec_file, out = scratch / "specs.json", scratch / "results.jsonl"
         spec_file.write_text(json.dumps(left))
-        sandbox = Sandbox(bwrap, bed, scratch, limits.processes, hide) if bwrap else None
         cmd = [sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); "
                "from course.scenarios import child_main; sys.exit(child_main(sys.argv[1:]))",
                str(bed), str(spec_file), str(out)]
