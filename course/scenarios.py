@@ -60,7 +60,8 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
                          "table": rnd.sample(range(1, 40), nblocks)})
         add("build_batch", ["build_batch"], [], {"block_size": bs, "reqs": reqs,
                                                  "pad_to": len(reqs) + rnd.choice([0, 0, 2])})
-        nb, bs, n = rnd.randint(3, 6), rnd.choice([2, 4]), rnd.randint(2, 8)
+        nb, bs = rnd.randint(3, 6), rnd.choice([2, 4])
+        n = rnd.randint(2, min(8, nb * bs))
         slots = rnd.sample(range(nb * bs), n)
         slots[rnd.randrange(n)] = -1
         add("write_kv", ["write_kv"], [], {"num_blocks": nb, "block_size": bs, "heads": 2, "dim": 3, "slots": slots,
