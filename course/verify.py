@@ -127,6 +127,12 @@ def shown(value, like) -> str:
     return "a value of another kind or size"
 
 
+def expected(value) -> str:
+    """The reference's value (trusted), shortened for a message."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _where(path: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\[\] -]", "", path)[:80] or "the result"
 
@@ -153,11 +159,11 @@ def compare(spec: dict, want: dict, got: dict) -> tuple[bool, list[str], str]:
                                  {"ret": g.get("ret"), "state": g.get("state")} if isinstance(g, dict) else None)
             if d:
                 return False, [w["hole"]], (f"{spec['id']}, call {i + 1} ({w['hole']}): {_where(d[0])} expected "
-                                            f"{shown(d[1], None)}, got {shown(d[2], d[1])}")
+                                            f"{expected(d[1])}, got {shown(d[2], d[1])}")
         return True, holes, ""
     d = first_difference(want["result"], result)
     if d:
-        return False, holes, f"{spec['id']}: {_where(d[0])} expected {shown(d[1], None)}, got {shown(d[2], d[1])}"
+        return False, holes, f"{spec['id']}: {_where(d[0])} expected {expected(d[1])}, got {shown(d[2], d[1])}"
     return True, holes, ""
 
 
