@@ -10,7 +10,8 @@ LEARNER_TESTS := tests/test_ch31_engine_v2.py tests/test_isolation.py tests/test
 # The course's meta-tests (they test the tests and the tooling, not the engine): mutants, the learner-layer
 # contract (skeleton, grading, workspaces), notebook execution. `make test` runs everything else.
 COURSE_TESTS := tests/test_mutants.py tests/test_learner_contract.py tests/test_notebook.py \
-                tests/test_grading_hostile.py tests/test_gradescope.py tests/test_grade_outputs.py
+                tests/test_grading_hostile.py tests/test_gradescope.py tests/test_grade_outputs.py \
+                tests/test_sandbox.py tests/test_verify.py
 
 .PHONY: setup run test test-course test-learner check skeleton grade gradescope mutants soak notebooks test-triton gpu-check bench bench-peers clean
 
