@@ -300,7 +300,7 @@ def test_holes_written_from_their_docstrings_pass(tmp_path):
 def test_grading_ignores_the_checkouts_tests_and_survives_a_hung_hole(tmp_path):
     import shutil
 
-    from course.grade import grade
+    from course.grade import Options, grade
 
     files = reference_files()
     body = "        p = request.params\n        num_output = request.num_output_tokens\n"
@@ -311,9 +311,10 @@ def test_grading_ignores_the_checkouts_tests_and_survives_a_hung_hole(tmp_path):
     (checkout / "tests").mkdir()
     (checkout / "tests" / "conftest.py").write_text("")
     (checkout / "tests" / "test_ch31_engine_v2.py").write_text("def test_everything():\n    assert True\n")
-    doc = grade(checkout, per_test_timeout=5, keyword="check_stop or worked_example")
+    doc = grade(checkout, opts=Options(per_test_timeout=5, per_scenario_timeout=5, keyword="check_stop or worked_example",
+                                       seed=1, scenario_size=1, only_groups=("build_batch", "EngineCore.check_stop")))
     rows = {r["name"]: r for r in doc["holes"]}
     stop = rows["EngineCore.check_stop"]
-    assert stop["status"] == "fail" and "Timeout" in stop["failures"][0]["message"], stop
+    assert stop["status"] == "fail" and "stopped after 5 s" in stop["failures"][0]["message"], stop
     assert rows["build_batch"]["status"] == "pass" and rows["build_batch"]["total"] >= 1, rows["build_batch"]
     assert doc["score"] < doc["max_score"] and not doc["problems"], doc["problems"]
