@@ -148,7 +148,7 @@ def run_scenarios(bed: Path, top: Path, bwrap: str | None, specs: list[dict], pe
                 return ""
             return "hung" if time.time() - started.setdefault(current, time.time()) > per_scenario else ""
 
-        fin = _launch(sandbox, cmd, bed, child_env(scratch, None, threads), limits, watch,
+        fin = _launch(sandbox, cmd, bed, child_env(scratch, None, threads, bed / COURSE_COPY_DIR), limits, watch,
                       max(1.0, deadline - time.monotonic()))
         w.seconds += fin.seconds
         w.output += f"\n--- scenarios run {w.runs} (exit {fin.returncode}{', killed: ' + fin.killed if fin.killed else ''})\n" \
