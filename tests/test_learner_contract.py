@@ -19,8 +19,8 @@ repository with chosen chapter files, ``course.testrun.workspace``):
 (h) a learner file that does not import fails only its own holes' tests (and the milestone);
 (i) holes written from their docstrings alone (tests/learner_fill.py) pass the chapter's tests and
     the engine checks: no test checks what no docstring says;
-(j) grading uses the instructor's tests whatever the checkout's tests/ say, and a hung hole costs
-    only its own tests.
+(j) grading uses the instructor's tests whatever the checkout's tests/ say, a hung hole costs
+    only its own tests, and a file that does not import only its own holes.
 """
 from __future__ import annotations
 
@@ -297,23 +297,28 @@ def test_holes_written_from_their_docstrings_pass(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- (j)
-def test_grading_ignores_the_checkouts_tests_and_survives_a_hung_hole(tmp_path):
+def test_grading_ignores_the_checkouts_tests_and_survives_a_hung_hole_and_a_broken_file(tmp_path):
     import shutil
 
-    from course.grade import grade
+    from course.grade import Options, grade
 
     files = reference_files()
     body = "        p = request.params\n        num_output = request.num_output_tokens\n"
     assert files["serve/engine.py"].count(body) == 1
     files["serve/engine.py"] = files["serve/engine.py"].replace(body, "        while True:  # hangs\n            pass\n")
+    files["serve/blocks.py"] = files["serve/blocks.py"].replace("        matched = 0\n", "        matched = (\n", 1)
     checkout = workspace(tmp_path / "learner", files)
     shutil.rmtree(checkout / "tests")
     (checkout / "tests").mkdir()
     (checkout / "tests" / "conftest.py").write_text("")
     (checkout / "tests" / "test_ch31_engine_v2.py").write_text("def test_everything():\n    assert True\n")
-    doc = grade(checkout, per_test_timeout=5, keyword="check_stop or worked_example")
+    doc = grade(checkout, opts=Options(per_test_timeout=5, per_scenario_timeout=5,
+                                       keyword="check_stop or worked_example or hash_block", seed=1, scenario_size=1,
+                                       only_groups=("build_batch", "EngineCore.check_stop", "hash_block")))
     rows = {r["name"]: r for r in doc["holes"]}
     stop = rows["EngineCore.check_stop"]
-    assert stop["status"] == "fail" and "Timeout" in stop["failures"][0]["message"], stop
+    assert stop["status"] == "fail" and "stopped after 5 s" in stop["failures"][0]["message"], stop
     assert rows["build_batch"]["status"] == "pass" and rows["build_batch"]["total"] >= 1, rows["build_batch"]
+    # blocks.py does not import: only its own holes fail (the tests and the scenarios use the course's copy)
+    assert rows["hash_block"]["status"] == "fail" and rows["hash_block"]["total"] >= 1, rows["hash_block"]
     assert doc["score"] < doc["max_score"] and not doc["problems"], doc["problems"]

@@ -35,6 +35,7 @@ class _Recorder:
         self.tests: dict[str, dict] = {}
         self.collect_errors: list[dict] = []
         self.start = time.monotonic()
+        self.current, self.current_since = None, None
 
     def pytest_collection_finish(self, session):
         for item in session.items:
@@ -42,6 +43,11 @@ class _Recorder:
             rec["holes"] = [m.args[0] for m in item.iter_markers("hole") if m.args]
             rec["milestone"] = item.get_closest_marker("milestone") is not None
             rec["given"] = item.get_closest_marker("given") is not None
+        self.write(None)
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self.current, self.current_since = nodeid, time.time()  # the grader's watchdog reads these
+        self.write(None)
 
     def pytest_collectreport(self, report):
         if report.failed:
@@ -61,6 +67,7 @@ class _Recorder:
         elif report.passed and report.when == "call" and rec["outcome"] == "not run":
             rec["outcome"] = "passed"
         if report.when == "teardown":
+            self.current, self.current_since = None, None
             self.write(None)  # after every test, so a run killed for time still says how far it got
 
     def pytest_sessionfinish(self, session, exitstatus):
@@ -69,7 +76,8 @@ class _Recorder:
     def write(self, exitstatus: int | None) -> None:
         engine = sys.modules.get("engine")
         data = {"exitstatus": exitstatus, "seconds": round(time.monotonic() - self.start, 2),
-                "engine_file": getattr(engine, "__file__", None), "collect_errors": self.collect_errors,
+                "engine_file": getattr(engine, "__file__", None),
+                "current": self.current, "current_since": self.current_since, "collect_errors": self.collect_errors,
                 "tests": list(self.tests.values())}
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
