@@ -312,7 +312,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants", default="torch,cpu,cpu+fused,cpu+compiled",
-                    help="step: engines to compare (backend, +fused: flat_model="fused", +compiled: flat_model="compiled"; "
+                    help="step: engines to compare (backend, +fused: flat_model='fused', +compiled: flat_model='compiled'; "
                          "cpu/tiles: the cpu backend with prefill tiles gathered for SDPA; +fused/onednn: "
                          "no small-batch linear kernel; +fused/torch-ew: PyTorch elementwise ops and write_kv; "
                          "+fused/no-prefetch: the linear kernel without software prefetch; +compiled/all-rows: the last "

@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="share of operations that are a step whose forward pass fails (default 0.05)")
     ap.add_argument("--path", choices=sorted(PATHS), default="reference",
                     help="the forward path: reference (plain model, reference backend; the default), "
-                         "torch / cpu (flat_model="fused" on that backend), compiled (flat_model="compiled", cpu backend)")
+                         "torch / cpu (flat_model='fused' on that backend), compiled (flat_model='compiled', cpu backend)")
     ap.add_argument("--verbose", action="store_true", help="print each violation as it is found")
     args = ap.parse_args(argv)
     if args.ops < 1:
