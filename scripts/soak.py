@@ -163,6 +163,9 @@ class Soak:
         cfg = self.random_config()
         eos = self.rng.choice((None, self.greedy(tuple(self.prefixes[1] + self.suffixes[0]))[2]))
         core = EngineCore(self.model, cfg, eos_token_id=eos)
+        if hasattr(core.flat, "wait_compiled"):  # the compiled path: the graph, not the eager fallback
+            assert core.flat.wait_compiled(), f"the layer graph did not compile: {core.flat.graphs.error!r}"
+            core.flat.eager_rows = 1  # every step through the graph but one-row ones (a size it specialises)
         self.core, self.eos, self.tracked = core, eos, {}
         self.parents: dict[str, list[str]] = {}
         self.aborted: set[str] = set()
