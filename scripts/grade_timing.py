@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from course.machine import machine_line  # noqa: E402
 from course.testrun import reference_files, workspace  # noqa: E402
 
 
@@ -35,9 +35,7 @@ def main() -> int:
         return hang_cost()
     with tempfile.TemporaryDirectory(prefix="grade-timing-") as tmp:
         paths = [str(workspace(Path(tmp) / f"learner{i}" / "ch31", reference_files())) for i in range(args.checkouts)]
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                   platform.processor())
-        print(f"cpu: {cpu}, {os.cpu_count()} cores; load before: {os.getloadavg()}")
+        print(f"machine: {machine_line()} (before)")
         walls = {}
         for jobs in (1, args.jobs):
             cmd = [sys.executable, "run.py", "grade", *paths, "--out", str(Path(tmp) / f"out{jobs}"), "--jobs", str(jobs),
