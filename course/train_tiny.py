@@ -240,8 +240,10 @@ def train(tc: TrainConfig, out: Path) -> dict:
     import torch.nn.functional as F
     from tqdm import tqdm
 
+    from course.machine import machine_line
     from engine.models.qwen3 import Qwen3ForCausalLM
 
+    machine = machine_line()  # read before training, so the load average is other jobs', not ours
     t_start = time.perf_counter()
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
@@ -310,7 +312,7 @@ def train(tc: TrainConfig, out: Path) -> dict:
         "final_train_loss_mean_last_20": round(sum(l for _, l in curve[-20:]) / len(curve[-20:]), 4),
         "evals": evals, "train_seconds": round(train_seconds, 1),
         "total_seconds": round(time.perf_counter() - t_start, 1),
-        "cpu": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "cpu": machine, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "python": platform.python_version(), "config": asdict(tc),
     }
     plot_curve(curve, evals, out / "loss.png")
@@ -351,18 +353,6 @@ def write_checkpoint(model, tok, out: Path) -> None:
         "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({
         "bos_token_id": None, "eos_token_id": [eos, im_end], "pad_token_id": eos}, indent=2) + "\n")
-
-
-def cpu_model() -> str:
-    """The CPU's model name and core count, as /proc/cpuinfo gives it (platform's guess elsewhere)."""
-    import os
-
-    try:
-        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                 if ln.startswith("model name")]
-    except OSError:
-        names = []
-    return f"{names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
 def plot_curve(curve: list[tuple[int, float]], evals: list[tuple[int, float]], path: Path) -> None:
@@ -435,7 +425,7 @@ style of the KJV, ends a verse with `<|endoftext|>` on its own, and knows nothin
 | training | {tc['steps']} steps x {tc['batch_size']} windows x {tc['seq_len']} tokens = {f['tokens_seen']} tokens (of {f['training_tokens_in_stream']} in the stream); AdamW (0.9, 0.95), lr {tc['lr']} with {tc['warmup_steps']} warmup steps and cosine decay to {tc['min_lr_ratio']}x, weight decay {tc['weight_decay']}, gradient clip {tc['grad_clip']}; seed {tc['seed']}; float32 |
 | **held-out loss** | **{f['held_out_loss_float32']:.4f}** nats/token with the float32 weights, {f['held_out_loss_bfloat16']:.4f} with the shipped bfloat16 ones (training batches, last 20 steps: {f['final_train_loss_mean_last_20']:.3f}) |
 | held-out during training | {evals} (first 64 windows) |
-| wall time | {f['train_seconds'] / 60:.1f} min of training, {f['total_seconds'] / 60:.1f} min in all, on {f['cpu']}, {f['threads']} torch threads, torch {f['torch']}; the machine was shared with other jobs at the time, so a quiet one is faster |
+| wall time | {f['train_seconds'] / 60:.1f} min of training, {f['total_seconds'] / 60:.1f} min in all, torch {f['torch']}, {f['threads']} torch threads, on {f['cpu']} (when the run started; other jobs on the machine slow it down) |
 
 ![loss curve](loss.png)
 
@@ -448,10 +438,10 @@ make train-tiny          # = apt-get install bible-kjv bible-kjv-text when missi
 
 The run is seeded (data order, initialisation, tokenizer) and uses {f['threads']} torch threads with
 deterministic algorithms; it prints the held-out loss at the end. On one machine with one thread count
-two runs write the same files (checked with `--steps 5`: the same `tokenizer.json` as shipped here,
-byte for byte, and identical weights in both runs); another CPU or thread count changes the float
-sums' order, which moves the held-out loss by far less than 0.05. The full {tc['steps']} steps were
-run once, for this checkpoint.
+two runs write the same bytes: `make train-tiny TINY_OUT=/tmp/kjv` and then
+`cmp /tmp/kjv/model.safetensors models/qwen3-kjv-tiny/model.safetensors` checks it (only this card's
+wall-time line and `training.json`'s timings differ). Another CPU or thread count changes the order of
+the float sums, which moves the held-out loss by far less than 0.05.
 
 ## Greedy continuations
 
