@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ch31_helpers import assert_same_tokens, model64, oracle, prompts, run_checked
+from ch31_helpers import (assert_rows_close, assert_same_tokens, batch_rows, model64, oracle, prompts,
+                          run_checked, where_raised)
 from engine.attention import causal_attention
 from engine.models import tiny_model
 from engine.rope import apply_rope, rope_cos_sin
@@ -258,11 +259,24 @@ def test_reference_forward_matches_plain_attention_per_request(window):
     backend, cache, batch, q, ks, vs = pool_with_requests(lens)
     out = backend.forward(q, cache, batch.meta, window=window)
     qsl = batch.meta.query_start_loc_cpu.tolist()
-    for i, (ctx, t) in enumerate(lens):
-        pos = torch.arange(ctx)
-        want = causal_attention(q[qsl[i]:qsl[i + 1]], ks[i], vs[i], pos[ctx - t:], pos, window=window)
-        assert torch.allclose(out[qsl[i]:qsl[i + 1]], want, atol=1e-10), \
-            f"request {i}: its {t} queries are the LAST {t} positions of a {ctx}-token context"
+
+    def plain(w: int) -> torch.Tensor:  # the oracle: chapter 5's attention on each request's own K/V
+        return torch.cat([causal_attention(q[qsl[i]:qsl[i + 1]], ks[i], vs[i], torch.arange(ctx)[ctx - t:],
+                                           torch.arange(ctx), window=w) for i, (ctx, t) in enumerate(lens)])
+
+    want, rows = plain(window), batch_rows(batch)
+
+    def cause(bad: list[int]) -> str:
+        differ = sorted({rows[i][0] for i in bad})
+        if window and torch.allclose(out, plain(0), atol=1e-10):
+            return (f"the output equals attention WITHOUT the window: with window={window} a query at position q "
+                    f"sees only keys at positions > q - {window} (pass window on to the attention)")
+        return (f"requests {differ} differ: request r's t queries are the LAST t positions of its seq_len-token "
+                f"context (query i at seq_len - t + i), its keys are read through its block table"
+                + (f", and with window={window} only keys at positions > q - {window} count" if window else ""))
+
+    assert_rows_close(out, want, f"ReferenceBackend.forward (window={window}) against plain causal attention",
+                      atol=1e-10, rows=rows, cause=cause)
 
 
 @hole("ReferenceBackend.forward")
@@ -317,11 +331,15 @@ def test_flat_attention_writes_rotated_k_and_matches_plain_attention():
     k = apply_rope(attn.k_norm(attn.k_proj(x).view(6, hkv, d)), cos, sin)
     v = attn.v_proj(x).view(6, hkv, d)
     want = attn.o_proj(causal_attention(q, k, v, pos, pos).reshape(6, -1))
-    assert torch.allclose(out, want, atol=1e-10), \
-        'FlatModel.attention must equal q/k-norm, RoPE, causal attention and o_proj computed by hand'
-    assert torch.allclose(cache[0][2], k[:4]) and torch.allclose(cache[0][0, :2], k[4:]), \
-        "the pool must hold k AFTER q/k-norm and RoPE, at the slots of the block table"
-    assert torch.allclose(cache[1][2], v[:4]), 'the V pool holds v at the slots of the block table'
+    assert_rows_close(out, want, "FlatModel.attention against q/k-norm, RoPE, causal attention and o_proj by hand",
+                      atol=1e-10, rows=batch_rows(batch),
+                      cause="the pool must hold this step's K/V before attention reads it; q and k get the "
+                            "per-head RMSNorm, then RoPE at each row's position; scale=attn.scale; then o_proj")
+    slots = [("r", p) for p in range(6)]
+    assert_rows_close(torch.cat([cache[0][2], cache[0][0, :2]]), k, "the K pool at the request's slots", rows=slots,
+                      atol=1e-10, cause="the pool must hold k AFTER q/k-norm and RoPE, at the slots of the block table")
+    assert_rows_close(torch.cat([cache[1][2], cache[1][0, :2]]), v, "the V pool at the request's slots", rows=slots,
+                      atol=1e-10, cause="the V pool holds v (not k) at the slots of the block table")
 
 
 @hole("FlatModel.attention")
@@ -329,10 +347,20 @@ def test_flat_attention_uses_the_models_sliding_window():
     model = tiny_model(seed=0, dtype=torch.float64, sliding_window=3)
     prompt = prompts([13], seed=5)[0]
     outs, _, _ = run_flat(model, prompt, [6, 7])
-    want = model(torch.tensor(prompt))
-    assert torch.allclose(torch.cat(outs), want, atol=1e-9), \
-        "with sliding_window=3 a query sees only the last 3 positions: pass window=self.cfg.sliding_window " \
-        "(and scale=attn.scale) to backend.forward"
+    got, want = torch.cat(outs), model(torch.tensor(prompt))
+    unwindowed = tiny_model(seed=0, dtype=torch.float64)(torch.tensor(prompt))  # the same weights, no window
+
+    def cause(bad: list[int]) -> str:
+        if torch.allclose(got, unwindowed, atol=1e-9):
+            return ("the logits equal the model WITHOUT its sliding window: with sliding_window=3 a query sees only "
+                    "the last 3 positions, so pass window=self.cfg.sliding_window (and scale=attn.scale) to "
+                    "backend.forward")
+        return ("with sliding_window=3 a query sees only the last 3 positions (window=self.cfg.sliding_window and "
+                "scale=attn.scale to backend.forward); the rows of the second chunk (positions 6..12) read the "
+                "first chunk's K/V back from the pool")
+
+    assert_rows_close(got, want, "FlatModel logits of a sliding-window model (chunks of 6 and 7) against the "
+                      "model's own forward", rows=[("r", p) for p in range(len(prompt))], cause=cause)
 
 
 @hole("FlatModel.forward")
@@ -342,7 +370,10 @@ def test_flat_forward_equals_the_models_own_forward(moe):
     prompt = prompts([13], seed=5)[0]
     (logits,), _, _ = run_flat(model, prompt, [13])
     want = model(torch.tensor(prompt))
-    assert torch.allclose(logits, want, atol=1e-9), "FlatModel.forward must compute exactly what the model computes"
+    assert_rows_close(logits, want, f"FlatModel.forward ({'Qwen3-MoE' if moe else 'Qwen3'}, one 13-token pass) against "
+                      "the model's own forward", rows=[("r", p) for p in range(13)],
+                      cause="each layer: input norm, attention on ITS OWN pool, residual add, post-attention norm, "
+                            "MLP (or MoE), residual; then the final norm over hidden + residual")
 
 
 @hole("FlatModel.forward")
@@ -351,8 +382,17 @@ def test_flat_forward_in_chunks_equals_one_pass():
     prompt = prompts([13], seed=6)[0]
     outs, _, _ = run_flat(model, prompt, [5, 4, 3, 1])
     want = model(torch.tensor(prompt))
-    assert torch.allclose(torch.cat(outs), want, atol=1e-9), \
-        "a later chunk must attend to the earlier chunks' K/V read back from the pool"
+
+    def cause(bad: list[int]) -> str:
+        if min(bad) >= 5:  # the first chunk (positions 0..4 = row numbers 0..4) is right
+            return ("the first chunk (positions 0-4) is right and later chunks are wrong. In the first chunk each "
+                    "row's number equals its position, so suspect what is right only then: RoPE must use "
+                    "`positions` (row i is at position c + i), not the row number; and a later chunk must attend "
+                    "to the earlier chunks' K/V read back from the pool")
+        return "the first chunk is already wrong: see test_flat_forward_equals_the_models_own_forward"
+
+    assert_rows_close(torch.cat(outs), want, "FlatModel.forward in chunks of 5, 4, 3, 1 against one pass of the model",
+                      rows=[("r", p) for p in range(13)], cause=cause)
 
 
 # ===================================================================== hash_block
@@ -1359,11 +1399,21 @@ def milestone_requests():
 @functools.lru_cache(maxsize=None)
 def milestone_result(name: str) -> tuple[str, str]:
     """Serve the milestone's requests under one config, checking every invariant after each step.
-    Returns (kind, message): kind "ok", or what went wrong — "crash", "stuck", "invariant",
-    "missing" (a request never finished), "wrong" (tokens differ from generate()), "setup" (the
-    config did not exercise what it is for), "leak" (something left at idle)."""
+    Returns (kind, message): kind "ok", or what went wrong — "crash" (the engine raised), "test"
+    (the test's own code raised), "stuck", "invariant", "missing" (a request never finished),
+    "wrong" (tokens differ from generate()), "counter" (preemptions happened but were not counted),
+    "setup" (the config did not exercise what it is for), "leak" (something left at idle)."""
     ps, max_tokens = milestone_requests()
     e = core(MILESTONE_CONFIGS[name])
+    preempted = []  # every request a plan preempted, from the plans themselves (not the counters)
+    schedule = e.scheduler.schedule
+
+    def watched_schedule():
+        plan = schedule()
+        preempted.extend(r.request_id for r in plan.preempted)
+        return plan
+
+    e.scheduler.schedule = watched_schedule
     try:
         for i, (p, m) in enumerate(zip(ps, max_tokens)):
             e.add_request(f"r{i}", p, SamplingParams(max_tokens=m, **{"temperature": 0.0, **GREEDY}))
@@ -1375,11 +1425,11 @@ def milestone_result(name: str) -> tuple[str, str]:
     except AssertionError as exc:
         return "stuck", str(exc)
     except Exception as exc:
-        import traceback
-
-        where = [f"{f.filename.rsplit(os.sep + 'engine' + os.sep, 1)[-1]}:{f.lineno} in {f.name}"
-                 for f in traceback.extract_tb(exc.__traceback__) if os.sep + "engine" + os.sep in f.filename]
-        return "crash", f"{type(exc).__name__}: {exc}" + (f" (at engine/{where[-1]})" if where else "")
+        whose, where = where_raised(exc)
+        if whose == "engine":
+            return "crash", f"{type(exc).__name__}: {exc} (at engine/{where})"
+        return "test", (f"the test's own code raised {type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")
+                        + ", reading what the engine returned: not a crash inside your engine")
     for i, (p, m) in enumerate(zip(ps, max_tokens)):
         if f"r{i}" not in done:
             return "missing", f"request r{i} never finished (it is not among the finished outputs)"
@@ -1388,7 +1438,13 @@ def milestone_result(name: str) -> tuple[str, str]:
         except AssertionError as exc:
             return "wrong", str(exc)
     if "12-block" in name and e.preemptions < 1:
-        return "setup", "the 12-block pool must force a preemption (else this config tests nothing)"
+        if preempted:
+            return "counter", (f"the plans preempted {len(preempted)} times (SchedulerOutput.preempted: "
+                               f"{', '.join(sorted(set(preempted)))}) and every token is right, but the engine's "
+                               f"preemptions (scheduler.num_preemptions) is {e.preemptions}: the counter was not "
+                               "incremented")
+        return "setup", ("no preemption happened: no plan listed a preempted request, although the 12-block pool "
+                         "cannot hold every request at once (else this config tests nothing)")
     if name == "small chunks, tight budget" and not e.blocks.hit_rate > 0:
         return "setup", "request 3 should hit request 1's two shared blocks (hit rate 0)"
     try:
@@ -1398,40 +1454,92 @@ def milestone_result(name: str) -> tuple[str, str]:
     return "ok", ""
 
 
+# What each hole can get wrong that shows up in the milestone (the holes every symptom could come from).
+SUSPECTS = {
+    "build_batch": "rows (token_ids + spec)[c:c+n] at positions c.., slots through the table, the sample rows "
+                   "(k counts from num_tokens: 0 mid-prompt, 1 for a decode, a last chunk or a resumed history)",
+    "write_kv": "each row's K/V to its slot, padding to the scratch slot",
+    "ReferenceBackend.forward": "a request's queries are the LAST positions of its context, keys read through "
+                                "its block table up to seq_len",
+    "FlatModel.attention": "K/V written (after norm and RoPE) before attending; the model's sliding window",
+    "FlatModel.forward": "RoPE by each row's position (not its row number), each layer its own pool",
+    "EngineCore.step": "each request takes its own sample rows; num_computed_tokens += n; swap_out then swap_in "
+                       "before the forward; finished requests freed at once",
+    "EngineCore.check_stop": "min_tokens, stop tokens, EOS, max_tokens, max_model_len",
+    "Scheduler._preempt": "the victim's blocks freed; recompute resets num_computed_tokens, swap keeps it and "
+                          "lists the blocks of the computed tokens; the FRONT of waiting; both counters",
+    "Scheduler.schedule": "preempt the LAST running request and stop when it preempts itself; a resumed request "
+                          "(recompute) looks up its prefix again, a swapped one gets swap_in into the FIRST blocks "
+                          "of its new table; chunk cap and budget for running and admitted requests; max_num_seqs",
+    "BlockManager.find_cached_prefix": "stop at the first miss, never the last token's block",
+    "BlockManager.allocate_slots": "all or nothing, adopted cached-free blocks count, a reused block loses its hash, "
+                                   "a running request grows when its last block fills",
+    "BlockManager.cache_full_blocks": "only full blocks, first writer wins, start at num_published",
+    "BlockManager.free": "every block back (tail first), the request's entries dropped",
+    "hash_block": "the parent digest and the cache key in the hash",
+}
+PATH_OF_EVERY_STEP = ("build_batch", "write_kv", "ReferenceBackend.forward", "FlatModel.attention",
+                      "FlatModel.forward", "EngineCore.step", "EngineCore.check_stop")
+PREEMPTION = ("Scheduler._preempt", "Scheduler.schedule", "build_batch", "BlockManager.free",
+              "BlockManager.allocate_slots", "EngineCore.step")
+PREFIX_CACHE = ("BlockManager.find_cached_prefix", "BlockManager.allocate_slots", "BlockManager.cache_full_blocks",
+                "hash_block", "Scheduler.schedule", "build_batch")
+BY_KIND = {"leak": ("BlockManager.free", "Scheduler._preempt", "EngineCore.step"),
+           "counter": ("Scheduler._preempt",),
+           "missing": ("EngineCore.check_stop", "EngineCore.step"),
+           "stuck": ("EngineCore.step", "Scheduler.schedule", "BlockManager.allocate_slots", "EngineCore.check_stop")}
+
+
 def milestone_hint(name: str, kind: str, kinds: dict[str, str]) -> str:
-    """Where to look, from HOW this config failed and WHICH configs fail."""
-    failing = sorted(n for n, k in kinds.items() if k != "ok")
+    """Where to look, from HOW this config failed and WHICH configs fail: every hole that can cause
+    the symptom, most likely first, with what to check in each."""
+    failing = sorted(n for n, k in kinds.items() if k not in ("ok", "test"))
     how = {"crash": "your code raised inside the engine; the location above is where",
+           "test": "the engine did not raise; the test's own code failed on what it returned (the line above)",
            "stuck": "a request stopped making progress: did step() append a token for every request that "
                     "had a sample row, and does a finished request leave the scheduler?",
            "invariant": "the checker names the bookkeeping that disagrees; each hole's docstring says who keeps it",
            "missing": "a request never finished: check_stop, and step() reporting (and finishing) finished requests",
            "leak": "at idle something is still held: free() on finish, abort and preemption must return "
                    "every block and drop the request's entries",
+           "counter": "preemption itself works; only the count is missing: _preempt adds one to the scheduler's "
+                      "num_preemptions and to the request's",
            "setup": "this config did not do what it is for"}.get(kind, "")
-    if len(failing) == len(kinds):
-        where = ("every configuration fails, so the bug is on the path all of them share (build_batch, write_kv, "
-                 "attention, FlatModel, step's use of the samples) rather than preemption or the prefix cache: "
-                 "the hole tests of those narrow it down")
-    elif failing == ["12-block pool, swap"]:
-        where = ("only swap mode fails: swap_out lists the blocks of the computed tokens, and swap_in must "
-                 "fill the FIRST blocks of the new table; num_computed_tokens is kept")
-    elif failing == ["12-block pool, recompute"]:
-        where = "only recompute fails: a preempted request restarts from num_computed_tokens = 0"
-    elif set(failing) == {"12-block pool, recompute", "12-block pool, swap"}:
-        where = ("only the configs that preempt fail: preemption — the victim's blocks, its computed count on "
-                 "resume, its place at the front of the queue")
+    preempting = {"12-block pool, recompute", "12-block pool, swap"}
+    if kind == "counter" or not failing:
+        where, suspects = "", ()
+    elif len(failing) == len(kinds):
+        where = ("every configuration fails, so the bug is most likely on the path all of them share rather than "
+                 "in preemption or the prefix cache")
+        suspects = PATH_OF_EVERY_STEP
+    elif set(failing) <= preempting:
+        which = {"12-block pool, swap": "only swap mode fails", "12-block pool, recompute": "only recompute fails"}
+        where = (which.get(failing[0]) if len(failing) == 1 else "only the configs that preempt fail") + \
+            ": what differs there is preemption and resumption — a resumed request re-runs its history " \
+            "(recompute) or gets its K/V copied back (swap)"
+        suspects = PREEMPTION
     elif failing == ["small chunks, tight budget"]:
         where = ("only the tight budget with small chunks fails: chunked prefill — a mid-prompt chunk samples "
-                 "nothing, each chunk starts at num_computed_tokens, the chunk cap, a decode behind a chunk")
+                 "nothing, each chunk starts at num_computed_tokens and reads the earlier chunks' K/V, the chunk "
+                 "cap, a decode behind a chunk")
+        suspects = ("Scheduler.schedule", "build_batch", "EngineCore.step", "FlatModel.forward",
+                    "ReferenceBackend.forward")
     elif failing == ["no prefix cache, 2 seqs"]:
         where = "only the config without a prefix cache fails: max_num_seqs, and everything with caching off"
+        suspects = ("Scheduler.schedule", "BlockManager.find_cached_prefix", "BlockManager.cache_full_blocks")
     elif "no prefix cache, 2 seqs" not in failing:
-        where = ("every config with the prefix cache fails and the one without passes: the prefix cache — "
-                 "find_cached_prefix, adopting cached blocks in allocate_slots, publishing in cache_full_blocks")
+        where = "every config with the prefix cache fails and the one without passes: the prefix cache"
+        suspects = PREFIX_CACHE
     else:
         where = f"failing: {', '.join(failing)}"
-    return f"{how}. {where}." if how else f"{where}."
+        suspects = PATH_OF_EVERY_STEP + PREEMPTION + PREFIX_CACHE
+    ordered = list(dict.fromkeys(BY_KIND.get(kind, ()) + tuple(suspects)))
+    look = ""
+    if ordered:
+        look = (" Holes that can cause this: " + "; ".join(f"{h} ({SUSPECTS[h]})" for h in ordered)
+                + f". `pytest tests/test_ch31_engine_v2.py --hole {ordered[0]}` runs one hole's tests alone.")
+    parts = [x for x in (how, where) if x]
+    return ". ".join(parts) + "." + look
 
 
 @pytest.mark.milestone
