@@ -105,10 +105,11 @@ SUGGESTS = {
                        "chunk cap, max_num_seqs), or resumed requests recomputing what the prefix cache holds",
     ("steps", "fewer"): "fewer steps than the reference: more tokens per step than the budget allows (schedule "
                         "charges every admitted request to the budget), or admissions in a step that preempted",
-    ("prefix_hit_rate", "higher"): "a higher hit rate: hits counted in blocks instead of tokens, lookups that find "
-                                   "nothing not counted (find_cached_prefix must call record_lookup for a miss "
-                                   "too), or the block of a prompt's last token matched",
-    ("prefix_hit_rate", "lower"): "a lower hit rate: a request resumed after recompute not looked up again "
+    ("prefix_hit_rate", "higher"): "a higher hit rate: lookups that find nothing not counted (find_cached_prefix "
+                                   "must call record_lookup for a miss too), or the block of a prompt's last token "
+                                   "matched (find_cached_prefix)",
+    ("prefix_hit_rate", "lower"): "a lower hit rate: hits counted in blocks instead of tokens, a request resumed "
+                                  "after recompute not looked up again "
                                   "(schedule), blocks not published as soon as they are allocated "
                                   "(cache_full_blocks, schedule), lookups counted with caching off or prompt "
                                   "logprobs wanted, or shared blocks evicted first (free must release tail first)",
@@ -231,7 +232,14 @@ def core_main(argv: list[str] | None = None) -> int:
             (("ch31 core, ample pool", {}), ("ch31 core, 24-block pool", {"num_blocks": 24}))]
     mine = {}
     for label, config in runs:
-        res = best_of(lambda: CoreRunner(model, backend, **config), work, args.repeat)
+        try:
+            res = best_of(lambda: CoreRunner(model, backend, **config), work, args.repeat)
+        except Exception as exc:  # your engine failed: say how in one line, then show the reference's figures
+            if args.impl != "engine":
+                raise
+            print(json.dumps({"engine": label, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+            mine[label] = None
+            continue
         line = json_line(label, res, core=True)
         line["matches_ch24"] = res.outputs == ref.outputs
         print(json.dumps(line), flush=True)
@@ -241,6 +249,19 @@ def core_main(argv: list[str] | None = None) -> int:
         if isinstance(refs, str):
             print(json.dumps({"vs_reference": "not compared", "why": refs}), flush=True)
         else:
+            lines = []
             for label, _ in runs:
-                print(json.dumps(compare_with_reference(mine[label], refs[label])), flush=True)
+                if mine[label] is None:
+                    ref = {k: refs[label][k] for k in COMPARED}
+                    lines.append({"engine": label, "vs_reference": "yours failed", "reference": ref})
+                else:
+                    lines.append(compare_with_reference(mine[label], refs[label]))
+            ample, small = lines
+            if ample.get("vs_reference") == "same" and small.get("vs_reference") == "differs":
+                small["suggests"].insert(0, "only the run that must preempt differs, so look at preemption and "
+                                            "resumption first: _preempt, and schedule's readmission (a request "
+                                            "resumed after recompute looks up its own blocks again; a swapped one "
+                                            "gets swap_in)")
+            for line in lines:
+                print(json.dumps(line), flush=True)
     return 0
