@@ -51,6 +51,36 @@ class Mutant:
     own: bool = True
 
 
+_ADMISSION_LOOP = (  # the reference's admission loop, which two mutants below rewrite
+    "        while (not out.preempted and self.waiting and budget > 0\n"
+    "               and len(self.running) < cfg.max_num_seqs):\n"
+    "            req = self.waiting[0]\n"
+    "            cached: list[int] = []\n"
+    "            if not req.swapped_out and req.num_computed_tokens == 0:\n"
+    "                cached = self.blocks.find_cached_prefix(req)\n"
+    "            num_cached = len(cached) * self.blocks.block_size\n"
+    "            need = req.num_tokens_with_spec - req.num_computed_tokens - num_cached\n"
+    "            if (not cfg.enable_chunked_prefill and need > budget\n"
+    "                    and need <= cfg.max_num_batched_tokens):\n"
+    "                break\n"
+    "            n = min(need, budget)\n"
+    "            if cfg.enable_chunked_prefill and cfg.long_prefill_token_threshold > 0:\n"
+    "                n = min(n, cfg.long_prefill_token_threshold)\n"
+    "            if not self.blocks.allocate_slots(req, n, cached):\n"
+    "                break\n"
+    "            del self.waiting[0]\n"
+)
+
+
+def _skipping(loop: str, stop: str) -> str:
+    """``loop`` (the admission loop) rewritten to skip a waiting request at ``stop`` (the ``break``
+    after that condition) and go on to the next one, instead of stopping admission there."""
+    loop = loop.replace("        while (not out.preempted and self.waiting and budget > 0\n",
+                        "        skipped = 0\n        while (not out.preempted and len(self.waiting) > skipped and budget > 0\n")
+    loop = loop.replace("self.waiting[0]", "self.waiting[skipped]")
+    return loop.replace(stop + "\n                break\n", stop + "\n                skipped += 1\n                continue\n")
+
+
 MUTANTS: list[Mutant] = [
     # ---- the six the chapter's milestone must catch -----------------------------------------------
     Mutant("slot-off-by-one-at-block-boundary", "serve/batch.py", ("build_batch",),
@@ -399,80 +429,10 @@ MUTANTS: list[Mutant] = [
            "",
            "cache_full_blocks never raises num_published: every call walks the blocks again"),
     Mutant("admission-skips-a-blocked-head", "serve/scheduler.py", ("Scheduler.schedule",),
-           "        while (not out.preempted and self.waiting and budget > 0\n"
-           "               and len(self.running) < cfg.max_num_seqs):\n"
-           "            req = self.waiting[0]\n"
-           "            cached: list[int] = []\n"
-           "            if not req.swapped_out and req.num_computed_tokens == 0:\n"
-           "                cached = self.blocks.find_cached_prefix(req)\n"
-           "            num_cached = len(cached) * self.blocks.block_size\n"
-           "            need = req.num_tokens_with_spec - req.num_computed_tokens - num_cached\n"
-           "            if (not cfg.enable_chunked_prefill and need > budget\n"
-           "                    and need <= cfg.max_num_batched_tokens):\n"
-           "                break\n"
-           "            n = min(need, budget)\n"
-           "            if cfg.enable_chunked_prefill and cfg.long_prefill_token_threshold > 0:\n"
-           "                n = min(n, cfg.long_prefill_token_threshold)\n"
-           "            if not self.blocks.allocate_slots(req, n, cached):\n"
-           "                break\n"
-           "            del self.waiting[0]\n",
-           "        skipped = 0\n"
-           "        while (not out.preempted and len(self.waiting) > skipped and budget > 0\n"
-           "               and len(self.running) < cfg.max_num_seqs):\n"
-           "            req = self.waiting[skipped]\n"
-           "            cached: list[int] = []\n"
-           "            if not req.swapped_out and req.num_computed_tokens == 0:\n"
-           "                cached = self.blocks.find_cached_prefix(req)\n"
-           "            num_cached = len(cached) * self.blocks.block_size\n"
-           "            need = req.num_tokens_with_spec - req.num_computed_tokens - num_cached\n"
-           "            if (not cfg.enable_chunked_prefill and need > budget\n"
-           "                    and need <= cfg.max_num_batched_tokens):\n"
-           "                break\n"
-           "            n = min(need, budget)\n"
-           "            if cfg.enable_chunked_prefill and cfg.long_prefill_token_threshold > 0:\n"
-           "                n = min(n, cfg.long_prefill_token_threshold)\n"
-           "            if not self.blocks.allocate_slots(req, n, cached):\n"
-           "                skipped += 1\n"
-           "                continue\n"
-           "            del self.waiting[skipped]\n",
+           _ADMISSION_LOOP, _skipping(_ADMISSION_LOOP, "            if not self.blocks.allocate_slots(req, n, cached):"),
            "a waiting head whose blocks don't fit is skipped and a later request admitted ahead of it"),
     Mutant("chunking-off-skips-a-waiting-prompt", "serve/scheduler.py", ("Scheduler.schedule",),
-           "        while (not out.preempted and self.waiting and budget > 0\n"
-           "               and len(self.running) < cfg.max_num_seqs):\n"
-           "            req = self.waiting[0]\n"
-           "            cached: list[int] = []\n"
-           "            if not req.swapped_out and req.num_computed_tokens == 0:\n"
-           "                cached = self.blocks.find_cached_prefix(req)\n"
-           "            num_cached = len(cached) * self.blocks.block_size\n"
-           "            need = req.num_tokens_with_spec - req.num_computed_tokens - num_cached\n"
-           "            if (not cfg.enable_chunked_prefill and need > budget\n"
-           "                    and need <= cfg.max_num_batched_tokens):\n"
-           "                break\n"
-           "            n = min(need, budget)\n"
-           "            if cfg.enable_chunked_prefill and cfg.long_prefill_token_threshold > 0:\n"
-           "                n = min(n, cfg.long_prefill_token_threshold)\n"
-           "            if not self.blocks.allocate_slots(req, n, cached):\n"
-           "                break\n"
-           "            del self.waiting[0]\n",
-           "        skipped = 0\n"
-           "        while (not out.preempted and len(self.waiting) > skipped and budget > 0\n"
-           "               and len(self.running) < cfg.max_num_seqs):\n"
-           "            req = self.waiting[skipped]\n"
-           "            cached: list[int] = []\n"
-           "            if not req.swapped_out and req.num_computed_tokens == 0:\n"
-           "                cached = self.blocks.find_cached_prefix(req)\n"
-           "            num_cached = len(cached) * self.blocks.block_size\n"
-           "            need = req.num_tokens_with_spec - req.num_computed_tokens - num_cached\n"
-           "            if (not cfg.enable_chunked_prefill and need > budget\n"
-           "                    and need <= cfg.max_num_batched_tokens):\n"
-           "                skipped += 1\n"
-           "                continue\n"
-           "            n = min(need, budget)\n"
-           "            if cfg.enable_chunked_prefill and cfg.long_prefill_token_threshold > 0:\n"
-           "                n = min(n, cfg.long_prefill_token_threshold)\n"
-           "            if not self.blocks.allocate_slots(req, n, cached):\n"
-           "                break\n"
-           "            del self.waiting[skipped]\n",
+           _ADMISSION_LOOP, _skipping(_ADMISSION_LOOP, "                    and need <= cfg.max_num_batched_tokens):"),
            "chunking off: a prompt too long for the budget left is skipped and a later one admitted ahead of it"),
     Mutant("resumed-history-waits-forever", "serve/scheduler.py", ("Scheduler.schedule",),
            "                    and need <= cfg.max_num_batched_tokens):",
