@@ -225,10 +225,16 @@ def pytest_runtest_call(item):
         whose, where = where_raised(exc)
         purpose = (item.function.__doc__ or "").strip().splitlines()[:1] or \
             [item.originalname.removeprefix("test_").replace("_", " ")]
+        mine = holes[0] if holes else "your engine"
         if whose == "engine":
             raise AssertionError(
-                f"{holes[0] if holes else 'your engine'} crashed with {type(exc).__name__}: {exc} (at engine/{where})"
+                f"{mine} crashed with {type(exc).__name__}: {exc} (at engine/{where})"
                 f". This test checks: {purpose[0]}") from exc
+        if whose == "reference":  # another hole's reference code, fed what this hole returned or left
+            raise AssertionError(
+                f"the reference code of another hole raised {type(exc).__name__}: {exc} (at {where}) on what your "
+                f"{mine} returned or left behind: it is your {mine} that differs from its docstring, not that "
+                f"code. This test checks: {purpose[0]}") from exc
         # The engine returned; the test's own code then failed on what it found (a missing entry, a
         # value of the wrong type): not a crash of the hole, but state its docstring did not promise.
         raise AssertionError(

@@ -1426,8 +1426,8 @@ def milestone_result(name: str) -> tuple[str, str]:
         return "stuck", str(exc)
     except Exception as exc:
         whose, where = where_raised(exc)
-        if whose == "engine":
-            return "crash", f"{type(exc).__name__}: {exc} (at engine/{where})"
+        if whose in ("engine", "reference"):
+            return "crash", f"{type(exc).__name__}: {exc} (at {'engine/' if whose == 'engine' else ''}{where})"
         return "test", (f"the test's own code raised {type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")
                         + ", reading what the engine returned: not a crash inside your engine")
     for i, (p, m) in enumerate(zip(ps, max_tokens)):
