@@ -220,7 +220,8 @@ class EngineCore:
            ``stop_reason``.
         2. Otherwise, ``max_tokens`` outputs or ``max_model_len`` tokens in all -> FINISHED_LENGTH.
         The stop rules come first, so a stop token or EOS that is also the last token allowed
-        finishes STOPPED, not LENGTH (vLLM checks the length first; here the token's meaning wins).
+        finishes STOPPED, not LENGTH (vLLM V1's check_stop tests the length first, then EOS, then
+        stop_token_ids; here the token's meaning wins, and a stop token's stop_reason is kept).
         """
         raise NotImplementedError("EngineCore.check_stop is a hole: fill it in (Chapter 31, engine/serve/engine.py)")
 

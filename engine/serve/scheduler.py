@@ -131,7 +131,7 @@ class Scheduler:
            ``swap_in`` with the first blocks of its new table.
            With chunked prefill off, a request that needs more than the budget left waits, and
            admission stops there (unless its history exceeds the whole budget — only a resumed
-           request can — then it is chunked like a running request, capped by the budget left).
+           request can — then it runs in pieces of at most the budget left, as chunked prefill would).
            If its blocks don't fit, admission stops; never preempt to admit. Either way the queue
            is first come, first served: a request behind a waiting head is not admitted ahead of
            it, even one that would fit. On admission: pop it
