@@ -133,7 +133,7 @@ def reference_lines(model, work: list[WorkItem], backend: str, runs) -> dict[str
     try:
         switch.use_reference(switch.holes)
     except ValueError as exc:  # no solutions/: a handout
-        return str(exc)
+        return f"no reference to compare with: {exc}"
     try:
         lines = {}
         for label, config in runs:
