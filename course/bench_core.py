@@ -7,7 +7,10 @@ opening with one 192-token system prompt, then a private 8-48-token question, ea
 workload needs), and by the core held to 24 blocks (384 tokens), so that it must preempt. ``tok_s``
 is the fastest of --repeat timed runs; ``matches_ch24`` says whether a run's greedy tokens equal
 chapter 24's. --backend and --no-prefix-caching switch one ingredient of the core runs off, to
-show what it contributes.
+show what it contributes. Under ``--impl engine`` each core run is followed by a line comparing its
+exact figures (output tokens, steps, hit rate, preemptions, and the tokens themselves) with the
+reference's on the same workload, served in this process through the one switch
+(``engine/_impl.py``), with which differ and what that suggests.
 
 ``--rounds N`` measures instead what each ingredient is worth, as a ratio to chapter 24 measured
 in this one process: every round serves the workload on four ample-pool cores (torch backend with
@@ -91,6 +94,76 @@ def ratio_rounds(model, work: list[WorkItem], rounds: int, variants=RATIO_VARIAN
     return out
 
 
+# What a figure that differs from the reference's suggests (the workload is greedy and deterministic,
+# so every one of these is exact: any difference is a difference in behaviour, not noise).
+SUGGESTS = {
+    ("output_tokens", "more"): "a request ran past its limit: check_stop (max_tokens, max_model_len)",
+    ("output_tokens", "fewer"): "a request stopped early or lost tokens: check_stop (min_tokens, the stop rules), "
+                                "or step() not appending a request's sample",
+    ("steps", "more"): "more steps for the same work: a step with an empty plan counted (step), chunks smaller "
+                       "than the budget allows or requests admitted later than they could be (schedule: budget, "
+                       "chunk cap, max_num_seqs), or resumed requests recomputing what the prefix cache holds",
+    ("steps", "fewer"): "fewer steps than the reference: more tokens per step than the budget allows (schedule "
+                        "charges every admitted request to the budget), or admissions in a step that preempted",
+    ("prefix_hit_rate", "higher"): "a higher hit rate: lookups that find nothing not counted (find_cached_prefix "
+                                   "must call record_lookup for a miss too), or the block of a prompt's last token "
+                                   "matched (find_cached_prefix)",
+    ("prefix_hit_rate", "lower"): "a lower hit rate: hits counted in blocks instead of tokens, a request resumed "
+                                  "after recompute not looked up again "
+                                  "(schedule), blocks not published as soon as they are allocated "
+                                  "(cache_full_blocks, schedule), lookups counted with caching off or prompt "
+                                  "logprobs wanted, or shared blocks evicted first (free must release tail first)",
+    ("preemptions", "more"): "more preemptions: the wrong victim (the LAST running request), admissions in a step "
+                             "that preempted, blocks never returned (free, _preempt), or new blocks taken before "
+                             "the last one is full (allocate_slots)",
+    ("preemptions", "fewer"): "fewer preemptions: _preempt not adding one to the scheduler's num_preemptions, or "
+                              "admission that waits when it could run",
+}
+COMPARED = ("output_tokens", "steps", "prefix_hit_rate", "preemptions")
+
+
+def reference_lines(model, work: list[WorkItem], backend: str, runs) -> dict[str, dict] | str:
+    """The reference's figures for the same ``runs`` ((label, config) pairs), served once each in this
+    process with every hole switched to its reference (``engine/_impl.py``'s Switch, as ``--impl
+    solution`` does) and switched back after; a string saying why not when there is no reference (a
+    handout)."""
+    from engine._impl import Switch
+
+    switch = Switch()
+    try:
+        switch.use_reference(switch.holes)
+    except ValueError as exc:  # no solutions/: a handout
+        return f"no reference to compare with: {exc}"
+    try:
+        lines = {}
+        for label, config in runs:
+            res = best_of(lambda: CoreRunner(model, backend, **config), work, 1)
+            lines[label] = {**json_line(label, res, core=True), "outputs": res.outputs}
+        return lines
+    finally:
+        switch.restore()
+
+
+def compare_with_reference(mine: dict, ref: dict) -> dict:
+    """One JSON line: which deterministic figures of ``mine`` differ from ``ref`` and what that suggests."""
+    differs = {k: {"yours": mine[k], "reference": ref[k]} for k in COMPARED if mine[k] != ref[k]}
+    suggests = []
+    for k, v in differs.items():
+        up = v["yours"] > v["reference"]
+        suggests.append(SUGGESTS[(k, ("higher" if up else "lower") if k == "prefix_hit_rate" else ("more" if up else "fewer"))])
+    same_tokens = mine["outputs"] == ref["outputs"]
+    if not same_tokens:
+        wrong = sorted(r for r in ref["outputs"] if mine["outputs"].get(r) != ref["outputs"][r])
+        suggests.append(f"{len(wrong)} request(s) ({', '.join(wrong[:4])}{', ...' if len(wrong) > 4 else ''}) got other "
+                        "greedy tokens than the reference: run pytest tests/test_ch31_engine_v2.py, whose hole tests "
+                        "say which hole")
+    line = {"engine": mine["engine"], "vs_reference": "same" if not differs and same_tokens else "differs",
+            "differs": differs, "same_tokens": same_tokens}
+    if suggests:
+        line["suggests"] = suggests
+    return line
+
+
 def summarize(values: list[float]) -> str:
     return f"median {statistics.median(values):.2f}, range {min(values):.2f}-{max(values):.2f}"
 
@@ -149,15 +222,56 @@ def core_main(argv: list[str] | None = None) -> int:
           flush=True)  # which code ran: yours (engine) runs your own attention and FlatModel
     caching = {"enable_prefix_caching": not args.no_prefix_caching}
     slots = lambda: SlotRunner(model, num_slots=8, max_len=320)  # noqa: E731
+
+    def attempt(label: str, run: Callable[[], RunResult]) -> RunResult | None:
+        """``run()``; under --impl engine a failure of your engine (other than a hole left to fill,
+        which run.py reports) is one JSON line, and the comparison with the reference goes on."""
+        try:
+            return run()
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            if args.impl != "engine":
+                raise
+            print(json.dumps({"engine": label, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+            return None
+
     # Warm up the kernels both engines use, so neither pays first-call costs in its timing.
-    best_of(lambda: CoreRunner(model, backend, **caching), work[:2], 1)
+    attempt("ch31 core, warm-up", lambda: best_of(lambda: CoreRunner(model, backend, **caching), work[:2], 1))
     best_of(slots, work[:2], 1)
 
     ref = best_of(slots, work, args.repeat)
     print(json.dumps(json_line("ch24 slots", ref, core=False)), flush=True)
-    for label, config in (("ch31 core, ample pool", {}), ("ch31 core, 24-block pool", {"num_blocks": 24})):
-        res = best_of(lambda: CoreRunner(model, backend, **caching, **config), work, args.repeat)
+    runs = [(label, {**caching, **config}) for label, config in
+            (("ch31 core, ample pool", {}), ("ch31 core, 24-block pool", {"num_blocks": 24}))]
+    mine = {}
+    for label, config in runs:
+        res = attempt(label, lambda: best_of(lambda: CoreRunner(model, backend, **config), work, args.repeat))
+        if res is None:
+            mine[label] = None
+            continue
         line = json_line(label, res, core=True)
         line["matches_ch24"] = res.outputs == ref.outputs
         print(json.dumps(line), flush=True)
-    return 0
+        mine[label] = {**line, "outputs": res.outputs}
+    if args.impl == "engine":  # your engine: its exact figures beside the reference's, served the same way
+        refs = reference_lines(model, work, backend, runs)
+        if isinstance(refs, str):
+            print(json.dumps({"vs_reference": "not compared", "why": refs}), flush=True)
+        else:
+            lines = []
+            for label, _ in runs:
+                if mine[label] is None:
+                    figures = {k: refs[label][k] for k in COMPARED}
+                    lines.append({"engine": label, "vs_reference": "yours failed", "reference": figures})
+                else:
+                    lines.append(compare_with_reference(mine[label], refs[label]))
+            ample, small = lines
+            if ample.get("vs_reference") == "same" and small.get("vs_reference") == "differs":
+                small["suggests"].insert(0, "only the run that must preempt differs, so look at preemption and "
+                                            "resumption first: _preempt, and schedule's readmission (a request "
+                                            "resumed after recompute looks up its own blocks again; a swapped one "
+                                            "gets swap_in)")
+            for line in lines:
+                print(json.dumps(line), flush=True)
+    return 1 if any(m is None for m in mine.values()) else 0

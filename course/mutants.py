@@ -51,6 +51,36 @@ class Mutant:
     own: bool = True
 
 
+_ADMISSION_LOOP = (  # the reference's admission loop, which two mutants below rewrite
+    "        while (not out.preempted and self.waiting and budget > 0\n"
+    "               and len(self.running) < cfg.max_num_seqs):\n"
+    "            req = self.waiting[0]\n"
+    "            cached: list[int] = []\n"
+    "            if not req.swapped_out and req.num_computed_tokens == 0:\n"
+    "                cached = self.blocks.find_cached_prefix(req)\n"
+    "            num_cached = len(cached) * self.blocks.block_size\n"
+    "            need = req.num_tokens_with_spec - req.num_computed_tokens - num_cached\n"
+    "            if (not cfg.enable_chunked_prefill and need > budget\n"
+    "                    and need <= cfg.max_num_batched_tokens):\n"
+    "                break\n"
+    "            n = min(need, budget)\n"
+    "            if cfg.enable_chunked_prefill and cfg.long_prefill_token_threshold > 0:\n"
+    "                n = min(n, cfg.long_prefill_token_threshold)\n"
+    "            if not self.blocks.allocate_slots(req, n, cached):\n"
+    "                break\n"
+    "            del self.waiting[0]\n"
+)
+
+
+def _skipping(loop: str, stop: str) -> str:
+    """``loop`` (the admission loop) rewritten to skip a waiting request at ``stop`` (the ``break``
+    after that condition) and go on to the next one, instead of stopping admission there."""
+    loop = loop.replace("        while (not out.preempted and self.waiting and budget > 0\n",
+                        "        skipped = 0\n        while (not out.preempted and len(self.waiting) > skipped and budget > 0\n")
+    loop = loop.replace("self.waiting[0]", "self.waiting[skipped]")
+    return loop.replace(stop + "\n                break\n", stop + "\n                skipped += 1\n                continue\n")
+
+
 MUTANTS: list[Mutant] = [
     # ---- the six the chapter's milestone must catch -----------------------------------------------
     Mutant("slot-off-by-one-at-block-boundary", "serve/batch.py", ("build_batch",),
@@ -336,6 +366,107 @@ MUTANTS: list[Mutant] = [
            "        out, _ = add_norm(hidden, residual, m.norm)\n",
            "        out = m.norm(hidden)\n",
            "the last layer's residual is dropped before the final norm"),
+    # ---- issue 23: escape classes of the learner walk-through ----------------------------------
+    Mutant("min-tokens-exclusive", "serve/engine.py", ("EngineCore.check_stop",),
+           "        if num_output >= p.min_tokens:\n",
+           "        if num_output > p.min_tokens:\n",
+           "a stop token or EOS at exactly min_tokens outputs does not stop the request"),
+    Mutant("length-checked-before-stop-rules", "serve/engine.py", ("EngineCore.check_stop",),
+           "        if num_output >= p.min_tokens:\n            if last in p.stop_token_ids:",
+           "        if num_output >= p.max_tokens or request.num_tokens >= self.max_model_len:\n"
+           "            return Status.FINISHED_LENGTH\n"
+           "        if num_output >= p.min_tokens:\n            if last in p.stop_token_ids:",
+           "a stop token on the last allowed token finishes LENGTH (the length rules checked first)"),
+    Mutant("ignore-eos-skips-stop-tokens", "serve/engine.py", ("EngineCore.check_stop",),
+           "            if last in p.stop_token_ids:\n",
+           "            if last in p.stop_token_ids and not p.ignore_eos:\n",
+           "ignore_eos switches stop_token_ids off too"),
+    Mutant("eos-checked-before-stop-tokens", "serve/engine.py", ("EngineCore.check_stop",),
+           "            if last in p.stop_token_ids:\n                request.stop_reason = last\n"
+           "                return Status.FINISHED_STOPPED\n"
+           "            if not p.ignore_eos and request.eos_token_id is not None and last == request.eos_token_id:\n"
+           "                return Status.FINISHED_STOPPED\n",
+           "            if not p.ignore_eos and request.eos_token_id is not None and last == request.eos_token_id:\n"
+           "                return Status.FINISHED_STOPPED\n"
+           "            if last in p.stop_token_ids:\n                request.stop_reason = last\n"
+           "                return Status.FINISHED_STOPPED\n",
+           "EOS is checked before stop_token_ids: an EOS listed there finishes with no stop_reason"),
+    Mutant("step-without-recovery", "serve/engine.py", ("EngineCore.step",),
+           "            self.recover_failed_step(plan)\n",
+           "            pass\n",
+           "a step that fails never calls recover_failed_step: blocks published for it stay in the cache"),
+    Mutant("step-recovers-only-from-exception", "serve/engine.py", ("EngineCore.step",),
+           "        except BaseException:  # out of memory",
+           "        except Exception:  # out of memory",
+           "a Ctrl-C (KeyboardInterrupt) in the forward pass skips recover_failed_step"),
+    Mutant("empty-plan-counted-as-step", "serve/engine.py", ("EngineCore.step",),
+           "            if not plan.scheduled:\n                return []",
+           "            if not plan.scheduled:\n                self.steps += 1\n                return []",
+           "a step with an empty plan (no forward pass) is counted in steps"),
+    Mutant("first-block-without-root-hash", "serve/blocks.py", ("hash_block",),
+           "h.update(ROOT_HASH if parent is None else parent)",
+           "h.update(parent or b\"\")",
+           "the first block's digest leaves out ROOT_HASH"),
+    Mutant("extra-without-separator", "serve/blocks.py", ("hash_block",),
+           "        h.update(b\"\\x00extra\\x00\")\n",
+           "",
+           "the cache key's bytes follow the tokens without the separator the docstring names"),
+    Mutant("lookup-miss-not-counted", "serve/blocks.py", ("BlockManager.find_cached_prefix",),
+           "        self.record_lookup(request, matched * self.block_size)\n",
+           "        if matched:\n            self.record_lookup(request, matched * self.block_size)\n",
+           "a prefix lookup that finds nothing is not counted, so the hit rate only sees hits"),
+    Mutant("lookup-counted-when-switched-off", "serve/blocks.py", ("BlockManager.find_cached_prefix",),
+           "        if wants_prompt_logprobs or not self.enable_prefix_caching:\n            return []\n",
+           "        if wants_prompt_logprobs or not self.enable_prefix_caching:\n"
+           "            self.record_lookup(request, 0)\n            return []\n",
+           "a lookup with caching off or prompt logprobs wanted is counted as a miss"),
+    Mutant("cached-blocks-adopted-into-a-held-table", "serve/blocks.py", ("BlockManager.allocate_slots",),
+           "        if cached_blocks and table:\n",
+           "        if False:\n",
+           "allocate_slots adopts cached_blocks for a request that already holds blocks"),
+    Mutant("num-published-not-raised", "serve/blocks.py", ("BlockManager.cache_full_blocks",),
+           "        self.num_published[rid] = max(full, self.num_published.get(rid, 0))\n",
+           "",
+           "cache_full_blocks never raises num_published: every call walks the blocks again"),
+    Mutant("admission-skips-a-blocked-head", "serve/scheduler.py", ("Scheduler.schedule",),
+           _ADMISSION_LOOP, _skipping(_ADMISSION_LOOP, "            if not self.blocks.allocate_slots(req, n, cached):"),
+           "a waiting head whose blocks don't fit is skipped and a later request admitted ahead of it"),
+    Mutant("chunking-off-skips-a-waiting-prompt", "serve/scheduler.py", ("Scheduler.schedule",),
+           _ADMISSION_LOOP, _skipping(_ADMISSION_LOOP, "                    and need <= cfg.max_num_batched_tokens):"),
+           "chunking off: a prompt too long for the budget left is skipped and a later one admitted ahead of it"),
+    Mutant("resumed-history-waits-forever", "serve/scheduler.py", ("Scheduler.schedule",),
+           "                    and need <= cfg.max_num_batched_tokens):",
+           "                    ):",
+           "chunking off: a resumed history longer than the whole budget waits forever"),
+    Mutant("resumed-request-skips-prefix-lookup", "serve/scheduler.py", ("Scheduler.schedule",),
+           "if not req.swapped_out and req.num_computed_tokens == 0:",
+           "if not req.admitted:",
+           "a request readmitted after a recompute preemption is not looked up in the prefix cache"),
+    Mutant("num-cached-tokens-overwritten-on-readmission", "serve/scheduler.py", ("Scheduler.schedule",),
+           "            if not req.admitted:  # the first admission records what the prefix cache saved it\n"
+           "                req.admitted, req.num_cached_tokens = True, num_cached\n",
+           "            req.admitted, req.num_cached_tokens = True, num_cached\n",
+           "num_cached_tokens is overwritten when a preempted request is admitted again"),
+    Mutant("scheduler-preemptions-not-counted", "serve/scheduler.py", ("Scheduler._preempt",),
+           "        self.num_preemptions += 1\n",
+           "",
+           "the scheduler's num_preemptions is never incremented"),
+    Mutant("swap-without-computed-tokens", "serve/scheduler.py", ("Scheduler._preempt",),
+           "keep_kv = self.config.preemption_mode == \"swap\" and request.num_computed_tokens > 0",
+           "keep_kv = self.config.preemption_mode == \"swap\"",
+           "swap mode marks a request with nothing computed swapped_out and lists an empty swap_out"),
+    Mutant("tables-mapping-read-in-its-own-order", "serve/batch.py", ("build_batch",),
+           "table = block_tables[req.request_id] if by_id else block_tables[i]",
+           "table = (list(block_tables.values()) if by_id else block_tables)[i]",
+           "a mapping of block tables is read in its own order instead of by request id"),
+    Mutant("sample-count-from-prompt-length", "serve/batch.py", ("build_batch",),
+           "k = min(n, max(0, c + n - (req.num_tokens - 1)))",
+           "k = min(n, max(0, c + n - (req.num_prompt_tokens - 1)))",
+           "sample rows counted from the prompt's end: a resumed history samples one row per output"),
+    Mutant("empty-prompt-span-entry", "serve/batch.py", ("build_batch",),
+           "            if end > c:\n",
+           "            if True:\n",
+           "a span that predicts no prompt token still gets a prompt_spans entry"),
 ]
 
 

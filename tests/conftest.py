@@ -22,7 +22,6 @@ The switch must take effect before anything imports a chapter module, so this fi
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import tempfile
 import traceback
@@ -221,11 +220,24 @@ def pytest_runtest_call(item):
         holes = [m.args[0] for m in item.iter_markers("hole")]
         if not holes and item.get_closest_marker("milestone") is None:
             raise
-        where = [f"{f.filename.split(os.sep + 'engine' + os.sep, 1)[-1]}:{f.lineno} in {f.name}"
-                 for f in traceback.extract_tb(exc.__traceback__)
-                 if os.sep + "engine" + os.sep in f.filename and os.sep + "tests" + os.sep not in f.filename]
+        from ch31_helpers import where_raised
+
+        whose, where = where_raised(exc)
         purpose = (item.function.__doc__ or "").strip().splitlines()[:1] or \
             [item.originalname.removeprefix("test_").replace("_", " ")]
+        mine = holes[0] if holes else "your engine"
+        if whose == "engine":
+            raise AssertionError(
+                f"{mine} crashed with {type(exc).__name__}: {exc} (at engine/{where})"
+                f". This test checks: {purpose[0]}") from exc
+        if whose == "reference":  # another hole's reference code, fed what this hole returned or left
+            raise AssertionError(
+                f"the reference code of another hole raised {type(exc).__name__}: {exc} (at {where}) on what your "
+                f"{mine} returned or left behind: it is your {mine} that differs from its docstring, not that "
+                f"code. This test checks: {purpose[0]}") from exc
+        # The engine returned; the test's own code then failed on what it found (a missing entry, a
+        # value of the wrong type): not a crash of the hole, but state its docstring did not promise.
         raise AssertionError(
-            f"{holes[0] if holes else 'your engine'} crashed with {type(exc).__name__}: {exc}"
-            + (f" (at engine/{where[-1]})" if where else "") + f". This test checks: {purpose[0]}") from exc
+            f"the test's own code raised {type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")
+            + f", reading what {holes[0] if holes else 'your engine'} left behind: it returned, but the state it left "
+            f"(an entry, a list, a count) is not what its docstring promises. This test checks: {purpose[0]}") from exc

@@ -46,6 +46,7 @@ digest = hashlib.blake2b(digest_size=16)
 digest.update(parent if parent is not None else ROOT_HASH)
 digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
 if len(extra) > 0:
+    digest.update(b"\\x00extra\\x00")
     digest.update(encode_cache_key(extra))
 return digest.digest()
 """,

@@ -126,6 +126,27 @@ def test_core_rounds_interleave_every_variant_between_chapter_24_runs(capsys):
     assert "1 interleaved rounds" in out and "cores" in out
     for label, _, _ in RATIO_VARIANTS:
         assert any(line.startswith(label) and "median" in line and "range" in line for line in out.splitlines()), label
+
+
+def test_core_comparison_with_the_reference_names_what_differs():
+    """``run.py core --impl engine`` compares each core run's exact figures with the reference's:
+    the same figures say "same"; a higher hit rate and more steps are named, each with what it
+    suggests; other tokens name the requests."""
+    from course.bench_core import compare_with_reference
+
+    ref = {"engine": "ch31 core, ample pool", "output_tokens": 399, "steps": 115, "prefix_hit_rate": 0.827,
+           "preemptions": 12, "outputs": {"r0": [1, 2], "r1": [3]}}
+    assert compare_with_reference(dict(ref), ref) == {"engine": ref["engine"], "vs_reference": "same", "differs": {},
+                                                      "same_tokens": True}
+    mine = {**ref, "steps": 178, "prefix_hit_rate": 0.885, "outputs": {"r0": [1, 2], "r1": [4]}}
+    line = compare_with_reference(mine, ref)
+    assert line["vs_reference"] == "differs" and not line["same_tokens"]
+    assert line["differs"] == {"steps": {"yours": 178, "reference": 115},
+                               "prefix_hit_rate": {"yours": 0.885, "reference": 0.827}}
+    steps, hits, tokens = line["suggests"]
+    assert "empty plan" in steps and "record_lookup for a miss" in hits and "(r1)" in tokens
+
+
 @pytest.mark.parametrize("impl, backend", [("engine", "reference"), ("solution", "torch")])
 def test_run_py_core_says_which_code_ran(impl, backend):
     """``run.py core --impl engine`` (the default) runs the learner's own reference attention and

@@ -21,13 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ch31_helpers import assert_same_tokens, model64, oracle, prompts, run_checked
+from ch31_helpers import (assert_rows_close, assert_same_tokens, batch_rows, model64, oracle, prompts,
+                          run_checked, where_raised)
 from engine.attention import causal_attention
 from engine.models import tiny_model
 from engine.rope import apply_rope, rope_cos_sin
 from engine.serve import (BlockManager, EngineConfig, EngineCore, FlatModel, ReferenceBackend, Request,
                           SamplingParams, Scheduler, SchedulerConfig, Status, build_batch, hash_block,
                           write_kv)
+from engine.serve.scheduler import SchedulerOutput
 from engine.serve.batch import PAD_SLOT
 from course.invariants import InvariantError, check_idle
 
@@ -83,6 +85,38 @@ def test_build_batch_worked_example():
     assert batch.logits_indices.tolist() == [3, 4, 8], "sample rows are the LAST rows of each span"
     assert batch.request_ids == ["a", "b", "c", "d"] and batch.num_sample_rows == 3, \
         'request_ids in schedule order; num_sample_rows = sum(sample_counts)'
+
+
+@hole("build_batch")
+def test_build_batch_looks_up_a_mapping_of_tables_by_request_id():
+    scheduled, tables = worked_example()
+    reordered = {rid: tables[rid] for rid in ("d", "c", "b", "a")}  # not the plan's order
+    batch = build_batch(scheduled, reordered, 16)
+    assert batch.meta.block_table.tolist() == [[5, 0, 0], [7, 8, 9], [1, 0, 0], [4, 0, 0]], \
+        "block_tables given as a mapping is looked up by request id (block_tables[req.request_id]); its own " \
+        "order (here d, c, b, a) is not the plan's"
+    assert batch.meta.slot_mapping.tolist() == [86, 87, 88, 153, 25, 64, 65, 66, 67], \
+        "each request's slots come from ITS table, whatever order the mapping lists them in"
+
+
+@hole("build_batch")
+def test_build_batch_a_resumed_history_samples_one_row():
+    # preempted by recompute after 3 outputs: its whole history (6 prompt + 3 output tokens) runs again
+    r = req("r", list(range(6)) + [40, 41, 42], computed=0, prompt_len=6)
+    batch = build_batch([(r, 9)], [[2, 5, 7]], 4)
+    assert batch.sample_counts == [1] and batch.logits_indices.tolist() == [8], \
+        "a resumed request re-running prompt + outputs samples ONE row, its last: k counts from num_tokens " \
+        "(prompt and outputs), not from the prompt's length (that would sample 4 rows here)"
+
+
+@hole("build_batch")
+def test_build_batch_prompt_spans_only_for_spans_that_predict_prompt_tokens():
+    dec = req("dec", list(range(6)) + [9], computed=6, prompt_len=6, prompt_logprobs=0)  # a decode
+    last = req("last", range(20, 26), computed=5, prompt_logprobs=0)  # the prompt's last token alone
+    batch = build_batch([(dec, 1), (last, 1)], [[0, 1], [2, 3]], 4)
+    assert batch.prompt_spans == [] and batch.logits_indices.tolist() == [0, 1], \
+        "a decode, and a one-row chunk at the prompt's last token, predict no prompt token: no prompt_spans " \
+        "entry and no prompt-logprob row, only their sample rows"
 
 
 @hole("build_batch")
@@ -163,6 +197,8 @@ def test_build_batch_pad_to_adds_inert_dummy_requests():
     assert m.block_table.tolist() == [[3], [0], [0]], 'padding requests have empty (zero-padded) tables'
     assert batch.sample_counts == [1, 0, 0] and batch.logits_indices.tolist() == [0], \
         'padding requests sample nothing'
+    assert batch.request_ids == ["r", "", ""] and (m.max_query_len, m.max_seq_len, m.num_reqs) == (1, 5, 3), \
+        'dummy requests have id "" and count in R; max_query_len / max_seq_len are over every request'
 
 
 @hole("build_batch")
@@ -223,11 +259,24 @@ def test_reference_forward_matches_plain_attention_per_request(window):
     backend, cache, batch, q, ks, vs = pool_with_requests(lens)
     out = backend.forward(q, cache, batch.meta, window=window)
     qsl = batch.meta.query_start_loc_cpu.tolist()
-    for i, (ctx, t) in enumerate(lens):
-        pos = torch.arange(ctx)
-        want = causal_attention(q[qsl[i]:qsl[i + 1]], ks[i], vs[i], pos[ctx - t:], pos, window=window)
-        assert torch.allclose(out[qsl[i]:qsl[i + 1]], want, atol=1e-10), \
-            f"request {i}: its {t} queries are the LAST {t} positions of a {ctx}-token context"
+
+    def plain(w: int) -> torch.Tensor:  # the oracle: chapter 5's attention on each request's own K/V
+        return torch.cat([causal_attention(q[qsl[i]:qsl[i + 1]], ks[i], vs[i], torch.arange(ctx)[ctx - t:],
+                                           torch.arange(ctx), window=w) for i, (ctx, t) in enumerate(lens)])
+
+    want, rows = plain(window), batch_rows(batch)
+
+    def cause(bad: list[int]) -> str:
+        differ = sorted({rows[i][0] for i in bad})
+        if window and torch.allclose(out, plain(0), atol=1e-10):
+            return (f"the output equals attention WITHOUT the window: with window={window} a query at position q "
+                    f"sees only keys at positions > q - {window} (pass window on to the attention)")
+        return (f"requests {differ} differ: request r's t queries are the LAST t positions of its seq_len-token "
+                f"context (query i at seq_len - t + i), its keys are read through its block table"
+                + (f", and with window={window} only keys at positions > q - {window} count" if window else ""))
+
+    assert_rows_close(out, want, f"ReferenceBackend.forward (window={window}) against plain causal attention",
+                      atol=1e-10, rows=rows, cause=cause)
 
 
 @hole("ReferenceBackend.forward")
@@ -282,11 +331,15 @@ def test_flat_attention_writes_rotated_k_and_matches_plain_attention():
     k = apply_rope(attn.k_norm(attn.k_proj(x).view(6, hkv, d)), cos, sin)
     v = attn.v_proj(x).view(6, hkv, d)
     want = attn.o_proj(causal_attention(q, k, v, pos, pos).reshape(6, -1))
-    assert torch.allclose(out, want, atol=1e-10), \
-        'FlatModel.attention must equal q/k-norm, RoPE, causal attention and o_proj computed by hand'
-    assert torch.allclose(cache[0][2], k[:4]) and torch.allclose(cache[0][0, :2], k[4:]), \
-        "the pool must hold k AFTER q/k-norm and RoPE, at the slots of the block table"
-    assert torch.allclose(cache[1][2], v[:4]), 'the V pool holds v at the slots of the block table'
+    assert_rows_close(out, want, "FlatModel.attention against q/k-norm, RoPE, causal attention and o_proj by hand",
+                      atol=1e-10, rows=batch_rows(batch),
+                      cause="the pool must hold this step's K/V before attention reads it; q and k get the "
+                            "per-head RMSNorm, then RoPE at each row's position; scale=attn.scale; then o_proj")
+    slots = [("r", p) for p in range(6)]
+    assert_rows_close(torch.cat([cache[0][2], cache[0][0, :2]]), k, "the K pool at the request's slots", rows=slots,
+                      atol=1e-10, cause="the pool must hold k AFTER q/k-norm and RoPE, at the slots of the block table")
+    assert_rows_close(torch.cat([cache[1][2], cache[1][0, :2]]), v, "the V pool at the request's slots", rows=slots,
+                      atol=1e-10, cause="the V pool holds v (not k) at the slots of the block table")
 
 
 @hole("FlatModel.attention")
@@ -294,10 +347,20 @@ def test_flat_attention_uses_the_models_sliding_window():
     model = tiny_model(seed=0, dtype=torch.float64, sliding_window=3)
     prompt = prompts([13], seed=5)[0]
     outs, _, _ = run_flat(model, prompt, [6, 7])
-    want = model(torch.tensor(prompt))
-    assert torch.allclose(torch.cat(outs), want, atol=1e-9), \
-        "with sliding_window=3 a query sees only the last 3 positions: pass window=self.cfg.sliding_window " \
-        "(and scale=attn.scale) to backend.forward"
+    got, want = torch.cat(outs), model(torch.tensor(prompt))
+    unwindowed = tiny_model(seed=0, dtype=torch.float64)(torch.tensor(prompt))  # the same weights, no window
+
+    def cause(bad: list[int]) -> str:
+        if torch.allclose(got, unwindowed, atol=1e-9):
+            return ("the logits equal the model WITHOUT its sliding window: with sliding_window=3 a query sees only "
+                    "the last 3 positions, so pass window=self.cfg.sliding_window (and scale=attn.scale) to "
+                    "backend.forward")
+        return ("with sliding_window=3 a query sees only the last 3 positions (window=self.cfg.sliding_window and "
+                "scale=attn.scale to backend.forward); the rows of the second chunk (positions 6..12) read the "
+                "first chunk's K/V back from the pool")
+
+    assert_rows_close(got, want, "FlatModel logits of a sliding-window model (chunks of 6 and 7) against the "
+                      "model's own forward", rows=[("r", p) for p in range(len(prompt))], cause=cause)
 
 
 @hole("FlatModel.forward")
@@ -307,7 +370,10 @@ def test_flat_forward_equals_the_models_own_forward(moe):
     prompt = prompts([13], seed=5)[0]
     (logits,), _, _ = run_flat(model, prompt, [13])
     want = model(torch.tensor(prompt))
-    assert torch.allclose(logits, want, atol=1e-9), "FlatModel.forward must compute exactly what the model computes"
+    assert_rows_close(logits, want, f"FlatModel.forward ({'Qwen3-MoE' if moe else 'Qwen3'}, one 13-token pass) against "
+                      "the model's own forward", rows=[("r", p) for p in range(13)],
+                      cause="each layer: input norm, attention on ITS OWN pool, residual add, post-attention norm, "
+                            "MLP (or MoE), residual; then the final norm over hidden + residual")
 
 
 @hole("FlatModel.forward")
@@ -316,8 +382,17 @@ def test_flat_forward_in_chunks_equals_one_pass():
     prompt = prompts([13], seed=6)[0]
     outs, _, _ = run_flat(model, prompt, [5, 4, 3, 1])
     want = model(torch.tensor(prompt))
-    assert torch.allclose(torch.cat(outs), want, atol=1e-9), \
-        "a later chunk must attend to the earlier chunks' K/V read back from the pool"
+
+    def cause(bad: list[int]) -> str:
+        if min(bad) >= 5:  # the first chunk (positions 0..4 = row numbers 0..4) is right
+            return ("the first chunk (positions 0-4) is right and later chunks are wrong. In the first chunk each "
+                    "row's number equals its position, so suspect what is right only then: RoPE must use "
+                    "`positions` (row i is at position c + i), not the row number; and a later chunk must attend "
+                    "to the earlier chunks' K/V read back from the pool")
+        return "the first chunk is already wrong: see test_flat_forward_equals_the_models_own_forward"
+
+    assert_rows_close(torch.cat(outs), want, "FlatModel.forward in chunks of 5, 4, 3, 1 against one pass of the model",
+                      rows=[("r", p) for p in range(13)], cause=cause)
 
 
 # ===================================================================== hash_block
@@ -328,6 +403,23 @@ def test_hash_block_is_blake2b_over_parent_and_int64_tokens():
     want = hashlib.blake2b(parent + struct.pack("<4q", *tokens), digest_size=16).digest()
     assert hash_block(parent, tokens) == want, \
         "digest = BLAKE2b-128 over the parent digest then the tokens as little-endian int64"
+
+
+@hole("hash_block")
+def test_hash_block_first_block_known_answers():
+    from engine.serve.blocks import ROOT_HASH, encode_cache_key
+
+    tokens = [7, 0, 65535, 2**40]
+    want = hashlib.blake2b(ROOT_HASH + struct.pack("<4q", *tokens), digest_size=16).digest()
+    assert hash_block(None, tokens) == want, \
+        "the first block (parent None) hashes ROOT_HASH, then its tokens as little-endian int64: " \
+        f"want {want.hex()}, got {hash_block(None, tokens).hex()}"
+    key = ("tenant-a", 3)
+    want_key = hashlib.blake2b(ROOT_HASH + struct.pack("<4q", *tokens) + b"\x00extra\x00" + encode_cache_key(key),
+                               digest_size=16).digest()
+    assert hash_block(None, tokens, key) == want_key, \
+        "with a non-empty extra the digest goes on over b'\\x00extra\\x00' then encode_cache_key(extra): " \
+        f"want {want_key.hex()}, got {hash_block(None, tokens, key).hex()}"
 
 
 @hole("hash_block")
@@ -428,6 +520,22 @@ def test_find_cached_prefix_counts_queries_and_hits_and_respects_switches():
     assert off.find_cached_prefix(req("b", range(10))) == [], 'with prefix caching off nothing is ever found'
 
 
+@hole("BlockManager.find_cached_prefix")
+def test_find_cached_prefix_counts_a_lookup_that_finds_nothing_and_skips_the_switches():
+    bm = BlockManager(16, 4)
+    assert bm.find_cached_prefix(req("a", range(10))) == [], "nothing is cached yet"
+    assert (bm.num_queries, bm.num_hits) == (10, 0), \
+        "a lookup that matches nothing still counts: its 10 tokens are queries, 0 hits (else the hit rate " \
+        "only sees the lookups that hit)"
+    published(bm, req("p", range(12)), 12)
+    bm.find_cached_prefix(req("b", range(10), prompt_logprobs=0))
+    assert (bm.num_queries, bm.num_hits) == (10, 0), \
+        "a request that wants prompt logprobs returns [] at once and counts nothing"
+    off = BlockManager(16, 4, enable_prefix_caching=False)
+    off.find_cached_prefix(req("b", range(10)))
+    assert (off.num_queries, off.num_hits) == (0, 0), "with prefix caching off a lookup counts nothing"
+
+
 @hole("BlockManager.allocate_slots")
 def test_allocate_slots_is_all_or_nothing():
     bm = BlockManager(4, 4)
@@ -494,6 +602,20 @@ def test_allocate_slots_bookkeeping_on_success():
 
 
 @hole("BlockManager.allocate_slots")
+def test_allocate_slots_rejects_cached_blocks_for_a_request_that_holds_blocks():
+    bm = BlockManager(8, 4)
+    published(bm, req("a", range(12)), 12)
+    b = req("b", list(range(8)) + [50, 51])
+    assert bm.allocate_slots(b, 2), "b gets 3 fresh blocks"
+    before = (list(bm.req_blocks["b"]), list(bm.ref_count), list(bm.free_queue), dict(bm.num_published))
+    with pytest.raises(ValueError):
+        bm.allocate_slots(b, 1, bm.req_blocks["a"][:2])
+    assert (list(bm.req_blocks["b"]), list(bm.ref_count), list(bm.free_queue), dict(bm.num_published)) == before, \
+        "cached_blocks are adopted at admission only: for a request that already holds blocks it is a " \
+        "ValueError, and nothing changes"
+
+
+@hole("BlockManager.allocate_slots")
 def test_allocate_slots_evicts_the_old_hash_of_a_reused_block():
     bm = BlockManager(2, 4)
     a = req("a", range(5))
@@ -522,6 +644,20 @@ def test_cache_full_blocks_publishes_only_full_blocks():
     assert set(bm.cached.values()) == {t[0], t[1]}, "10 tokens: blocks 0 and 1 are full, block 2 is not"
     assert bm.block_hash[t[0]] == r.block_hashes[0] and bm.block_hash[t[2]] is None, \
         "block_hash of a published block is the request's hash of that position; the partial block has none"
+
+
+@hole("BlockManager.cache_full_blocks")
+def test_cache_full_blocks_raises_num_published_to_the_full_blocks():
+    bm = BlockManager(8, 4)
+    r = req("r", range(14))
+    assert bm.allocate_slots(r, 14), "14 tokens need 4 blocks out of 8"
+    bm.cache_full_blocks(r, 6)
+    assert bm.num_published["r"] == 1, "6 tokens: 1 full block published, so num_published['r'] == 1"
+    bm.cache_full_blocks(r, 13)
+    assert bm.num_published["r"] == 3, "13 tokens: blocks 0-2 are full, so num_published['r'] rises to 3"
+    assert set(bm.cached.values()) == set(bm.req_blocks["r"][:3]), "and those 3 blocks are in the cache"
+    bm.cache_full_blocks(r, 5)
+    assert bm.num_published["r"] == 3, "num_published never goes down when called with fewer tokens"
 
 
 @hole("BlockManager.cache_full_blocks")
@@ -696,6 +832,75 @@ def test_schedule_without_chunking_waits_for_room_for_the_whole_prompt():
 
 
 @hole("Scheduler.schedule")
+def test_schedule_without_chunking_a_prompt_that_waits_blocks_the_queue():
+    s = sched(max_num_batched_tokens=40, enable_chunked_prefill=False)
+    a, b, c = req("a", range(30), max_tokens=2), req("b", range(100, 120), max_tokens=2), req("c", range(50, 55))
+    for r in (a, b, c):
+        s.add(r)
+    plan = s.schedule()
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 30)] and s.waiting == [b, c], \
+        "b's 20 tokens don't fit the 10 left, so admission stops at b: c (5 tokens) waits behind it " \
+        "(first come, first served), it is not admitted ahead of b"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_without_chunking_chunks_a_resumed_history_longer_than_the_budget():
+    s = sched(num_blocks=16, block_size=4, caching=False, max_num_batched_tokens=8, enable_chunked_prefill=False)
+    a = req("a", range(6), max_tokens=10)
+    s.add(a)
+    for _ in range(5):  # the 6-token prompt, then 4 decodes: 11 tokens, 10 computed
+        advance(s.schedule())
+    assert (a.num_tokens, a.num_computed_tokens) == (11, 10), "setup: a has 5 outputs"
+    s._preempt(a, SchedulerOutput())  # recompute: its K/V is forgotten, its whole history must run again
+    plan = s.schedule()
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 8)], \
+        "with chunked prefill off, a resumed request whose 11-token history exceeds the WHOLE budget (8) can " \
+        "never fit: it is chunked (8 now, the rest next step) instead of waiting forever"
+    advance(plan)
+    assert [(r.request_id, n) for r, n in s.schedule().scheduled] == [("a", 3)], "then the remaining 3 tokens"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_a_blocked_head_of_the_queue_blocks_those_behind_it():
+    s = sched(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    a = req("a", range(8), max_tokens=8)
+    s.add(a)
+    advance(s.schedule())  # a holds 2 blocks; its decode at position 8 takes a third
+    b, c = req("b", range(100, 112), max_tokens=1), req("c", range(200, 203), max_tokens=1)
+    s.add(b)  # needs 3 blocks: only 1 is left
+    s.add(c)  # needs 1 block: it would fit
+    plan = s.schedule()
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 1)] and s.waiting == [b, c], \
+        "the head of the queue (b) doesn't fit, so admission stops there: c waits behind it although its one " \
+        "block would fit (first come, first served; skipping ahead would starve b)"
+    assert "c" not in s.blocks.req_blocks, "c is not admitted, so it holds no blocks"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_a_request_resumed_after_recompute_looks_up_its_prefix_again():
+    s = sched(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    a = req("a", range(8), max_tokens=6)  # 2 blocks
+    b = req("b", range(10, 15), max_tokens=8)  # 5 tokens: 2 blocks, the first one full (published)
+    s.add(a)
+    s.add(b)
+    advance(s.schedule())  # the pool is full
+    plan = s.schedule()  # a's decode at position 8 needs a third block: b is preempted (recompute)
+    assert plan.preempted == [b] and b.num_computed_tokens == 0, "setup: b is preempted by recompute"
+    s.finish(a, Status.FINISHED_LENGTH)
+    assert (s.blocks.num_queries, s.blocks.num_hits) == (13, 0), "setup: a's 8 and b's 5 tokens looked up, no hit"
+    plan = s.schedule()
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("b", 2)] and b.num_computed_tokens == 4, \
+        "b was preempted by recompute (nothing computed), so on readmission it starts after its longest cached " \
+        "prefix: its own first block is still cached, so it resumes at token 4 and computes 2 (skipping the " \
+        "lookup for a request that was admitted before recomputes everything)"
+    assert (s.blocks.num_queries, s.blocks.num_hits) == (19, 4), \
+        "the readmission's lookup counts: 6 more tokens queried, 4 hit (hit rate 4/19)"
+    assert b.num_cached_tokens == 0 and b.admitted, \
+        "num_cached_tokens is what the FIRST admission found (0); a readmission must not overwrite it " \
+        "(only set it while admitted is still False)"
+
+
+@hole("Scheduler.schedule")
 def test_schedule_respects_max_num_seqs():
     s = sched(max_num_seqs=2)
     for i in range(3):
@@ -839,6 +1044,7 @@ def test_preempt_recompute_forgets_kv_and_requeues_at_the_front():
         'recompute: PREEMPTED, nothing computed, one preemption counted on the request'
     assert "b" not in s.blocks.req_blocks and s.waiting[0] is b and b not in s.running, \
         'a preempted request holds no blocks, waits at the FRONT, and is no longer running'
+    assert s.num_preemptions == 1, "the scheduler's num_preemptions counts every preemption (one here)"
     assert plan.swap_out == [], 'recompute mode copies nothing to the host'
 
 
@@ -854,6 +1060,22 @@ def test_preempt_swap_keeps_computed_tokens_and_lists_the_blocks():
         "on readmission the saved K/V go into the first blocks of its NEW table"
     assert [(r.request_id, n) for r, n in plan.scheduled] == [("b", 1)] and not b.swapped_out, \
         'b resumes with its pending token; swapped_out cleared on readmission'
+
+
+@hole("Scheduler._preempt")
+def test_preempt_swap_of_a_request_with_nothing_computed_keeps_nothing():
+    s = sched(num_blocks=8, block_size=4, preemption_mode="swap")
+    a = req("a", range(6), max_tokens=4)
+    s.add(a)
+    s.schedule()  # a is admitted and holds blocks, but its step never ran: nothing computed
+    out = SchedulerOutput()
+    s._preempt(a, out)
+    assert out.swap_out == [] and not a.swapped_out and a.num_computed_tokens == 0, \
+        "swap keeps K/V only for a request that has computed tokens; with none there is nothing to copy: " \
+        "no swap_out entry and swapped_out stays False (it is readmitted like a recompute)"
+    assert out.preempted == [a] and a.status is Status.PREEMPTED and s.waiting == [a] \
+        and "a" not in s.blocks.req_blocks and s.num_preemptions == 1, \
+        "it is still preempted: PREEMPTED, blocks freed, at the front of waiting, counted"
 
 
 @hole("Scheduler._preempt")
@@ -926,6 +1148,48 @@ def test_check_stop_rules():
         "the context limit (max_model_len) ends a request too"
 
 
+def stop_status(tokens, prompt_len=4, eos=None, max_model_len=12, **params):
+    """check_stop on a request whose first ``prompt_len`` tokens are the prompt: (status, stop_reason)."""
+    e = core(EngineConfig(max_model_len=max_model_len))
+    r = req("r", tokens, prompt_len=prompt_len, **params)
+    r.eos_token_id = eos
+    return e.check_stop(r), r.stop_reason
+
+
+@hole("EngineCore.check_stop")
+def test_check_stop_min_tokens_boundary_is_inclusive():
+    assert stop_status([1, 2, 3, 4, 5, 9], eos=9, min_tokens=2) == (Status.FINISHED_STOPPED, None), \
+        "EOS as output number 2 with min_tokens=2: the output has at least min_tokens tokens, so it stops " \
+        "(>= min_tokens, not > min_tokens)"
+    assert stop_status([1, 2, 3, 4, 5, 7], stop_token_ids=[7], min_tokens=2) == (Status.FINISHED_STOPPED, 7), \
+        "a stop token as output number 2 with min_tokens=2 stops (the boundary counts)"
+    assert stop_status([1, 2, 3, 4, 7], stop_token_ids=[7], min_tokens=2) == (None, None), \
+        "one output short of min_tokens=2: the stop token is just a token"
+
+
+@hole("EngineCore.check_stop")
+def test_check_stop_stop_rules_come_before_the_length_rules():
+    assert stop_status([1, 2, 3, 4, 5, 7], stop_token_ids=[7], max_tokens=2) == (Status.FINISHED_STOPPED, 7), \
+        "a stop token that is also the last token max_tokens allows finishes STOPPED with its stop_reason: " \
+        "the docstring checks the stop rules before the length rules"
+    assert stop_status([1, 2, 3, 4, 5, 9], eos=9, max_tokens=2) == (Status.FINISHED_STOPPED, None), \
+        "EOS as the last token max_tokens allows finishes STOPPED, not LENGTH"
+    assert stop_status(list(range(11)) + [7], prompt_len=10, stop_token_ids=[7], max_tokens=50) == \
+        (Status.FINISHED_STOPPED, 7), "a stop token that reaches max_model_len finishes STOPPED too"
+
+
+@hole("EngineCore.check_stop")
+def test_check_stop_ignore_eos_keeps_stop_token_ids():
+    assert stop_status([1, 2, 3, 4, 7], eos=9, stop_token_ids=[7], ignore_eos=True) == \
+        (Status.FINISHED_STOPPED, 7), "ignore_eos switches off EOS only: stop_token_ids still stop the request"
+    assert stop_status([1, 2, 3, 4, 9], eos=9, stop_token_ids=[7], ignore_eos=True) == (None, None), \
+        "ignore_eos: EOS (not in stop_token_ids) is just a token"
+    assert stop_status([1, 2, 3, 4, 9], eos=9, stop_token_ids=[9], ignore_eos=True) == \
+        (Status.FINISHED_STOPPED, 9), "an EOS listed in stop_token_ids is a stop token, whatever ignore_eos says"
+    assert stop_status([1, 2, 3, 4, 9], eos=9, stop_token_ids=[9]) == (Status.FINISHED_STOPPED, 9), \
+        "stop_token_ids are checked before EOS: an EOS listed there sets stop_reason"
+
+
 @hole("EngineCore.step")
 def test_step_runs_one_forward_per_step_and_reports_only_produced_tokens():
     e = core(EngineConfig(max_num_batched_tokens=16, block_size=4))
@@ -944,6 +1208,56 @@ def test_step_runs_one_forward_per_step_and_reports_only_produced_tokens():
         "the step that reaches the prompt's last token reports exactly one new token"
     done = e.run_until_done()
     assert_same_tokens(done["a"], oracle(tuple(p), 3), "a", 30, 4)
+
+
+@hole("EngineCore.step")
+def test_step_with_an_empty_plan_returns_nothing_and_counts_no_step():
+    e = core(EngineConfig(block_size=4))
+    forwards = []
+    original = e.runner.execute
+    e.runner.execute = lambda batch: forwards.append(1) or original(batch)
+    assert e.step() == [] and e.steps == 0, "an idle engine's step has an empty plan: it returns [] and counts no step"
+    e.add_request("a", prompts([6], seed=17)[0], SamplingParams(max_tokens=2, **GREEDY))
+    e.run_until_done()
+    e.step()
+    assert e.steps == len(forwards) == 2, \
+        f"steps counts the steps that ran a forward pass (2 here), got {e.steps}: a step whose plan is empty " \
+        "returns [] before the forward pass and is not counted"
+
+
+@hole("EngineCore.step")
+@pytest.mark.parametrize("fault", [RuntimeError, KeyboardInterrupt], ids=["error", "ctrl-c"])
+def test_step_that_fails_mid_forward_recovers_and_counts_no_step(fault):
+    pa, pb = prompts([20, 9], seed=16)
+    want = {"a": oracle(tuple(pa), 4), "b": oracle(tuple(pb), 4)}
+    e = core(EngineConfig(block_size=4, max_num_batched_tokens=12))
+    for rid, p in (("a", pa), ("b", pb)):
+        e.add_request(rid, p, SamplingParams(max_tokens=4, **GREEDY))
+    e.step()  # a's first 12 tokens
+    plans = []
+    original = e.recover_failed_step
+    e.recover_failed_step = lambda plan: plans.append(plan) or original(plan)
+
+    def fail(module, args):
+        raise fault("injected: the forward pass fails after layer 0 wrote its K/V")
+
+    handle = e.model.model.layers[1].mlp.register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(fault):
+            e.step()
+    finally:
+        handle.remove()
+    name = fault.__name__
+    assert len(plans) == 1, \
+        f"a {name} inside the forward pass must reach self.recover_failed_step(plan) before it propagates " \
+        f"(called {len(plans)} times): catch BaseException, not Exception — Ctrl-C (KeyboardInterrupt) and " \
+        "out-of-memory errors must leave the engine as if the step never ran"
+    assert sorted(r.request_id for r, _ in plans[0].scheduled) == ["a", "b"], \
+        "recover_failed_step gets the failed step's own plan (a's last 8 prompt tokens and b's first chunk)"
+    assert e.steps == 1, f"a step that failed is not counted: steps must stay 1, got {e.steps}"
+    done = run_checked(e, max_steps=60)
+    for rid, p in (("a", pa), ("b", pb)):
+        assert_same_tokens(done.get(rid, []), want[rid], rid, len(p), 4, f"after a failed step ({name}): ")
 
 
 @hole("EngineCore.step")
@@ -1085,11 +1399,21 @@ def milestone_requests():
 @functools.lru_cache(maxsize=None)
 def milestone_result(name: str) -> tuple[str, str]:
     """Serve the milestone's requests under one config, checking every invariant after each step.
-    Returns (kind, message): kind "ok", or what went wrong — "crash", "stuck", "invariant",
-    "missing" (a request never finished), "wrong" (tokens differ from generate()), "setup" (the
-    config did not exercise what it is for), "leak" (something left at idle)."""
+    Returns (kind, message): kind "ok", or what went wrong — "crash" (the engine raised), "test"
+    (the test's own code raised), "stuck", "invariant", "missing" (a request never finished),
+    "wrong" (tokens differ from generate()), "counter" (preemptions happened but were not counted),
+    "setup" (the config did not exercise what it is for), "leak" (something left at idle)."""
     ps, max_tokens = milestone_requests()
     e = core(MILESTONE_CONFIGS[name])
+    preempted = []  # every request a plan preempted, from the plans themselves (not the counters)
+    schedule = e.scheduler.schedule
+
+    def watched_schedule():
+        plan = schedule()
+        preempted.extend(r.request_id for r in plan.preempted)
+        return plan
+
+    e.scheduler.schedule = watched_schedule
     try:
         for i, (p, m) in enumerate(zip(ps, max_tokens)):
             e.add_request(f"r{i}", p, SamplingParams(max_tokens=m, **{"temperature": 0.0, **GREEDY}))
@@ -1101,11 +1425,11 @@ def milestone_result(name: str) -> tuple[str, str]:
     except AssertionError as exc:
         return "stuck", str(exc)
     except Exception as exc:
-        import traceback
-
-        where = [f"{f.filename.rsplit(os.sep + 'engine' + os.sep, 1)[-1]}:{f.lineno} in {f.name}"
-                 for f in traceback.extract_tb(exc.__traceback__) if os.sep + "engine" + os.sep in f.filename]
-        return "crash", f"{type(exc).__name__}: {exc}" + (f" (at engine/{where[-1]})" if where else "")
+        whose, where = where_raised(exc)
+        if whose in ("engine", "reference"):
+            return "crash", f"{type(exc).__name__}: {exc} (at {'engine/' if whose == 'engine' else ''}{where})"
+        return "test", (f"the test's own code raised {type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")
+                        + ", reading what the engine returned: not a crash inside your engine")
     for i, (p, m) in enumerate(zip(ps, max_tokens)):
         if f"r{i}" not in done:
             return "missing", f"request r{i} never finished (it is not among the finished outputs)"
@@ -1114,7 +1438,13 @@ def milestone_result(name: str) -> tuple[str, str]:
         except AssertionError as exc:
             return "wrong", str(exc)
     if "12-block" in name and e.preemptions < 1:
-        return "setup", "the 12-block pool must force a preemption (else this config tests nothing)"
+        if preempted:
+            return "counter", (f"the plans preempted {len(preempted)} times (SchedulerOutput.preempted: "
+                               f"{', '.join(sorted(set(preempted)))}) and every token is right, but the engine's "
+                               f"preemptions (scheduler.num_preemptions) is {e.preemptions}: the counter was not "
+                               "incremented")
+        return "setup", ("no preemption happened: no plan listed a preempted request, although the 12-block pool "
+                         "cannot hold every request at once (else this config tests nothing)")
     if name == "small chunks, tight budget" and not e.blocks.hit_rate > 0:
         return "setup", "request 3 should hit request 1's two shared blocks (hit rate 0)"
     try:
@@ -1124,40 +1454,92 @@ def milestone_result(name: str) -> tuple[str, str]:
     return "ok", ""
 
 
+# What each hole can get wrong that shows up in the milestone (the holes every symptom could come from).
+SUSPECTS = {
+    "build_batch": "rows (token_ids + spec)[c:c+n] at positions c.., slots through the table, the sample rows "
+                   "(k counts from num_tokens: 0 mid-prompt, 1 for a decode, a last chunk or a resumed history)",
+    "write_kv": "each row's K/V to its slot, padding to the scratch slot",
+    "ReferenceBackend.forward": "a request's queries are the LAST positions of its context, keys read through "
+                                "its block table up to seq_len",
+    "FlatModel.attention": "K/V written (after norm and RoPE) before attending; the model's sliding window",
+    "FlatModel.forward": "RoPE by each row's position (not its row number), each layer its own pool",
+    "EngineCore.step": "each request takes its own sample rows; num_computed_tokens += n; swap_out then swap_in "
+                       "before the forward; finished requests freed at once",
+    "EngineCore.check_stop": "min_tokens, stop tokens, EOS, max_tokens, max_model_len",
+    "Scheduler._preempt": "the victim's blocks freed; recompute resets num_computed_tokens, swap keeps it and "
+                          "lists the blocks of the computed tokens; the FRONT of waiting; both counters",
+    "Scheduler.schedule": "preempt the LAST running request and stop when it preempts itself; a resumed request "
+                          "(recompute) looks up its prefix again, a swapped one gets swap_in into the FIRST blocks "
+                          "of its new table; chunk cap and budget for running and admitted requests; max_num_seqs",
+    "BlockManager.find_cached_prefix": "stop at the first miss, never the last token's block",
+    "BlockManager.allocate_slots": "all or nothing, adopted cached-free blocks count, a reused block loses its hash, "
+                                   "a running request grows when its last block fills",
+    "BlockManager.cache_full_blocks": "only full blocks, first writer wins, start at num_published",
+    "BlockManager.free": "every block back (tail first), the request's entries dropped",
+    "hash_block": "the parent digest and the cache key in the hash",
+}
+PATH_OF_EVERY_STEP = ("build_batch", "write_kv", "ReferenceBackend.forward", "FlatModel.attention",
+                      "FlatModel.forward", "EngineCore.step", "EngineCore.check_stop")
+PREEMPTION = ("Scheduler._preempt", "Scheduler.schedule", "build_batch", "BlockManager.free",
+              "BlockManager.allocate_slots", "EngineCore.step")
+PREFIX_CACHE = ("BlockManager.find_cached_prefix", "BlockManager.allocate_slots", "BlockManager.cache_full_blocks",
+                "hash_block", "Scheduler.schedule", "build_batch")
+BY_KIND = {"leak": ("BlockManager.free", "Scheduler._preempt", "EngineCore.step"),
+           "counter": ("Scheduler._preempt",),
+           "missing": ("EngineCore.check_stop", "EngineCore.step"),
+           "stuck": ("EngineCore.step", "Scheduler.schedule", "BlockManager.allocate_slots", "EngineCore.check_stop")}
+
+
 def milestone_hint(name: str, kind: str, kinds: dict[str, str]) -> str:
-    """Where to look, from HOW this config failed and WHICH configs fail."""
-    failing = sorted(n for n, k in kinds.items() if k != "ok")
+    """Where to look, from HOW this config failed and WHICH configs fail: every hole that can cause
+    the symptom, most likely first, with what to check in each."""
+    failing = sorted(n for n, k in kinds.items() if k not in ("ok", "test"))
     how = {"crash": "your code raised inside the engine; the location above is where",
+           "test": "the engine did not raise; the test's own code failed on what it returned (the line above)",
            "stuck": "a request stopped making progress: did step() append a token for every request that "
                     "had a sample row, and does a finished request leave the scheduler?",
            "invariant": "the checker names the bookkeeping that disagrees; each hole's docstring says who keeps it",
            "missing": "a request never finished: check_stop, and step() reporting (and finishing) finished requests",
            "leak": "at idle something is still held: free() on finish, abort and preemption must return "
                    "every block and drop the request's entries",
+           "counter": "preemption itself works; only the count is missing: _preempt adds one to the scheduler's "
+                      "num_preemptions and to the request's",
            "setup": "this config did not do what it is for"}.get(kind, "")
-    if len(failing) == len(kinds):
-        where = ("every configuration fails, so the bug is on the path all of them share (build_batch, write_kv, "
-                 "attention, FlatModel, step's use of the samples) rather than preemption or the prefix cache: "
-                 "the hole tests of those narrow it down")
-    elif failing == ["12-block pool, swap"]:
-        where = ("only swap mode fails: swap_out lists the blocks of the computed tokens, and swap_in must "
-                 "fill the FIRST blocks of the new table; num_computed_tokens is kept")
-    elif failing == ["12-block pool, recompute"]:
-        where = "only recompute fails: a preempted request restarts from num_computed_tokens = 0"
-    elif set(failing) == {"12-block pool, recompute", "12-block pool, swap"}:
-        where = ("only the configs that preempt fail: preemption — the victim's blocks, its computed count on "
-                 "resume, its place at the front of the queue")
+    preempting = {"12-block pool, recompute", "12-block pool, swap"}
+    if kind == "counter" or not failing:
+        where, suspects = "", ()
+    elif len(failing) == len(kinds):
+        where = ("every configuration fails, so the bug is most likely on the path all of them share rather than "
+                 "in preemption or the prefix cache")
+        suspects = PATH_OF_EVERY_STEP
+    elif set(failing) <= preempting:
+        which = {"12-block pool, swap": "only swap mode fails", "12-block pool, recompute": "only recompute fails"}
+        where = (which.get(failing[0]) if len(failing) == 1 else "only the configs that preempt fail") + \
+            ": what differs there is preemption and resumption — a resumed request re-runs its history " \
+            "(recompute) or gets its K/V copied back (swap)"
+        suspects = PREEMPTION
     elif failing == ["small chunks, tight budget"]:
         where = ("only the tight budget with small chunks fails: chunked prefill — a mid-prompt chunk samples "
-                 "nothing, each chunk starts at num_computed_tokens, the chunk cap, a decode behind a chunk")
+                 "nothing, each chunk starts at num_computed_tokens and reads the earlier chunks' K/V, the chunk "
+                 "cap, a decode behind a chunk")
+        suspects = ("Scheduler.schedule", "build_batch", "EngineCore.step", "FlatModel.forward",
+                    "ReferenceBackend.forward")
     elif failing == ["no prefix cache, 2 seqs"]:
         where = "only the config without a prefix cache fails: max_num_seqs, and everything with caching off"
+        suspects = ("Scheduler.schedule", "BlockManager.find_cached_prefix", "BlockManager.cache_full_blocks")
     elif "no prefix cache, 2 seqs" not in failing:
-        where = ("every config with the prefix cache fails and the one without passes: the prefix cache — "
-                 "find_cached_prefix, adopting cached blocks in allocate_slots, publishing in cache_full_blocks")
+        where = "every config with the prefix cache fails and the one without passes: the prefix cache"
+        suspects = PREFIX_CACHE
     else:
         where = f"failing: {', '.join(failing)}"
-    return f"{how}. {where}." if how else f"{where}."
+        suspects = PATH_OF_EVERY_STEP + PREEMPTION + PREFIX_CACHE
+    ordered = list(dict.fromkeys(BY_KIND.get(kind, ()) + tuple(suspects)))
+    look = ""
+    if ordered:
+        look = (" Holes that can cause this: " + "; ".join(f"{h} ({SUSPECTS[h]})" for h in ordered)
+                + f". `pytest tests/test_ch31_engine_v2.py --hole {ordered[0]}` runs one hole's tests alone.")
+    parts = [x for x in (how, where) if x]
+    return ". ".join(parts) + "." + look
 
 
 @pytest.mark.milestone

@@ -82,17 +82,23 @@ def build_batch(
     """Flatten this step's ``(request, n)`` pairs into one Batch. (Your engine: Chapter 31)
 
     ``block_tables`` gives each scheduled request's blocks in logical order: a sequence aligned
-    with ``scheduled`` or a mapping from request id. For request r with c = num_computed_tokens:
+    with ``scheduled`` or a mapping from request id (look each request up by its id: the mapping's
+    own order need not be the plan's). For request r with c = num_computed_tokens:
     - its rows are the tokens ``(token_ids + spec_token_ids)[c:c+n]`` (fewer than n available ->
       ValueError), at positions c .. c+n-1, and its seq_len is c+n;
     - position p is written to slot ``table[p // block_size] * block_size + p % block_size``;
-    - it samples from the last k = min(n, max(0, c + n - (num_tokens - 1))) rows of its span:
-      1 for a decode or for the chunk that reaches the prompt's last token, 0 for a chunk that
-      stops mid-prompt (its logits would predict a token we already know);
+    - it samples from the last k = min(n, max(0, c + n - (num_tokens - 1))) rows of its span
+      (num_tokens counts prompt AND outputs): 1 for a decode, for the chunk that reaches the
+      prompt's last token and for a resumed request's re-run history (prompt + outputs), 0 for a
+      chunk that stops mid-prompt (its logits would predict a token we already know);
     - if ``params.prompt_logprobs`` is set, rows at positions c .. min(c+n, P-1)-1 (each predicts
       a prompt token) are added to ``logits_indices`` AFTER all sample rows, with a
-      ``prompt_spans`` entry (request, c, the prompt tokens they predict).
+      ``prompt_spans`` entry (request, c, the prompt tokens they predict) — only for a span that
+      has such rows: a decode, or the one-row chunk at the prompt's last token, gets no entry.
     ``pad_to`` appends dummy requests (one row each: token 0, position 0, slot PAD_SLOT, seq_len 0,
-    empty table) until there are pad_to requests.
+    empty table, request id "", sample_counts 0) until there are pad_to requests.
+    The meta's fields are as ``BatchMeta`` documents them (dtypes in its comments), over all R
+    requests, dummies included: ``max_query_len`` is the longest span (a dummy's is 1),
+    ``max_seq_len`` the largest seq_len.
     """
     raise NotImplementedError("build_batch is a hole: fill it in (Chapter 31, engine/serve/batch.py)")

@@ -69,9 +69,12 @@ def encode_cache_key(key: tuple) -> bytes:
 def hash_block(parent: bytes | None, tokens: Sequence[int], extra: tuple = ()) -> bytes:
     """The 16-byte BLAKE2b digest that names one full block. (Your engine: Chapter 31)
 
-    Hashes, in order: the parent block's digest (``ROOT_HASH`` for the first block), the block's
-    token ids packed as little-endian 64-bit integers, and — only when ``extra`` is non-empty —
+    Hashes, in order: the parent block's digest (``ROOT_HASH`` for the first block, whose
+    ``parent`` is None), the block's token ids packed as little-endian signed 64-bit integers, and
+    — only when ``extra`` is non-empty — the separator ``b"\\x00extra\\x00"`` followed by
     ``encode_cache_key(extra)`` (given above: one unambiguous byte string per key, never a repr).
+    So the first block of tokens [1, 2] without extra is ``blake2b(ROOT_HASH + pack("<2q", 1, 2),
+    digest_size=16)``.
     It must be a cryptographic hash that is the same in every process: never Python's ``hash()``,
     whose value changes with PYTHONHASHSEED and whose collisions can be crafted — a collision
     here would hand one user another user's cached K/V.
@@ -164,9 +167,11 @@ class BlockManager:
         else fills it in), then walks it from the first block and stops at the first miss. Never
         matches the block holding the request's LAST token — at most ``(num_tokens - 1) //
         block_size`` blocks — because that token's logits pick the next token, so at least one
-        token must be computed. Returns [] when prefix caching is off or the request asks for
-        prompt logprobs (cached rows would never produce them). Counts the request's tokens as
-        queries and the matched tokens as hits, through ``record_lookup``.
+        token must be computed. Returns [] at once, counting nothing, when prefix caching is off or
+        the request asks for prompt logprobs (cached rows would never produce them). Otherwise it
+        counts the request's tokens as queries and the matched tokens as hits, through
+        ``record_lookup`` — a lookup that matches nothing counts too (its tokens, no hits), and so
+        does the lookup of a request readmitted after a recompute preemption.
         """
         raise NotImplementedError("BlockManager.find_cached_prefix is a hole: fill it in (Chapter 31, engine/serve/blocks.py)")
 
@@ -175,7 +180,8 @@ class BlockManager:
         """Make room for ``n`` more tokens of ``request``. (Your engine: Chapter 31)
 
         The request's table must cover ``num_computed_tokens + len(cached_blocks) * block_size + n``
-        tokens: first the adopted ``cached_blocks`` (only for a request that holds no blocks yet),
+        tokens: first the adopted ``cached_blocks`` (only for a request that holds no blocks yet:
+        ``cached_blocks`` for one that already holds blocks is a ValueError, and nothing changes),
         then new blocks from the FRONT of the free queue. All or nothing: if the free queue can't
         supply what is needed, return False and change nothing. Adopting a cached-FREE block
         (ref 0) takes it out of the free queue, so it counts against what is left. A new block

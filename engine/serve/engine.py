@@ -212,10 +212,16 @@ class EngineCore:
     def check_stop(self, request: Request) -> Status | None:
         """The finished status ``request`` has reached, or None. (Your engine: Chapter 31)
 
-        Only once the output has at least ``min_tokens`` tokens: a last token in
-        ``stop_token_ids`` -> FINISHED_STOPPED with ``stop_reason`` set to it; the EOS token
-        (unless ``ignore_eos``) -> FINISHED_STOPPED. Otherwise, ``max_tokens`` outputs or
-        ``max_model_len`` tokens in all -> FINISHED_LENGTH.
+        Checked in this order, on the request's last token:
+        1. Only once the output has at least ``min_tokens`` tokens (exactly ``min_tokens`` is
+           enough): a last token in ``stop_token_ids`` -> FINISHED_STOPPED with ``stop_reason``
+           set to it (``ignore_eos`` does not switch these off, and an EOS listed there is a stop
+           token too); else the EOS token, unless ``ignore_eos`` -> FINISHED_STOPPED, with no
+           ``stop_reason``.
+        2. Otherwise, ``max_tokens`` outputs or ``max_model_len`` tokens in all -> FINISHED_LENGTH.
+        The stop rules come first, so a stop token or EOS that is also the last token allowed
+        finishes STOPPED, not LENGTH (vLLM V1's check_stop tests the length first, then EOS, then
+        stop_token_ids; here the token's meaning wins, and a stop token's stop_reason is kept).
         """
         raise NotImplementedError("EngineCore.check_stop is a hole: fill it in (Chapter 31, engine/serve/engine.py)")
 

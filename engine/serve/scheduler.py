@@ -126,11 +126,15 @@ class Scheduler:
            fill (``cache_full_blocks(request, num_computed_tokens + n)``).
         2. Waiting requests from the queue's front, only if nothing was preempted this step, while
            budget remains and fewer than ``max_num_seqs`` run. A request with nothing computed
-           starts after its longest cached prefix (``find_cached_prefix``); a swapped-out one keeps
-           its computed tokens and is listed in ``swap_in`` with the first blocks of its new table.
-           With chunked prefill off, a request that needs more than the budget left waits (unless
-           its history exceeds the whole budget — only a resumed request can — then it is chunked).
-           If its blocks don't fit, admission stops; never preempt to admit. On admission: pop it
+           (a new one, or one preempted by recompute) starts after its longest cached prefix
+           (``find_cached_prefix``); a swapped-out one keeps its computed tokens and is listed in
+           ``swap_in`` with the first blocks of its new table.
+           With chunked prefill off, a request that needs more than the budget left waits, and
+           admission stops there (unless its history exceeds the whole budget — only a resumed
+           request can — then it runs in pieces of at most the budget left, as chunked prefill would).
+           If its blocks don't fit, admission stops; never preempt to admit. Either way the queue
+           is first come, first served: a request behind a waiting head is not admitted ahead of
+           it, even one that would fit. On admission: pop it
            from ``waiting``; ``num_computed_tokens += cached tokens``; on its first admission
            (``admitted`` still False) set ``admitted`` and record them in ``num_cached_tokens``;
            clear ``swapped_out``; set status RUNNING; insert it into ``running`` at its
