@@ -1538,3 +1538,23 @@ def test_step_seeded_requests_sample_from_their_own_generators():
     assert outs[0] == outs[1], \
         "a request with a seed samples from its own generator (pass self.generators to the sampler): the engine's " \
         "seed must not change its tokens"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_admits_nobody_once_the_budget_is_spent():
+    s = sched(max_num_batched_tokens=10)
+    a, b = req("a", range(10), max_tokens=2), req("b", range(100, 105), max_tokens=2)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 10)] and s.waiting == [b], \
+        "a takes the whole budget of 10: waiting requests are admitted only while budget remains"
+
+
+@hole("EngineCore.step")
+def test_step_leaves_prompt_logprobs_none_for_a_request_that_did_not_ask():
+    e = core(EngineConfig(block_size=4))
+    e.add_request("a", prompts([7], seed=34)[0], SamplingParams(max_tokens=2, **GREEDY))
+    outs = [o for _ in range(3) for o in e.step()]
+    assert outs[-1].finished and outs[-1].prompt_logprobs is None, \
+        "only a request whose params.prompt_logprobs is set gets request.prompt_logprobs written (None otherwise)"
