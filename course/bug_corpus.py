@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 import tempfile
 import time
@@ -33,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from course.machine import machine_line
 from course.mutants import Mutant, apply_mutant, check_applies
 from course.testrun import CHAPTER_TESTS, ROOT, reference_files, run_pytest, workspace
 
@@ -854,18 +856,8 @@ def _cell(text: str, width: int = 110) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
-def format_markdown(results: list[BugResult], seconds: float) -> str:
-    s = summarize(results)
-    out = ["# The learner-bug corpus: what the chapter's tests catch", "",
-           "Regenerate with `make bug-corpus` (= `python -m course.bug_corpus --table docs/bug-corpus.md`); "
-           "the bugs, and how they were invented, are in `course/bug_corpus.py`. Each bug is one exact "
-           "replacement in the reference, run under `--impl engine` in a temporary workspace: first the owning "
-           "hole's own tests (`--hole X`), then, if they all pass, the whole of `tests/test_ch31_engine_v2.py`. "
-           "\"Cause\": the first failure's message contains one of the bug's cause words.", "",
-           "## Summary", "", *summary_lines(s),
-           f"- wall time of this run: {seconds:.0f} s with 2 workers", "",
-           "## Per bug", "",
-           "| bug | hole | class | by hole | by chapter | names cause | first failure / why equivalent |",
+def _rows(results: list[BugResult]) -> list[str]:
+    out = ["| bug | hole | class | by hole | by chapter | names cause | first failure / why equivalent |",
            "|---|---|---|---|---|---|---|"]
     for r in results:
         b = r.bug
@@ -873,13 +865,51 @@ def format_markdown(results: list[BugResult], seconds: float) -> str:
         if r.status != "ok":
             row = (r.status, "", "", r.message)
         elif b.equivalent:
-            row = ("(equiv.)", "(equiv.)" if not r.by_chapter else "**CAUGHT**", "",
-                   "equivalent: " + b.equivalent)
+            row = ("(equiv.)", "(equiv.)" if not r.by_chapter else "**CAUGHT**", "", "equivalent: " + b.equivalent)
         else:
-            detail = f"`{r.test}`: {r.message}" if r.by_chapter else b.why
+            detail = f"`{r.test}`: {r.message}" if r.by_chapter else "ESCAPED: " + b.why
             row = (mark(r.by_hole), mark(r.by_chapter), mark(r.names_cause) if r.by_chapter else "", detail)
         out.append(f"| {b.name} | {b.holes[0]} | {b.kind} | {row[0]} | {row[1]} | {row[2]} | {_cell(row[3])} |")
-    return "\n".join(out) + "\n"
+    return out
+
+
+def format_markdown(results: list[BugResult], held: list[BugResult], note: str) -> str:
+    s = summarize(results)
+    h = summarize(held)
+    return "\n".join([
+        "# The learner-bug corpus: what the chapter's tests catch", "",
+        "Regenerate with `make bug-corpus` (= `python -m course.bug_corpus --table docs/bug-corpus.md`; "
+        "with bug names it reruns only those rows). The bugs, and how they were invented, are in "
+        "`course/bug_corpus.py`. Each bug is one exact replacement in the reference, run under `--impl engine` "
+        "in a temporary workspace: first the owning hole's own tests (`--hole X`), then, if they all pass, the "
+        "whole of `tests/test_ch31_engine_v2.py`, each stopping at the first failure. \"Names cause\": the first "
+        "failure's message contains one of the bug's cause words (`cause=` in the module).", "",
+        "## Summary", "", *summary_lines(s), f"- {note}", "",
+        "Held out (`HELD_OUT`, a walk-through invented after the tests were strengthened; no test was written "
+        "for them):", "", *summary_lines(h), "",
+        "## The corpus, per bug", "", *_rows(results), "",
+        "## Held out, per bug", "", *_rows(held), ""])
+
+
+def _save(path: Path, results: list[BugResult], held: list[BugResult], note: str) -> None:
+    data = {"note": note, "results": [{k: v for k, v in vars(r).items() if k != "bug"} | {"name": r.bug.name}
+                                      for r in results + held]}
+    path.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+    path.write_text(format_markdown(results, held, note))
+
+
+def _load(path: Path) -> tuple[dict[str, BugResult], str]:
+    side = path.with_suffix(".json")
+    if not side.exists():
+        return {}, ""
+    data = json.loads(side.read_text())
+    known = {b.name: b for b in BUGS + HELD_OUT}
+    rows = {}
+    for rec in data["results"]:
+        name = rec.pop("name")
+        if name in known:
+            rows[name] = BugResult(known[name], **rec)
+    return rows, data.get("note", "")
 
 
 def _verdict(r: BugResult) -> str:
@@ -892,32 +922,51 @@ def _verdict(r: BugResult) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("names", nargs="*", help="run only these bugs (default: all)")
+    ap.add_argument("names", nargs="*", help="run only these bugs (default: all, then the held-out ones)")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--table", type=Path, help="write the markdown table here (e.g. docs/bug-corpus.md)")
+    ap.add_argument("--table", type=Path, help="write the markdown table here (and its .json beside it); with "
+                                               "names, only their rows are rerun and replaced")
     ap.add_argument("--list", action="store_true", help="list the bugs and exit")
-    ap.add_argument("--held-out", action="store_true", help="run the held-out bugs (HELD_OUT) instead")
+    ap.add_argument("--held-out", action="store_true", help="run only the held-out bugs (HELD_OUT)")
     args = ap.parse_args(argv)
     if args.list:
-        for b in BUGS:
+        for b in BUGS + HELD_OUT:
             print(f"{b.name:45s} {b.holes[0]:32s} {b.kind:16s} {'(equivalent) ' if b.equivalent else ''}{b.why}")
         return 0
-    pool = HELD_OUT if args.held_out else BUGS
-    by_name = {b.name: b for b in pool}
+    by_name = {b.name: b for b in BUGS + HELD_OUT}
     unknown = [n for n in args.names if n not in by_name]
     if unknown:
         print(f"unknown bug(s) {unknown}; --list names them", file=sys.stderr)
         return 2
-    chosen = [by_name[n] for n in args.names] if args.names else pool
+    if args.names:
+        chosen = [by_name[n] for n in args.names]
+    else:
+        chosen = HELD_OUT if args.held_out else BUGS + ([] if args.table is None else HELD_OUT)
     start = time.monotonic()
     results = run_all(chosen, args.workers, progress=lambda r: print(
         f"  {_verdict(r):8s} {r.bug.name:45s} {r.test} {r.message[:90]!r}", flush=True))
     seconds = time.monotonic() - start
-    print("\n".join(summary_lines(summarize(results))) + f"\n- wall time: {seconds:.0f} s")
+    corpus = [r for r in results if r.bug in BUGS]
+    print("\n".join(summary_lines(summarize(corpus))) + f"\n- wall time: {seconds:.0f} s")
     if args.table:
-        args.table.write_text(format_markdown(results, seconds))
-        print(f"wrote {args.table}")
-    return 0 if summarize(results).holds else 1
+        if args.names:
+            rows, note = _load(args.table)
+            rows.update({r.bug.name: r for r in results})
+            missing = [b.name for b in BUGS + HELD_OUT if b.name not in rows]
+            if missing:
+                print(f"no earlier row for {missing}: run without names first", file=sys.stderr)
+                return 2
+            note = (note.split(";")[0] + f"; then {len(results)} rows rerun ({seconds:.0f} s): "
+                    + ", ".join(args.names))
+            merged = [rows[b.name] for b in BUGS]
+            held = [rows[b.name] for b in HELD_OUT]
+        else:
+            merged, held = corpus, [r for r in results if r.bug in HELD_OUT]
+            note = f"wall time of the full run: {seconds:.0f} s, 2 workers, {machine_line()}"
+        _save(args.table, merged, held, note)
+        print(f"wrote {args.table} and {args.table.with_suffix('.json')}")
+        corpus = merged
+    return 0 if summarize(corpus).holds else 1
 
 
 if __name__ == "__main__":

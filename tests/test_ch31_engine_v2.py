@@ -1558,3 +1558,12 @@ def test_step_leaves_prompt_logprobs_none_for_a_request_that_did_not_ask():
     outs = [o for _ in range(3) for o in e.step()]
     assert outs[-1].finished and outs[-1].prompt_logprobs is None, \
         "only a request whose params.prompt_logprobs is set gets request.prompt_logprobs written (None otherwise)"
+
+
+@hole("FlatModel.forward")
+def test_flat_forward_uses_the_models_rope_theta():
+    model = tiny_model(seed=0, dtype=torch.float64, rope_theta=1_000_000.0)  # Qwen3's theta, not the test model's
+    prompt = prompts([13], seed=5)[0]
+    (logits,), _, _ = run_flat(model, prompt, [13])
+    assert torch.allclose(logits, model(torch.tensor(prompt)), atol=1e-9), \
+        "the RoPE tables come from the model's own config: rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, ...)"
