@@ -1186,7 +1186,7 @@ def test_record_lookup_counts_each_admission_once():
 # ===== gaps found by the bug corpus (course/bug_corpus.py, docs/bug-corpus.md): bugs a learner made
 # that once passed their hole's tests. Each test pins only what its hole's docstring states.
 @hole("build_batch")
-def test_build_batch_looks_up_a_mapping_of_tables_by_request_id():
+def test_build_batch_reads_a_mapping_of_any_type_and_order_by_request_id():
     import types
 
     scheduled, tables = worked_example()
@@ -1354,7 +1354,7 @@ def test_schedule_a_waiting_head_that_does_not_fit_blocks_the_queue():
 
 
 @hole("Scheduler.schedule")
-def test_schedule_without_chunking_chunks_a_resumed_history_longer_than_the_budget():
+def test_schedule_chunking_off_runs_a_history_longer_than_the_budget_in_chunks():
     s = sched(max_num_batched_tokens=8, enable_chunked_prefill=False)
     # as after a recompute preemption: 6 prompt tokens and 4 outputs, nothing computed
     r = req("r", list(range(6)) + [50, 51, 52, 53], prompt_len=6, max_tokens=8)
@@ -1441,7 +1441,7 @@ def test_preempt_counts_on_the_scheduler_too():
 
 
 @hole("Scheduler._preempt")
-def test_preempt_swap_of_a_request_with_nothing_computed_keeps_nothing():
+def test_preempt_swap_without_computed_tokens_lists_no_swap_out():
     from engine.serve.scheduler import SchedulerOutput
 
     s = sched(num_blocks=8, block_size=4, preemption_mode="swap")
@@ -1567,3 +1567,33 @@ def test_flat_forward_uses_the_models_rope_theta():
     (logits,), _, _ = run_flat(model, prompt, [13])
     assert torch.allclose(logits, model(torch.tensor(prompt)), atol=1e-9), \
         "the RoPE tables come from the model's own config: rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, ...)"
+
+
+@hole("BlockManager.find_cached_prefix")
+def test_find_cached_prefix_counts_a_request_too_short_to_match():
+    bm = BlockManager(16, 4)
+    published(bm, req("a", range(12)), 12)
+    bm.num_queries = bm.num_hits = 0
+    assert bm.find_cached_prefix(req("s", range(4))) == [], '4 tokens: the only block holds the last token'
+    assert (bm.num_queries, bm.num_hits) == (4, 0), \
+        "every lookup counts the request's tokens as queries, even one too short for any block to match"
+
+
+@hole("hash_block")
+def test_hash_block_encodes_the_cache_key_never_its_repr():
+    class Tag(str):  # a str whose repr hides its value, as a truncated array's repr would
+        def __repr__(self) -> str:
+            return "Tag(...)"
+
+    assert hash_block(None, [1, 2, 3, 4], (Tag("tenant-a"),)) != hash_block(None, [1, 2, 3, 4], (Tag("tenant-b"),)), \
+        "two different cache keys with the same repr() must hash differently: hash encode_cache_key(extra), never a repr"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_charges_an_admitted_request_only_the_tokens_it_got():
+    s = sched(max_num_batched_tokens=40, long_prefill_token_threshold=16)
+    for i in range(3):
+        s.add(req(f"r{i}", range(i * 100, i * 100 + 40), max_tokens=2))
+    plan = s.schedule()
+    assert [n for _, n in plan.scheduled] == [16, 16, 8], \
+        "each newcomer's chunk is capped at 16 and takes 16 from the budget of 40 (not the 40 it needs): 16, 16, 8"
