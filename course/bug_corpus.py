@@ -158,9 +158,9 @@ BUGS: list[Bug] = [
         "slots are computed for positions 0 .. n-1 instead of c .. c+n-1", ("slot",)),
     bug(BB, "missed case", "bb-empty-prompt-span-recorded",
         "            if end > c:\n                prompt_rows", "            if end >= c:\n                prompt_rows",
-        "a span that predicts no prompt token still gets a (request, c, []) prompt_spans entry", ("prompt_spans",),
-        equivalent="the empty entry adds no row, and _prompt_logprobs (given) loops over no targets for it; "
-                   "the docstring leaves open whether such an entry exists"),
+        "a span that predicts no prompt token still gets a (request, c, []) prompt_spans entry (harmless to the "
+        "engine's outputs, since it adds no row, but the Batch differs; the docstring leaves it open)",
+        ("prompt_spans",)),
     bug(BB, "wrong field", "bb-seq-len-of-all-known-tokens",
         "        seq_lens.append(c + n)\n", "        seq_lens.append(req.num_tokens)\n",
         "seq_len is every known token, not the context after this step (c + n)", ("seq_len",)),
