@@ -352,9 +352,8 @@ BUGS: list[Bug] = [
         "new blocks are the lowest-numbered free ones, not the queue's front", ("front", "queue")),
     bug(AS, "missed case", "as-no-check-for-adoption-when-holding",
         "        if cached_blocks and table:\n            raise ValueError(", "        if False:\n            raise ValueError(",
-        "adopting blocks into a table that already holds some is not rejected", (),
-        equivalent="the scheduler looks up (and passes cached_blocks for) only a request with nothing computed, "
-                   "which holds no blocks; the docstring leaves this case open"),
+        "adopting blocks into a table that already holds some is not rejected (the scheduler never asks it, "
+        "but a caller can; the docstring leaves this case open)", ("cached_blocks", "already holds")),
     bug(AS, "missed case", "as-fast-path-for-any-zero",
         "        if num_new == 0 and not cached_blocks and table:\n", "        if num_new == 0:\n",
         "returns True before the bookkeeping whenever no new block is needed", (),
