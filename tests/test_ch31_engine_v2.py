@@ -1501,3 +1501,13 @@ def test_check_stop_looks_at_the_last_token_only():
     r = req("r", [1, 2, 3, 4, 7, 5], prompt_len=4, stop_token_ids=[7])
     assert e.check_stop(r) is None and r.stop_reason is None, \
         "a stop token earlier in the output (7, then 5) no longer matters: only the LAST token is checked"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_chunking_off_admits_a_prompt_whole_whatever_the_chunk_cap():
+    s = sched(max_num_batched_tokens=100, enable_chunked_prefill=False, long_prefill_token_threshold=16)
+    s.add(req("a", range(40), max_tokens=2))
+    plan = s.schedule()
+    assert [n for _, n in plan.scheduled] == [40], \
+        "with chunked prefill off a prompt that fits the budget runs whole: long_prefill_token_threshold caps " \
+        "chunks, and with chunking off there are none"
