@@ -1376,15 +1376,6 @@ def test_preempt_counts_on_the_scheduler_too():
 
 
 
-@hole("Scheduler._preempt")
-def test_preempt_fcfs_requeues_at_the_front_whatever_the_arrival_times():
-    c = req("c", range(20, 23), max_tokens=2)
-    c.arrival_time = 0.0  # an earlier arrival time than a's and b's, but added last: it waits (max_num_seqs 2)
-    s, a, b, plan, _ = preempt_b(extra=(c,), max_num_seqs=2)
-    assert plan.preempted == [b] and s.waiting == [b, c], \
-        "under fcfs the victim goes to the FRONT of waiting (waiting.insert(0, ...)), not to its arrival place"
-
-
 
 @hole("EngineCore.step")
 @pytest.mark.parametrize("fault", [RuntimeError, KeyboardInterrupt], ids=["error", "ctrl-c"])
