@@ -12,9 +12,9 @@ LEARNER_TESTS := tests/test_ch31_engine_v2.py tests/test_isolation.py tests/test
 # scenarios and outputs. `make test` runs everything else.
 COURSE_TESTS := tests/test_mutants.py tests/test_learner_contract.py tests/test_notebook.py \
                 tests/test_grading_hostile.py tests/test_gradescope.py tests/test_grade_outputs.py \
-                tests/test_sandbox.py tests/test_verify.py
+                tests/test_sandbox.py tests/test_verify.py tests/test_bug_corpus.py
 
-.PHONY: setup run test test-course test-learner solutions-branch handout grade gradescope mutants soak notebooks figures test-triton gpu-check bench bench-peers train-tiny clean
+.PHONY: setup run test test-course test-learner solutions-branch handout grade gradescope mutants bug-corpus soak notebooks figures test-triton gpu-check bench bench-peers train-tiny clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,9 @@ gradescope: $(STAMP)         ## the Gradescope bundle: gradescope/setup.sh and g
 
 mutants: $(STAMP)            ## apply each named bug to the reference; the tests must kill every one
 	$(PY) -m course.mutants
+
+bug-corpus: $(STAMP)         ## the learner-bug corpus: each bug against its hole's tests, then the chapter file; writes docs/bug-corpus.md
+	$(PY) -m course.bug_corpus --table docs/bug-corpus.md
 
 SOAK_FAST_OPS ?= 5000
 soak: $(STAMP)               ## 20,000 random engine operations with invariant checks after each, then SOAK_FAST_OPS on each fast path

@@ -498,6 +498,12 @@ MILESTONE_MUST_CATCH = ("kv-written-after-attention", "layer-reads-first-pool", 
                         "swap-in-into-wrong-blocks")
 
 
+def apply_mutant(mutant: Mutant, files: dict[str, str]) -> dict[str, str]:
+    """``files`` (chapter files by path under engine/) with the mutant's one replacement made;
+    call ``check_applies`` first."""
+    return {**files, mutant.file: files[mutant.file].replace(mutant.old, mutant.new)}
+
+
 def run_mutant(mutant: Mutant, timeout: float = 600, milestone_only: bool = False) -> Result:
     """Apply one mutant to the reference in a workspace's engine/ and run its selected tests (``-x``);
     ``milestone_only``: the milestone alone."""
@@ -505,7 +511,7 @@ def run_mutant(mutant: Mutant, timeout: float = 600, milestone_only: bool = Fals
     stale = check_applies(mutant, files)
     if stale:
         return Result(mutant, "stale", detail=stale)
-    files[mutant.file] = files[mutant.file].replace(mutant.old, mutant.new)
+    files = apply_mutant(mutant, files)
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
         bed = workspace(Path(tmp) / "repo", files)
         keyword = ["-k", f"({mutant.keyword}) or milestone"] if mutant.keyword else []

@@ -1563,3 +1563,324 @@ def test_record_lookup_counts_each_admission_once():
     assert (bm.num_queries, bm.num_hits) == (18, 8), "a waiting request's repeated lookups count once"
     bm.free(b)
     assert not bm.pending_lookups, 'free() drops the pending lookup of a request that was never admitted'
+
+
+# ===== gaps found by the bug corpus (course/bug_corpus.py, docs/bug-corpus.md): bugs a learner made
+# that once passed their hole's tests. Each test pins only what its hole's docstring states.
+@hole("build_batch")
+def test_build_batch_reads_a_mapping_of_any_type_and_order_by_request_id():
+    import types
+
+    scheduled, tables = worked_example()
+    want = build_batch(scheduled, tables, 16)
+    for other in ({rid: tables[rid] for rid in ("d", "c", "b", "a")},
+                  types.MappingProxyType({rid: tables[rid] for rid in ("b", "d", "a", "c")})):
+        got = build_batch(scheduled, other, 16)
+        assert (got.meta.slot_mapping.tolist(), got.meta.block_table.tolist()) == \
+            (want.meta.slot_mapping.tolist(), want.meta.block_table.tolist()), (
+                f"block_tables given as a {type(other).__name__} in another order than the plan: a Mapping is "
+                "looked up by request id (block_tables[req.request_id]), whatever its type or order")
+
+
+@hole("write_kv")
+def test_write_kv_slot_zero_is_a_real_slot():
+    k_pool = torch.zeros(2 + 1, 4, 1, 2)  # 2 blocks + scratch, block_size 4
+    v_pool = torch.zeros_like(k_pool)
+    k = torch.tensor([[[1.0, 2.0]], [[3.0, 4.0]]])
+    write_kv(k_pool, v_pool, k, -k, torch.tensor([0, PAD_SLOT]))
+    assert torch.equal(k_pool[0, 0], k[0]) and torch.equal(v_pool[0, 0], -k[0]), \
+        "slot 0 (block 0, offset 0) is a real slot: only PAD_SLOT (-1) marks a padding row"
+    assert torch.equal(k_pool[2, 3], k[1]), "the padding row goes to the pool's very last slot"
+
+
+
+
+@hole("BlockManager.find_cached_prefix")
+def test_find_cached_prefix_returns_the_blocks_the_cache_names():
+    bm = BlockManager(16, 4)
+    assert bm.allocate_slots(req("filler", range(500, 508)), 8), 'a filler takes blocks 0 and 1'
+    ta = published(bm, req("a", range(12)), 12)
+    assert ta == [2, 3, 4], "a's blocks are 2, 3, 4 (the free queue's front after the filler's)"
+    assert bm.find_cached_prefix(req("b", range(10))) == [2, 3], \
+        "the matched blocks are the ones the cache names for b's hashes (self.cached[h]), wherever they lie in the pool"
+
+
+@hole("BlockManager.allocate_slots")
+def test_allocate_slots_failure_keeps_the_pending_lookup():
+    bm = BlockManager(4, 4)
+    published(bm, req("a", range(12)), 12)  # 3 of 4 blocks held
+    b = req("b", list(range(8)) + list(range(50, 60)))  # 2 cached blocks + 3 new: does not fit
+    cached = bm.find_cached_prefix(b)
+    pending = dict(bm.pending_lookups)
+    assert not bm.allocate_slots(b, 10, cached), 'b needs 3 new blocks and 1 is free'
+    assert bm.pending_lookups == pending and "b" not in bm.req_blocks, \
+        "a failed allocation changes nothing: b's pending lookup stays (only a SUCCESSFUL allocation drops it), " \
+        "so b's next lookup replaces it instead of counting again"
+
+
+@hole("BlockManager.allocate_slots")
+def test_allocate_slots_growth_keeps_num_published():
+    bm = BlockManager(8, 4)
+    r = req("r", range(9))
+    published(bm, r, 8)  # 2 full blocks computed and published
+    assert bm.num_published["r"] == 2, 'cache_full_blocks raised num_published to the 2 full blocks'
+    assert bm.allocate_slots(r, 1) and len(bm.req_blocks["r"]) == 3, "token 8 opens block 2"
+    assert bm.num_published["r"] == 2, \
+        "only a request's FIRST allocation sets num_published[rid]; growing its table must leave it alone"
+
+
+@hole("BlockManager.allocate_slots")
+def test_allocate_slots_counts_a_reused_blocks_old_hash_as_evicted():
+    bm = BlockManager(2, 4)
+    a = req("a", range(5))
+    published(bm, a, 5)  # block 0 full and cached, block 1 partial (no hash)
+    bm.free(a)
+    assert bm.num_evicted == 0, 'freeing keeps the hash (cached-free): nothing evicted yet'
+    assert bm.allocate_slots(req("b", range(100, 108)), 8), 'b takes both blocks'
+    assert bm.num_evicted == 1 and not bm.cached, \
+        "handing out a block that still had a hash evicts it through _evict, which counts it in num_evicted"
+
+
+@hole("BlockManager.cache_full_blocks")
+def test_cache_full_blocks_does_nothing_with_caching_off():
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    r = req("r", range(10))
+    assert bm.allocate_slots(r, 10), '10 tokens need 3 blocks out of 8'
+    bm.cache_full_blocks(r, 10)
+    assert not bm.cached and all(h is None for h in bm.block_hash), \
+        "with prefix caching off, cache_full_blocks publishes nothing"
+
+
+@hole("BlockManager.cache_full_blocks")
+def test_cache_full_blocks_raises_num_published_and_starts_there():
+    bm = BlockManager(8, 4)
+    a, b = req("a", range(8)), req("b", range(8))
+    assert bm.allocate_slots(a, 8) and bm.allocate_slots(b, 8), 'both fit (4 of 8 blocks)'
+    bm.cache_full_blocks(a, 8)
+    assert bm.num_published["a"] == 2, "num_published is raised to the number of full blocks published"
+    bm.cache_full_blocks(b, 4)  # b's first block duplicates a's: it stays private
+    assert bm.num_published["b"] == 1 and bm.block_hash[bm.req_blocks["b"][0]] is None, \
+        'b offered its first block (a duplicate, kept private): num_published["b"] is 1'
+    bm._evict(bm.req_blocks["a"][0])  # a's first block loses its hash (as if handed out again)
+    bm.cache_full_blocks(b, 8)
+    assert bm.block_hash[bm.req_blocks["b"][0]] is None and b.block_hashes[0] not in bm.cached, \
+        "cache_full_blocks starts at num_published[rid]: a block already offered is not offered again"
+
+
+@hole("BlockManager.free")
+def test_free_releases_in_reverse_table_order_not_by_block_number():
+    bm = BlockManager(4, 4)
+    x = req("x", range(8))
+    assert bm.allocate_slots(x, 8) and bm.allocate_slots(req("y", range(100, 104)), 4), 'x: 0, 1; y: 2'
+    bm.free(x)  # queue: 3, 1, 0
+    r = req("r", range(200, 212))
+    assert bm.allocate_slots(r, 12) and bm.req_blocks["r"] == [3, 1, 0], "r takes the queue's front: 3, 1, 0"
+    bm.free(r)
+    assert list(bm.free_queue)[-3:] == [0, 1, 3], \
+        "freed blocks join the back in REVERSE TABLE ORDER (table [3, 1, 0] -> 0, 1, 3), not by block number"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_skips_a_running_request_with_nothing_to_compute():
+    s = sched()
+    a, b = req("a", range(5), max_tokens=1), req("b", range(10, 15), max_tokens=4)
+    s.add(a)
+    s.add(b)
+    advance(s.schedule())  # both prompts ran: a reached max_tokens (still running here), b decodes
+    plan = s.schedule()
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("b", 1)], \
+        "a asks for 0 tokens and is skipped (n == 0 is skipped); b, ranked after it, is still scheduled"
+
+
+
+
+
+@hole("Scheduler.schedule")
+def test_schedule_swap_in_lists_the_partly_filled_last_block_too():
+    from engine.serve.scheduler import SchedulerOutput
+
+    s = sched(num_blocks=8, block_size=4, preemption_mode="swap")
+    r = req("r", range(6), max_tokens=4)
+    s.add(r)
+    advance(s.schedule())  # 6 computed: one full block and one partly filled
+    out = SchedulerOutput()
+    s._preempt(r, out)
+    plan = s.schedule()
+    assert plan.swap_in == [(r, s.blocks.req_blocks["r"][:2])] and r.num_computed_tokens == 6, \
+        "the saved K/V of 6 computed tokens fill TWO blocks (the second partly): swap_in lists the first 2 blocks"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_publishes_a_running_chunks_blocks_for_requests_admitted_in_the_same_step():
+    s = sched(block_size=4, max_num_batched_tokens=100, long_prefill_token_threshold=8)
+    a = req("a", range(20), max_tokens=2)
+    s.add(a)
+    advance(s.schedule())  # a's first chunk: tokens 0..7
+    b = req("b", list(range(16)) + [99], max_tokens=2)
+    s.add(b)
+    s.schedule()  # a's second chunk (8..15) fills blocks 2, 3; b is admitted after it
+    assert b.num_computed_tokens == 16 and s.blocks.req_blocks["b"][:4] == s.blocks.req_blocks["a"][:4], \
+        "after allocating a running request's chunk, publish up to num_computed_tokens + n: b, admitted later in " \
+        "the same step, adopts all 4 of a's blocks"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_a_request_that_does_not_fit_stays_waiting():
+    s = sched(num_blocks=4, block_size=4)
+    a = req("a", range(8), max_tokens=8)
+    s.add(a)
+    advance(s.schedule())
+    b = req("b", range(100, 112), max_tokens=1)  # 3 blocks, 2 free
+    s.add(b)
+    s.schedule()
+    assert b.status is Status.WAITING and s.waiting == [b] and b not in s.running, \
+        "status RUNNING is set on admission, i.e. only once its blocks were allocated"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_a_request_that_preempted_itself_is_not_scheduled():
+    s = sched(num_blocks=3, block_size=4)
+    a, b = req("a", range(3), max_tokens=4), req("b", range(10, 18), max_tokens=4)
+    s.add(a)
+    s.add(b)
+    advance(s.schedule())  # a: 1 block, b: 2 blocks, pool full
+    plan = s.schedule()  # b's 9th token needs a third block: b, the last, preempts itself
+    assert plan.preempted == [b] and [(r.request_id, n) for r, n in plan.scheduled] == [("a", 1)], \
+        "the request preempted itself: stop scheduling running requests; it must not be allocated or scheduled"
+    assert "b" not in s.blocks.req_blocks and s.waiting == [b], 'b waits, holding no blocks'
+
+
+@hole("Scheduler._preempt")
+def test_preempt_counts_on_the_scheduler_too():
+    s, a, b, plan, _ = preempt_b()
+    assert plan.preempted == [b] and s.num_preemptions == 1 and b.num_preemptions == 1, \
+        "a preemption adds one to the request's num_preemptions AND to the scheduler's num_preemptions"
+
+
+
+
+@hole("EngineCore.step")
+@pytest.mark.parametrize("fault", [RuntimeError, KeyboardInterrupt], ids=["error", "ctrl-c"])
+def test_step_that_fails_calls_recover_failed_step_and_counts_no_step(fault):
+    e = core(EngineConfig(block_size=4))
+    p = prompts([10], seed=31)[0]
+    e.add_request("a", p, SamplingParams(max_tokens=3, **GREEDY))
+    recovered, recover, execute = [], e.recover_failed_step, e.runner.execute
+    e.recover_failed_step = lambda plan: recovered.append(plan) or recover(plan)
+
+    def failing(batch):
+        e.runner.execute = execute  # fail once
+        raise fault("injected by the test")
+
+    e.runner.execute = failing
+    with pytest.raises(fault):
+        e.step()
+    assert len(recovered) == 1 and e.steps == 0, \
+        f"a step whose forward pass raised {fault.__name__} (any BaseException) must call recover_failed_step(plan) " \
+        "before re-raising, and count no step"
+    done = e.run_until_done()
+    assert_same_tokens(done["a"], oracle(tuple(p), 3), "a", 10, 4, "after a failed step: ")
+    assert e.steps == 3, "10-token prompt + 2 decodes: 3 steps counted, each one forward pass"
+
+
+
+@hole("EngineCore.step")
+def test_step_hands_the_sampler_each_sample_rows_own_request():
+    # a (seeded, temperature 1) runs a mid-prompt chunk AHEAD of b (greedy): the one sample row is b's
+    e = core(EngineConfig(block_size=4, max_num_batched_tokens=20, long_prefill_token_threshold=8))
+    pa, pb = prompts([40, 5], seed=32)
+    e.add_request("a", pa, SamplingParams(max_tokens=2, seed=5, temperature=1.0, ignore_eos=True))
+    e.add_request("b", pb, SamplingParams(max_tokens=4, **GREEDY))
+    done = e.run_until_done()
+    assert_same_tokens(done["b"], oracle(tuple(pb), 4), "b", 5, 4,
+                       "the sampler's reqs name each SAMPLE ROW's request (sample_counts[r] rows each): ")
+
+
+@hole("EngineCore.step")
+def test_step_seeded_requests_sample_from_their_own_generators():
+    outs = []
+    for engine_seed in (1, 2):
+        e = core(EngineConfig(block_size=4, seed=engine_seed))
+        e.add_request("a", prompts([6], seed=33)[0], SamplingParams(max_tokens=6, seed=11, temperature=1.0,
+                                                                      ignore_eos=True))
+        outs.append(e.run_until_done()["a"])
+    assert outs[0] == outs[1], \
+        "a request with a seed samples from its own generator (pass self.generators to the sampler): the engine's " \
+        "seed must not change its tokens"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_admits_nobody_once_the_budget_is_spent():
+    s = sched(max_num_batched_tokens=10)
+    a, b = req("a", range(10), max_tokens=2), req("b", range(100, 105), max_tokens=2)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 10)] and s.waiting == [b], \
+        "a takes the whole budget of 10: waiting requests are admitted only while budget remains"
+
+
+@hole("EngineCore.step")
+def test_step_leaves_prompt_logprobs_none_for_a_request_that_did_not_ask():
+    e = core(EngineConfig(block_size=4))
+    e.add_request("a", prompts([7], seed=34)[0], SamplingParams(max_tokens=2, **GREEDY))
+    outs = [o for _ in range(3) for o in e.step()]
+    assert outs[-1].finished and outs[-1].prompt_logprobs is None, \
+        "only a request whose params.prompt_logprobs is set gets request.prompt_logprobs written (None otherwise)"
+
+
+@hole("FlatModel.forward")
+def test_flat_forward_uses_the_models_rope_theta():
+    model = tiny_model(seed=0, dtype=torch.float64, rope_theta=1_000_000.0)  # Qwen3's theta, not the test model's
+    prompt = prompts([13], seed=5)[0]
+    (logits,), _, _ = run_flat(model, prompt, [13])
+    assert torch.allclose(logits, model(torch.tensor(prompt)), atol=1e-9), \
+        "the RoPE tables come from the model's own config: rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, ...)"
+
+
+@hole("BlockManager.find_cached_prefix")
+def test_find_cached_prefix_counts_a_request_too_short_to_match():
+    bm = BlockManager(16, 4)
+    published(bm, req("a", range(12)), 12)
+    bm.num_queries = bm.num_hits = 0
+    assert bm.find_cached_prefix(req("s", range(4))) == [], '4 tokens: the only block holds the last token'
+    assert (bm.num_queries, bm.num_hits) == (4, 0), \
+        "every lookup counts the request's tokens as queries, even one too short for any block to match"
+
+
+@hole("hash_block")
+def test_hash_block_encodes_the_cache_key_never_its_repr():
+    class Tag(str):  # a str whose repr hides its value, as a truncated array's repr would
+        def __repr__(self) -> str:
+            return "Tag(...)"
+
+    assert hash_block(None, [1, 2, 3, 4], (Tag("tenant-a"),)) != hash_block(None, [1, 2, 3, 4], (Tag("tenant-b"),)), \
+        "two different cache keys with the same repr() must hash differently: hash encode_cache_key(extra), never a repr"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_charges_an_admitted_request_only_the_tokens_it_got():
+    s = sched(max_num_batched_tokens=40, long_prefill_token_threshold=16)
+    for i in range(3):
+        s.add(req(f"r{i}", range(i * 100, i * 100 + 40), max_tokens=2))
+    plan = s.schedule()
+    assert [n for _, n in plan.scheduled] == [16, 16, 8], \
+        "each newcomer's chunk is capped at 16 and takes 16 from the budget of 40 (not the 40 it needs): 16, 16, 8"
+
+
+@hole("EngineCore.check_stop")
+def test_check_stop_looks_at_the_last_token_only():
+    e = core(EngineConfig(max_model_len=20))
+    r = req("r", [1, 2, 3, 4, 7, 5], prompt_len=4, stop_token_ids=[7])
+    assert e.check_stop(r) is None and r.stop_reason is None, \
+        "a stop token earlier in the output (7, then 5) no longer matters: only the LAST token is checked"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_chunking_off_admits_a_prompt_whole_whatever_the_chunk_cap():
+    s = sched(max_num_batched_tokens=100, enable_chunked_prefill=False, long_prefill_token_threshold=16)
+    s.add(req("a", range(40), max_tokens=2))
+    plan = s.schedule()
+    assert [n for _, n in plan.scheduled] == [40], \
+        "with chunked prefill off a prompt that fits the budget runs whole: long_prefill_token_threshold caps " \
+        "chunks, and with chunking off there are none"
