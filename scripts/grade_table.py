@@ -53,6 +53,7 @@ def main() -> int:
     ap.add_argument("mutants", nargs="*", default=list(MUTANTS))
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--save", type=Path, default=None, help="write each checkout's grade.json into this folder")
     args = ap.parse_args()
     by_name = {m.name: m for m in ALL}
     unknown = [m for m in args.mutants if m not in by_name]
@@ -73,6 +74,12 @@ def main() -> int:
               flush=True)
         with ThreadPoolExecutor(args.jobs) as pool:
             docs = dict(zip(checkouts, pool.map(lambda p: grade(p, session, jobs=args.jobs), checkouts.values())))
+    if args.save:
+        import json
+
+        args.save.mkdir(parents=True, exist_ok=True)
+        for name, doc in docs.items():
+            (args.save / f"{name}.json").write_text(json.dumps(doc, indent=1))
     print(f"\n| checkout | old (pytest only) | new (verified cap) | difference |\n|---|---:|---:|---:|")
     for name, doc in docs.items():
         old = old_score(doc)
@@ -81,6 +88,10 @@ def main() -> int:
     for name, doc in docs.items():
         for line in capped_rows(doc):
             print(f"{name}: {line}")
+        for r in [*doc["holes"], doc["milestone"], doc["engine_checks"]]:
+            for f in r["failures"]:
+                if "stopped after" in f["message"] or "never ran" in f["message"]:
+                    print(f"{name}: {r['name']}: {f['test']}: {f['message']}")
     print(f"\n{time.monotonic() - start:.0f} s in all; load {os.getloadavg()}")
     return 0
 

@@ -90,3 +90,19 @@ def test_a_bug_in_one_rule_costs_only_the_scenarios_of_that_rule(tmp_path):
     assert checks["total"] - len(recompute) <= checks["matched"] < checks["total"], (checks, len(recompute))
     rules = [s["args"].get("rule") for s in specs if s["group"] == "Scheduler._preempt"]
     assert pre["verified"] == "fail" and pre["matched"] == pre["total"] - rules.count("recompute"), pre
+
+
+def test_an_unverified_row_keeps_its_test_points_unless_a_hole_it_runs_lied():
+    """A row whose scenarios failed behind a failing dependency keeps its tests' points (an honest buggy
+    checkout), unless that dependency's tests reported a pass its scenarios contradict (a forged report):
+    then those tests are not believed either."""
+    from course.grade import Row, apply_verdict
+
+    verdict = {"verified": "unverified", "matched": 1, "total": 4, "messages": [],
+               "unverified_because": ["build_batch"]}
+    honest = Row("engine checks", "", 20, 37, "partial", 10, 5.41)
+    apply_verdict(honest, verdict, [], contradicted=set())
+    assert honest.score == 5.41
+    forged, flags = Row("engine checks", "", 37, 37, "pass", 10, 10.0), []
+    apply_verdict(forged, verdict, flags, contradicted={"build_batch"})
+    assert forged.score == 2.5 and forged.status == "flagged" and flags
