@@ -89,7 +89,7 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
                 chain[0]["extra"] = ["tenant", rnd.randrange(9)]
             add("hash_block", ["hash_block"], [], {"chain": chain, "aspect": aspect})
         add("block_ops", BLOCK_HOLES, ["hash_block"], _block_ops(rnd, toks), group="BlockManager")
-        add("schedule", ["Scheduler.schedule"], ["hash_block", *BLOCK_HOLES], _sched_args(rnd, toks, ample=True))
+        add("schedule", ["Scheduler.schedule"], ["hash_block", *BLOCK_HOLES], _sched_args(rnd, toks))
         for rule in PREEMPT_RULES:
             add("preempt", ["Scheduler._preempt"], ["hash_block", *BLOCK_HOLES, "Scheduler.schedule"],
                 _preempt_args(rnd, toks, rule))
@@ -239,14 +239,14 @@ def _block_ops(rnd, toks) -> dict:
     return {"num_blocks": rnd.randint(6, 12), "block_size": bs, "caching": rnd.random() < 0.8, "ops": ops}
 
 
-def _sched_args(rnd, toks, ample: bool) -> dict:
+def _sched_args(rnd, toks) -> dict:
     bs = 4
     reqs = [{"id": f"s{i}", "prompt": toks(rnd.randint(2, 14)), "max_tokens": rnd.randint(2, 6),
              "priority": rnd.randint(0, 3)} for i in range(rnd.randint(3, 5))]
     cfg = {"max_num_batched_tokens": rnd.choice([8, 16, 64]), "max_num_seqs": rnd.choice([2, 8]),
            "long_prefill_token_threshold": rnd.choice([0, 5]), "policy": rnd.choice(["fcfs", "priority"]),
            "preemption_mode": rnd.choice(["recompute", "swap"])}
-    return {"config": cfg, "num_blocks": 64 if ample else rnd.randint(5, 7), "block_size": bs, "reqs": reqs,
+    return {"config": cfg, "num_blocks": 64, "block_size": bs, "reqs": reqs,
             "steps": 14}
 
 
@@ -438,7 +438,7 @@ def _run_block_ops(a):
 
 
 def _run_schedule(a):
-    from engine.serve import BlockManager, Scheduler, SchedulerConfig, Status
+    from engine.serve import BlockManager, Scheduler, SchedulerConfig
 
     s = Scheduler(SchedulerConfig(**a["config"]), BlockManager(a["num_blocks"], a["block_size"]))
     reqs = []
@@ -455,17 +455,11 @@ def _run_schedule(a):
         plans.append({"scheduled": [[r.request_id, int(n)] for r, n in plan.scheduled],
                       "preempted": sorted(r.request_id for r in plan.preempted),
                       "computed": {r.request_id: int(r.num_computed_tokens) for r in reqs}})
-        for r, n in plan.scheduled:
-            r.num_computed_tokens += n
-            if r.num_computed_tokens >= r.num_tokens:
-                r.append((r.num_tokens * 17) % VOCAB)
-                s.blocks.cache_full_blocks(r)
-                if r.num_output_tokens >= r.params.max_tokens:
-                    s.finish(r, Status.FINISHED_LENGTH)
+        _advance(s, plan)
     return {"plans": plans}
 
 
-def _advance(s, plan, reqs) -> None:
+def _advance(s, plan) -> None:
     """What the engine does after a forward pass (no model): count the tokens, append a sample, finish."""
     from engine.serve import Status
 
@@ -494,7 +488,7 @@ def _run_preempt(a):
 
     for i, q in enumerate(a["reqs"]):
         add(q, i)
-    _advance(s, s.schedule(), reqs)
+    _advance(s, s.schedule())
     for i, q in enumerate(a["late"]):
         add(q, len(reqs) + i)
     plan = None
@@ -502,7 +496,7 @@ def _run_preempt(a):
         plan = s.schedule()
         if plan.preempted:
             break
-        _advance(s, plan, reqs)
+        _advance(s, plan)
     if plan is None or not plan.preempted:
         return {"preempted": []}
     ids = lambda rs: [r.request_id for r in rs]  # noqa: E731
