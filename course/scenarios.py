@@ -25,6 +25,9 @@ BLOCK_HOLES = ["BlockManager.find_cached_prefix", "BlockManager.allocate_slots",
                "BlockManager.cache_full_blocks", "BlockManager.free"]
 MODEL_HOLES = ["build_batch", "write_kv", "ReferenceBackend.forward", "FlatModel.attention", "FlatModel.forward"]
 ENGINE_DEPS = [*MODEL_HOLES, "hash_block", *BLOCK_HOLES, "Scheduler.schedule", "EngineCore.check_stop"]
+# step()'s scenarios run the default attention backend, as its tests do: not write_kv, not ReferenceBackend
+STEP_DEPS = [h for h in ENGINE_DEPS if h not in ("write_kv", "ReferenceBackend.forward")]
+CHECK_DEPS = [*STEP_DEPS, "Scheduler._preempt", "EngineCore.step"]
 # The milestone's four set-ups (EngineConfig keywords), as in the chapter's milestone test.
 MILESTONE = {
     "small chunks, tight budget": dict(block_size=16, max_num_batched_tokens=24, long_prefill_token_threshold=10),
@@ -33,6 +36,14 @@ MILESTONE = {
     "no prefix cache, 2 seqs": dict(block_size=16, enable_prefix_caching=False, max_num_seqs=2),
 }
 VOCAB = 512  # the test model's vocabulary
+# build_batch's rules, one scenario each: the flat token rows, the slots, the metadata, the sample rows
+BATCH_ASPECTS = {"tokens": ["input_ids", "positions"], "slots": ["slot_mapping"],
+                 "meta": ["query_start_loc", "seq_lens", "block_table", "max_query_len", "max_seq_len"],
+                 "samples": ["logits_indices", "sample_counts"]}
+# Scheduler._preempt's rules, one scenario each (as its four tests): recompute forgets, swap keeps and
+# restores, the victim goes to the front of the queue, the priority policy's victim and requeue
+PREEMPT_RULES = ("recompute", "swap", "front", "priority")
+HASH_ASPECTS = ("alone", "chain", "extra")  # hash_block: tokens only; parent digests; the cache key too
 
 
 # ------------------------------------------------------------------------------ drawing (grader side)
@@ -48,19 +59,8 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
                     "deps": deps, "group": group or holes[0], "args": args})
 
     for _ in range(size):
-        bs = rnd.choice([4, 8, 16])
-        reqs = []
-        for i in range(rnd.randint(2, 4)):
-            plen = rnd.randint(1, 3 * bs)
-            outs = rnd.randint(0, 3) if rnd.random() < 0.5 else 0
-            total = plen + outs
-            computed = rnd.randint(0, total - 1)
-            n = rnd.randint(1, total - computed)
-            nblocks = (computed + n + bs - 1) // bs
-            reqs.append({"id": f"q{i}", "prompt": toks(plen), "outputs": toks(outs), "computed": computed, "n": n,
-                         "table": rnd.sample(range(1, 40), nblocks)})
-        add("build_batch", ["build_batch"], [], {"block_size": bs, "reqs": reqs,
-                                                 "pad_to": len(reqs) + rnd.choice([0, 0, 2])})
+        for aspect, fields in BATCH_ASPECTS.items():  # one rule of the docstring per scenario, fresh inputs each
+            add("build_batch", ["build_batch"], [], {**_batch_args(rnd, toks), "fields": fields, "aspect": aspect})
         nb, bs = rnd.randint(3, 6), rnd.choice([2, 4])
         n = rnd.randint(2, min(8, nb * bs))
         slots = rnd.sample(range(nb * bs), n)
@@ -80,14 +80,19 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
         add("flat", ["FlatModel.attention", "FlatModel.forward"], ["write_kv", "ReferenceBackend.forward"],
             {"prompts": [toks(n) for n in lens], "chunk": rnd.randint(2, 8), "moe": rnd.random() < 0.3},
             group="FlatModel")
-        chain = [{"parent": None if i == 0 or rnd.random() < 0.3 else rnd.randrange(i),
-                  "tokens": toks(rnd.randint(1, 16)), "extra": rnd.choice([[], [], ["salt", rnd.randrange(9)]])}
-                 for i in range(rnd.randint(3, 6))]
-        add("hash_block", ["hash_block"], [], {"chain": chain})
+        for aspect in HASH_ASPECTS:  # its tests' split: tokens alone, then parents, then the cache key
+            chain = [{"parent": None if i == 0 or aspect == "alone" or rnd.random() < 0.3 else rnd.randrange(i),
+                      "tokens": toks(rnd.randint(1, 16)),
+                      "extra": rnd.choice([[], ["salt", rnd.randrange(9)], ["adapter", 3]]) if aspect == "extra" else []}
+                     for i in range(rnd.randint(3, 6))]
+            if aspect == "extra":
+                chain[0]["extra"] = ["tenant", rnd.randrange(9)]
+            add("hash_block", ["hash_block"], [], {"chain": chain, "aspect": aspect})
         add("block_ops", BLOCK_HOLES, ["hash_block"], _block_ops(rnd, toks), group="BlockManager")
-        add("schedule", ["Scheduler.schedule"], ["hash_block", *BLOCK_HOLES], _sched_args(rnd, toks, ample=True))
-        add("preempt", ["Scheduler._preempt"], ["hash_block", *BLOCK_HOLES, "Scheduler.schedule"],
-            _sched_args(rnd, toks, ample=False))
+        add("schedule", ["Scheduler.schedule"], ["hash_block", *BLOCK_HOLES], _sched_args(rnd, toks))
+        for rule in PREEMPT_RULES:
+            add("preempt", ["Scheduler._preempt"], ["hash_block", *BLOCK_HOLES, "Scheduler.schedule"],
+                _preempt_args(rnd, toks, rule))
         cases = []
         for _ in range(6):
             plen = rnd.randint(2, 6)
@@ -98,19 +103,122 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
                                      "ignore_eos": rnd.random() < 0.2}})
         cases[0]["outputs"] = cases[0]["outputs"][:1] + [7]
         add("check_stop", ["EngineCore.check_stop"], [], {"max_model_len": 12, "cases": cases})
-    lens = [rnd.randint(4, 40) for _ in range(3)]
-    add("engine", ["EngineCore.step"], ENGINE_DEPS,
-        {"config": {"block_size": 16}, "prompts": [toks(n) for n in lens], "max_tokens": [rnd.randint(2, 8)] * 3})
+    for _ in range(size):  # EngineCore.step, streamed: chunked steps, n children with prompt logprobs, MoE
+        for what in ("chunks", "children", "moe"):
+            add("engine", ["EngineCore.step"], STEP_DEPS, _engine_args(rnd, toks, what))
     ps = [toks(n) for n in (9, 40, 57, 70, 23)]
     ps[3][:32] = ps[1][:32]
     ps[4] = ps[1][:32]
     for name, cfg in MILESTONE.items():
         add("engine", ["milestone"], [], {"config": cfg, "prompts": ps, "max_tokens": [14, 30, 20, 26, 18]},
             group="milestone")
-    add("engine", ["engine checks"], [], {"config": {"block_size": 8, "num_blocks": 20}, "prompts": ps[:4],
-                                          "max_tokens": [6, 9, 5, 7], "abort_after": 3, "abort": "r1",
-                                          "salted": True}, group="engine checks")
+    # The engine checks, one scenario per configuration, as tests/test_isolation.py and
+    # tests/test_reliability.py split them: tenant pairs, an abort at each moment of a request's life,
+    # drawn engine configurations with arrivals and an abort, and a reused id.
+    # Like those tests they run the engine's default attention backend ("torch", given code), not the
+    # chapter's ReferenceBackend and write_kv (the milestone runs those).
+    # A failure counts against them only where the holes they run verified on their own (CHECK_DEPS).
+    checks = lambda args: add("engine", ["engine checks"], CHECK_DEPS,  # noqa: E731
+                              {**args, "config": {"attention_backend": "torch", **args["config"]}}, group="engine checks")
+    for _ in range(2 * size):
+        checks(_isolation_args(rnd, toks))
+    for moment in MOMENTS:
+        checks(_moment_args(rnd, toks, moment))
+    for _ in range(2 * size):
+        checks(_config_args(rnd, toks))
+    checks({"config": {"block_size": 4, "num_blocks": 20}, "reuse": True,
+            "reqs": [{"id": "a", "prompt": toks(rnd.randint(5, 14)), "max_tokens": 3}]})
     return out
+
+
+def _batch_args(rnd, toks) -> dict:
+    bs = rnd.choice([4, 8, 16])
+    reqs = []
+    for i in range(rnd.randint(2, 4)):
+        plen = rnd.randint(1, 3 * bs)
+        outs = rnd.randint(0, 3) if rnd.random() < 0.5 else 0
+        total = plen + outs
+        computed = rnd.randint(0, total - 1)
+        n = rnd.randint(1, total - computed)
+        nblocks = (computed + n + bs - 1) // bs
+        reqs.append({"id": f"q{i}", "prompt": toks(plen), "outputs": toks(outs), "computed": computed, "n": n,
+                     "table": rnd.sample(range(1, 40), nblocks)})
+    return {"block_size": bs, "reqs": reqs, "pad_to": len(reqs) + rnd.choice([0, 0, 2])}
+
+
+def _preempt_args(rnd, toks, rule: str) -> dict:
+    """Running requests that fill the pool at admission (or nearly: each must fit it alone), so that a
+    decode step soon needs a block there is none of: the first preemption is observed under one rule of the docstring.
+    "front" and "priority" add two requests that wait (max_num_seqs is full) to check the queue."""
+    bs = rnd.choice([2, 4])
+    reqs = [{"id": f"p{i}", "prompt": toks(rnd.randint(1, 3 * bs)), "max_tokens": bs + 2,
+             "priority": rnd.randint(0, 3)} for i in range(rnd.randint(2, 3))]
+    waiting = [{"id": f"w{i}", "prompt": toks(rnd.randint(1, bs)), "max_tokens": 2, "priority": rnd.randint(0, 3)}
+               for i in range(2 if rule in ("front", "priority") else 0)]
+    mode = {"recompute": "recompute", "swap": "swap"}.get(rule) or rnd.choice(["recompute", "swap"])
+    cfg = {"max_num_batched_tokens": 64, "max_num_seqs": len(reqs), "policy": "priority" if rule == "priority"
+           else "fcfs", "preemption_mode": mode}
+    return {"rule": rule, "config": cfg, "block_size": bs, "reqs": reqs, "late": waiting,
+            "num_blocks": max(sum((len(q["prompt"]) + bs - 1) // bs for q in reqs),
+                              max((len(q["prompt"]) + q["max_tokens"] + bs - 1) // bs for q in reqs))}
+
+
+def _shared_prompts(rnd, toks, n: int, suffix=(1, 8)) -> list[list[int]]:
+    heads = [[], toks(4), toks(9), toks(16)]
+    return [rnd.choice(heads) + toks(rnd.randint(*suffix)) for _ in range(n)]
+
+
+def _engine_args(rnd, toks, what: str) -> dict:
+    prompts = _shared_prompts(rnd, toks, rnd.randint(2, 4))
+    reqs = [{"id": f"r{i}", "prompt": p, "max_tokens": rnd.randint(2, 8), "at": rnd.choice([0, 0, 1, 3])}
+            for i, p in enumerate(prompts)]
+    cfg = {"block_size": rnd.choice([4, 8, 16]), "num_blocks": 64, "attention_backend": "torch"}
+    if what == "chunks":
+        cfg["max_num_batched_tokens"] = rnd.choice([6, 10, 16])
+    if what == "children":
+        reqs[0]["n"] = 2
+        reqs[-1]["plp"] = rnd.choice([1, 2])
+    return {"config": cfg, "reqs": reqs, "stream": True, "moe": what == "moe"}
+
+
+CACHE_KEYS = [[], ["tenant", 1], ["tenant", 2], ["adapter", 3]]
+
+
+def _isolation_args(rnd, toks) -> dict:
+    key_a = rnd.choice(CACHE_KEYS)
+    key_b = key_a if rnd.random() < 0.4 else rnd.choice([k for k in CACHE_KEYS if k != key_a])
+    prompt = toks(rnd.choice([17, 21, 25]))
+    staggered = rnd.random() < 0.5
+    return {"config": {"block_size": 4, "num_blocks": 40},
+            "reqs": [{"id": "a", "prompt": prompt, "max_tokens": 6, "key": key_a},
+                     {"id": "b", "prompt": prompt, "max_tokens": 6, "key": key_b, "at": 1 if staggered else 0}]}
+
+
+# moment -> the config that brings a request there (tests/test_reliability.py's aborts at every moment)
+MOMENTS = {"waiting": {"max_num_seqs": 1}, "mid-prefill": {"max_num_batched_tokens": 4}, "decoding": {},
+           "preempted": {"num_blocks": 9, "preemption_mode": "recompute"},
+           "swapped": {"num_blocks": 9, "preemption_mode": "swap"}}
+
+
+def _moment_args(rnd, toks, moment: str) -> dict:
+    head = toks(16)
+    reqs = [{"id": f"r{i}", "prompt": head + toks(rnd.randint(1, 7)), "max_tokens": 6} for i in range(4)]
+    return {"config": {"block_size": 4, "num_blocks": 40, **MOMENTS[moment]}, "reqs": reqs, "abort_when": moment}
+
+
+def _config_args(rnd, toks) -> dict:
+    bs = rnd.choice([2, 4, 8, 16])
+    prompts = _shared_prompts(rnd, toks, rnd.randint(3, 5), suffix=(1, 11))
+    most = max(map(len, prompts)) + 8
+    cfg = {"block_size": bs, "num_blocks": rnd.choice([(most + bs - 1) // bs + 1, 200]),
+           "max_num_batched_tokens": rnd.choice([8, 20, 2048]), "long_prefill_token_threshold": rnd.choice([0, 2, 5]),
+           "max_num_seqs": rnd.choice([1, 2, 4, 256]), "policy": rnd.choice(["fcfs", "priority"]),
+           "preemption_mode": rnd.choice(["recompute", "swap"]), "enable_prefix_caching": rnd.random() < 0.7}
+    if rnd.random() < 0.25 and cfg["max_num_batched_tokens"] >= most:
+        cfg["enable_chunked_prefill"] = False
+    reqs = [{"id": f"r{i}", "prompt": p, "max_tokens": rnd.randint(1, 8), "at": rnd.choice([0, 0, 2, 5]),
+             "priority": rnd.randint(0, 3)} for i, p in enumerate(prompts)]
+    return {"config": cfg, "reqs": reqs, "abort_after": rnd.randint(1, 6), "abort": f"r{rnd.randrange(len(reqs))}"}
 
 
 def _block_ops(rnd, toks) -> dict:
@@ -131,21 +239,24 @@ def _block_ops(rnd, toks) -> dict:
     return {"num_blocks": rnd.randint(6, 12), "block_size": bs, "caching": rnd.random() < 0.8, "ops": ops}
 
 
-def _sched_args(rnd, toks, ample: bool) -> dict:
+def _sched_args(rnd, toks) -> dict:
     bs = 4
     reqs = [{"id": f"s{i}", "prompt": toks(rnd.randint(2, 14)), "max_tokens": rnd.randint(2, 6),
              "priority": rnd.randint(0, 3)} for i in range(rnd.randint(3, 5))]
     cfg = {"max_num_batched_tokens": rnd.choice([8, 16, 64]), "max_num_seqs": rnd.choice([2, 8]),
            "long_prefill_token_threshold": rnd.choice([0, 5]), "policy": rnd.choice(["fcfs", "priority"]),
            "preemption_mode": rnd.choice(["recompute", "swap"])}
-    return {"config": cfg, "num_blocks": 64 if ample else rnd.randint(5, 7), "block_size": bs, "reqs": reqs,
+    return {"config": cfg, "num_blocks": 64, "block_size": bs, "reqs": reqs,
             "steps": 14}
 
 
 # ------------------------------------------------------------------------------ running (child side)
 def run_scenario(spec: dict):
-    """Run one scenario on whatever ``engine`` this process imports; plain data back."""
-    return globals()["_run_" + spec["kind"]](spec["args"])
+    """Run one scenario on whatever ``engine`` this process imports; plain data back (only the
+    ``fields`` the scenario checks, where it names them)."""
+    got = globals()["_run_" + spec["kind"]](spec["args"])
+    fields = spec["args"].get("fields")
+    return {k: got[k] for k in fields} if fields else got
 
 
 def _request(rid, prompt, outputs=(), computed=0, **params):
@@ -274,6 +385,7 @@ def _run_hash_block(a):
 
 def _blocks_state(bm) -> dict:
     return {"ref_count": [int(x) for x in bm.ref_count], "num_free": int(bm.num_free),
+            "free_order": [int(b) for b in bm.free_queue],  # so a wrong order is free()'s, not the next allocation's
             "req_blocks": {str(k): [int(b) for b in v] for k, v in sorted(bm.req_blocks.items())},
             "cached": sorted([bytes(h).hex(), int(b)] for h, b in bm.cached.items())}
 
@@ -326,7 +438,7 @@ def _run_block_ops(a):
 
 
 def _run_schedule(a):
-    from engine.serve import BlockManager, Scheduler, SchedulerConfig, Status
+    from engine.serve import BlockManager, Scheduler, SchedulerConfig
 
     s = Scheduler(SchedulerConfig(**a["config"]), BlockManager(a["num_blocks"], a["block_size"]))
     reqs = []
@@ -343,17 +455,67 @@ def _run_schedule(a):
         plans.append({"scheduled": [[r.request_id, int(n)] for r, n in plan.scheduled],
                       "preempted": sorted(r.request_id for r in plan.preempted),
                       "computed": {r.request_id: int(r.num_computed_tokens) for r in reqs}})
-        for r, n in plan.scheduled:
-            r.num_computed_tokens += n
-            if r.num_computed_tokens >= r.num_tokens:
-                r.append((r.num_tokens * 17) % VOCAB)
-                s.blocks.cache_full_blocks(r)
-                if r.num_output_tokens >= r.params.max_tokens:
-                    s.finish(r, Status.FINISHED_LENGTH)
+        _advance(s, plan)
     return {"plans": plans}
 
 
-_run_preempt = _run_schedule
+def _advance(s, plan) -> None:
+    """What the engine does after a forward pass (no model): count the tokens, append a sample, finish."""
+    from engine.serve import Status
+
+    for r, n in plan.scheduled:
+        r.num_computed_tokens += n
+        if r.num_computed_tokens >= r.num_tokens:
+            r.append((r.num_tokens * 17) % VOCAB)
+            s.blocks.cache_full_blocks(r)
+            if r.num_output_tokens >= r.params.max_tokens:
+                s.finish(r, Status.FINISHED_LENGTH)
+
+
+def _run_preempt(a):
+    """The first preemption, observed under one rule (``a["rule"]``), then (recompute, swap) the
+    victim's return once the others finish."""
+    from engine.serve import BlockManager, Scheduler, SchedulerConfig, Status
+
+    s = Scheduler(SchedulerConfig(**a["config"]), BlockManager(a["num_blocks"], a["block_size"]))
+    reqs = []
+
+    def add(q, when):
+        r = _request(q["id"], q["prompt"], max_tokens=q["max_tokens"])
+        r.priority, r.arrival_time = q["priority"], float(when)
+        s.add(r)
+        reqs.append(r)
+
+    for i, q in enumerate(a["reqs"]):
+        add(q, i)
+    _advance(s, s.schedule())
+    for i, q in enumerate(a["late"]):
+        add(q, len(reqs) + i)
+    plan = None
+    for _ in range(4 * a["block_size"] + 4):
+        plan = s.schedule()
+        if plan.preempted:
+            break
+        _advance(s, plan)
+    if plan is None or not plan.preempted:
+        return {"preempted": []}
+    ids = lambda rs: [r.request_id for r in rs]  # noqa: E731
+    got = {"preempted": ids(plan.preempted), "waiting": ids(s.waiting),
+           "scheduled": [[r.request_id, int(n)] for r, n in plan.scheduled]}
+    if a["rule"] in ("front", "priority"):
+        return got
+    victim = plan.preempted[0]
+    got.update(status=str(victim.status.name), computed=int(victim.num_computed_tokens),
+               holds_blocks=victim.request_id in s.blocks.req_blocks, running=ids(s.running),
+               num_preemptions=int(victim.num_preemptions), swapped_out=bool(victim.swapped_out),
+               swap_out=[[r.request_id, [int(b) for b in bl]] for r, bl in plan.swap_out])
+    for r in list(s.running):  # the others finish: the victim comes back
+        s.finish(r, Status.FINISHED_LENGTH)
+    back = s.schedule()
+    got["back"] = {"scheduled": [[r.request_id, int(n)] for r, n in back.scheduled],
+                   "swap_in": [[r.request_id, [int(b) for b in bl]] for r, bl in back.swap_in],
+                   "swapped_out": bool(victim.swapped_out)}
+    return got
 
 
 def _run_check_stop(a):
@@ -372,35 +534,94 @@ def _run_check_stop(a):
     return {"results": got}
 
 
+# a request at each moment of its life (tests/test_reliability.py's aborts at every moment)
+def _at_moment(r, moment: str) -> bool:
+    from engine.serve import Status
+
+    return {"waiting": lambda: r.status is Status.WAITING and r.num_computed_tokens == 0,
+            "mid-prefill": lambda: r.status is Status.RUNNING and 0 < r.num_computed_tokens < r.num_prompt_tokens,
+            "decoding": lambda: r.status is Status.RUNNING and r.num_output_tokens >= 2,
+            "preempted": lambda: r.status is Status.PREEMPTED,
+            "swapped": lambda: bool(r.swapped_out)}[moment]()
+
+
 def _run_engine(a):
+    """A whole engine (the test model, float64, greedy): requests arriving at given steps, perhaps one
+    abort (after a step, or of the first request found at a moment), perhaps an id reused at idle.
+    Back: every request's tokens, finish reason and cached tokens; blocks shared across cache keys;
+    what is left at idle; with ``stream``, which request produced how many tokens at each step."""
     import torch
 
     from engine.models import tiny_model
     from engine.serve import EngineConfig, EngineCore, SamplingParams
 
-    e = EngineCore(tiny_model(seed=0, dtype=torch.float64),
+    e = EngineCore(tiny_model(seed=0, moe=a.get("moe", False), dtype=torch.float64),
                    EngineConfig(**{"attention_backend": "reference", **a["config"]}))
-    for i, (p, m) in enumerate(zip(a["prompts"], a["max_tokens"])):
-        key = ("tenant", i % 2) if a.get("salted") else ()
-        e.add_request(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True), cache_key=key)
-    done, steps = {}, 0
-    while e.has_unfinished() and steps < 2000:
-        for o in e.step():
-            if o.finished:
-                done[o.request_id] = [int(t) for t in o.output_token_ids]
-        steps += 1
-        if steps == a.get("abort_after"):
-            e.abort_request(a["abort"])
-            done.pop(a["abort"], None)
-    return {"outputs": dict(sorted(done.items())), "idle": not e.has_unfinished(),
-            "free_blocks_at_idle": int(e.blocks.num_free), "pool_blocks": int(len(e.blocks.ref_count))}
+    reqs = a.get("reqs") or [{"id": f"r{i}", "prompt": p, "max_tokens": m}
+                             for i, (p, m) in enumerate(zip(a["prompts"], a["max_tokens"]))]
+    keys = {}
+
+    def add(q) -> None:
+        key = tuple(q.get("key", ()))
+        params = SamplingParams(max_tokens=q["max_tokens"], temperature=0.0, ignore_eos=True, n=q.get("n", 1),
+                                prompt_logprobs=q.get("plp"))
+        for rid in e.add_request(q["id"], q["prompt"], params, priority=q.get("priority", 0), cache_key=key):
+            keys[rid] = key
+
+    done, reasons, cached, plps, stream, shared, aborted = {}, {}, {}, {}, [], 0, []
+
+    def run(pending: list) -> None:
+        nonlocal shared
+        steps = 0
+        while (pending or e.has_unfinished()) and steps < 600:
+            for q in [q for q in pending if q.get("at", 0) <= steps]:
+                pending.remove(q)
+                add(q)
+            outs = e.step()
+            steps += 1
+            if a.get("stream"):
+                stream.append(sorted([o.request_id, len(o.new_token_ids), bool(o.finished)] for o in outs))
+            for o in outs:
+                if o.finished:
+                    done[o.request_id] = [int(t) for t in o.output_token_ids]
+                    reasons[o.request_id], cached[o.request_id] = o.finish_reason, int(o.num_cached_tokens)
+                    if o.prompt_logprobs is not None:
+                        plps[o.request_id] = [sorted([int(t), float(v)] for t, v in d.items())
+                                              for d in o.prompt_logprobs]
+            tables = e.blocks.req_blocks
+            live = sorted(r for r in tables if r in keys)
+            shared += sum(len(set(tables[x]) & set(tables[y])) for i, x in enumerate(live) for y in live[i + 1:]
+                          if keys[x] != keys[y])
+            victim = None
+            if "abort_when" in a and not aborted:
+                victim = next((r.request_id for r in [*e.scheduler.waiting, *e.scheduler.running]
+                               if _at_moment(r, a["abort_when"])), None)
+            elif steps == a.get("abort_after"):
+                victim = a["abort"]
+            if victim is not None:
+                aborted.append([steps, victim])
+                e.abort_request(victim)
+                e.abort_request(victim)  # a second abort is harmless
+
+    run([dict(q) for q in reqs])
+    if a.get("reuse"):  # a finished id and an unknown one aborted (harmless), then the id again with 2 children
+        e.abort_request(reqs[0]["id"])
+        e.abort_request("never-added")
+        run([{**reqs[0], "n": 2, "max_tokens": reqs[0]["max_tokens"] + 2, "at": 0}])
+    got = {"outputs": dict(sorted(done.items())), "finish_reasons": dict(sorted(reasons.items())),
+           "idle": not e.has_unfinished(), "free_blocks_at_idle": int(e.blocks.num_free),
+           "pool_blocks": int(len(e.blocks.ref_count)), "aborted": aborted, "shared_across_keys": shared,
+           "cached_tokens": dict(sorted(cached.items())), "prompt_logprobs": dict(sorted(plps.items()))}
+    if a.get("stream"):
+        got["stream"] = stream
+    return got
 
 
 def child_main(argv: list[str]) -> int:
     """Run every scenario in SPECS.json, appending ``{"start": id}`` then ``{"id", "result"|"error"}``."""
     specs = json.loads(open(argv[0]).read())
     if os.environ.get("ENGINE_COURSE_COPY"):  # a chapter file that does not import: the course's copy instead,
-        from tests.conftest import import_engine  # as in the test session (it fails only its own holes)
+        from course.holes import import_engine  # as in the test session (it fails only its own holes)
 
         try:
             import_engine()

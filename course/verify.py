@@ -44,7 +44,7 @@ def reference_env() -> dict[str, str]:
     """COUPLING POINT (learner layer): the environment that makes a process in ROOT import the
     reference chapter-31 code: ``ENGINE_IMPL=solution``, engine/_impl.py's one switch (every hole of the
     instructor's engine/ takes its body from solutions/ at import)."""
-    return {"ENGINE_IMPL": "solution", "PYTHONPATH": str(ROOT)}
+    return {"ENGINE_IMPL": "solution", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
 def reference_results(specs: list[dict], timeout: float = 900) -> dict[str, dict]:

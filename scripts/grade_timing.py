@@ -2,6 +2,7 @@
 
     python scripts/grade_timing.py [--checkouts 20] [--jobs 2] [--scenarios 2]
     python scripts/grade_timing.py --hang      # what a hung hole costs with the defaults
+    python scripts/grade_timing.py --threads   # the milestone's scenarios on the reference, 1 vs 2 torch threads
 
 Both sittings share one seed; prints each wall time, the ratio, and the CPU it ran on. The machine's
 load matters (a shared machine gives a noisy ratio): the load average is printed beside the figures.
@@ -30,9 +31,12 @@ def main() -> int:
     ap.add_argument("--scenarios", type=int, default=2)
     ap.add_argument("-k", dest="keyword", default="")
     ap.add_argument("--hang", action="store_true", help="grade a complete checkout and one whose check_stop hangs")
+    ap.add_argument("--threads", action="store_true", help="time the milestone's scenarios with 1 and 2 threads")
     args = ap.parse_args()
     if args.hang:
         return hang_cost()
+    if args.threads:
+        return thread_cost()
     with tempfile.TemporaryDirectory(prefix="grade-timing-") as tmp:
         paths = [str(workspace(Path(tmp) / f"learner{i}" / "ch31", reference_files())) for i in range(args.checkouts)]
         print(f"machine: {machine_line()} (before)")
@@ -67,6 +71,29 @@ def hang_cost() -> int:
             walls[name] = time.monotonic() - start
             print(f"{name}: {walls[name]:.0f} s, {doc['score']:g}/{doc['max_score']:g}; load {os.getloadavg()}", flush=True)
         print(f"the hung hole cost {walls['hung check_stop'] - walls['complete']:.0f} s more")
+    return 0
+
+
+def thread_cost(rounds: int = 3) -> int:
+    """The four milestone scenarios on the reference, each sitting a fresh process, 1 and 2 torch
+    threads interleaved: why the grader's children run one thread (Options.threads)."""
+    import json
+    import statistics
+
+    code = ("import json, sys, time; from course.scenarios import make_scenarios, run_scenario; "
+            "specs = [s for s in make_scenarios(11) if s['group'] == 'milestone']; run_scenario(specs[0]); "
+            "t = time.monotonic(); [run_scenario(s) for s in specs]; print(json.dumps(time.monotonic() - t))")
+    print(f"machine: {machine_line()}")
+    walls: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(rounds):
+        for n in walls:
+            env = {**os.environ, "ENGINE_IMPL": "solution", "OMP_NUM_THREADS": str(n), "PYTHONPATH": str(ROOT)}
+            out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                                 check=True).stdout
+            walls[n].append(json.loads(out.strip().splitlines()[-1]))
+    for n, w in walls.items():
+        print(f"{n} thread(s): median {statistics.median(w):.2f} s over {rounds} sittings ({', '.join(f'{x:.2f}' for x in w)})")
+    print(f"load after: {os.getloadavg()}")
     return 0
 
 

@@ -21,20 +21,18 @@ The switch must take effect before anything imports a chapter module, so this fi
 """
 from __future__ import annotations
 
-import importlib
 import sys
-import tempfile
 import traceback
 from pathlib import Path
 
 import pytest
 
+from course.holes import import_engine
 from engine import _impl
 
 _ISOLATION_KEY = pytest.StashKey()
 _HOLES_KEY = pytest.StashKey()  # --hole's names, resolved to full hole names
 _BROKEN_KEY = pytest.StashKey()  # chapter file -> why it does not import
-_COPIES = tempfile.TemporaryDirectory(prefix="ch31-course-copy-")
 
 
 def pytest_addoption(parser):
@@ -59,37 +57,6 @@ def pytest_configure(config):
     config.stash[_BROKEN_KEY] = import_engine()
     if impl == "engine" and (_impl.ROOT / "solutions").is_dir():
         config.stash[_ISOLATION_KEY] = _impl.Switch()
-
-
-def import_engine() -> dict[str, str]:
-    """Import ``engine.serve``; a chapter file that fails to import is served from the course's
-    copy instead. Returns {"serve/blocks.py": why it did not import}."""
-    from course.holes import course_copy
-
-    files = {str((_impl.ROOT / "engine" / rel).resolve()): rel for rel in _impl.CHAPTER_FILES}
-    broken: dict[str, str] = {}
-    for _ in range(len(files) + 1):
-        try:
-            importlib.import_module("engine.serve")
-            return broken
-        except Exception as exc:  # a learner's syntax or import error
-            frames = [(f.filename, f.lineno) for f in traceback.extract_tb(exc.__traceback__)]
-            if isinstance(exc, SyntaxError):
-                frames.append((exc.filename, exc.lineno))
-            culprit = next(((files[str(Path(f).resolve())], line) for f, line in reversed(frames)
-                            if f and str(Path(f).resolve()) in files), None)
-            copy = course_copy(culprit[0]) if culprit and culprit[0] not in broken else None
-            if copy is None:
-                raise
-            rel, line = culprit
-            last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-            broken[rel] = f"your engine/{rel} does not import: {last} (line {line}); fix that file first"
-            for name in [m for m in sys.modules if m == "engine.serve" or m.startswith("engine.serve.")]:
-                del sys.modules[name]
-            path = Path(_COPIES.name) / rel.replace("/", "_")
-            path.write_text(copy)
-            _impl.serve_from(rel, path)
-    raise RuntimeError("could not import engine.serve")
 
 
 def resolve_hole(name: str, holes: list[str]) -> str:

@@ -1,8 +1,8 @@
 """Hostile checkouts against the sandboxed grader: each gets exactly the points it earns, or is flagged,
 and the checkouts graded after it are unaffected.
 
-Kept short for ``make test-course``: one grading session (one seed, one scenario of each kind for
-four holes, the tests of those holes only, 15-second limits). Every checkout starts from the reference
+Kept short for ``make test-course``: one grading session (one seed, one draw of scenarios for four
+holes and the milestone, the tests of those holes and one milestone set-up only, 15-second limits). Every checkout starts from the reference
 (a complete checkout: every hole filled, so every selected row earns full points) or the skeleton.
 """
 from __future__ import annotations
@@ -17,11 +17,14 @@ import pytest
 
 from course.grade import Options, Session, grade, gradescope
 from course.sandbox import find_bwrap
+from course.scenarios import MILESTONE as MILESTONE_CONFIGS
 from course.testrun import reference_files, skeleton_files, workspace
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = {"build_batch": 3, "write_kv": 1, "hash_block": 1, "EngineCore.check_stop": 1}
-KEYWORD = "worked_example or write_kv or hash_block or check_stop_rules"
+KEYWORD = ("worked_example or write_kv or hash_block or check_stop_rules"
+           " or (tight and not threshold2)")  # one milestone test: "small chunks, tight budget"
+MILESTONE = 10
 MARK = "7.713"  # the outliving process's sleep, to find it (never to kill it) afterwards
 
 APPEND = {
@@ -68,6 +71,18 @@ class _Fake:
         return self.d.digest()[:16]
 _hl.blake2b = _Fake
 '''),
+    # the milestone's oracle patched: generate() made to answer with the learner's own engine, run
+    # on the prompt alone, with a step() that appends every sampled token plus one
+    "generate": ("serve/engine.py", '''
+import engine.generate as _gen
+def _own(model, prompt_token_ids, max_new_tokens, eos_token_id=None):
+    from engine.serve import EngineConfig, EngineCore, SamplingParams
+    e = EngineCore(model, EngineConfig(block_size=16, num_blocks=64, attention_backend="reference"),
+                   eos_token_id=eos_token_id)
+    e.add_request("own", list(prompt_token_ids), SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
+    return e.run_until_done()["own"]
+_gen.generate = _own
+'''),
     # a torch function patched: torch.equal always True, with a write_kv that writes nothing
     "torch": ("serve/attention.py", '''
 import torch as _t
@@ -79,6 +94,11 @@ BODY = {  # hole bodies replaced: (file, the reference's line, the learner's)
               "    raise RuntimeError(open('/etc/hostname').read() + ''.join(open(p).read() for p in "
               "__import__('glob').glob({out!r} + '/*/grade.json')))\n"),
     "exit": ("serve/blocks.py", "    h = hashlib.blake2b(digest_size=16)\n", "    import os; os._exit(0)\n"),
+    # the instructor's reference executed from a hole (readable where the tests run, hidden where
+    # the scenarios do)
+    "solutions": ("serve/blocks.py", "    h = hashlib.blake2b(digest_size=16)\n",
+                  "    import pathlib; ns = dict(globals()); exec(open(pathlib.Path(__file__).resolve().parents[2] / "
+                  "'solutions/serve/blocks.py').read(), ns); return ns['hash_block'](parent, tokens, extra)\n"),
 }
 
 
@@ -101,17 +121,21 @@ def graded(tmp_path_factory):
 
     made = {}
     made["first honest"] = checkout("first", ref)
-    for case in ("report", "plant", "outlive", "oracle", "torch"):
+    for case in ("report", "plant", "outlive", "oracle", "generate", "torch"):
         files = dict(skeleton_files() if case == "report" else ref)
         rel, code = APPEND[case]
         files[rel] += code.format(root=str(ROOT), out=str(out), mark=MARK)
         made[case] = files
     made["oracle"]["serve/blocks.py"] = made["oracle"]["serve/blocks.py"].replace(
         "    h = hashlib.blake2b(digest_size=16)\n", "    h = hashlib.sha256()\n", 1)
+    sample = "            for t in new:\n                req.append(t)\n"
+    assert made["generate"]["serve/engine.py"].count(sample) == 1
+    made["generate"]["serve/engine.py"] = made["generate"]["serve/engine.py"].replace(
+        sample, "            for t in new:\n                req.append((int(t) + 1) % 512)\n")
     line = _write_kv_line()
     made["torch"]["serve/attention.py"] = made["torch"]["serve/attention.py"].replace(
         line, " " * (len(line) - len(line.lstrip())) + "return\n" + line, 1)
-    for case in ("exfil", "exit"):
+    for case in ("exfil", "exit", "solutions"):
         rel, old, new = BODY[case]
         files = dict(ref)
         assert files[rel].count(old) == 1
@@ -133,8 +157,10 @@ def graded(tmp_path_factory):
     (link / "engine/serve/blocks.py").symlink_to(ROOT / "solutions/serve/blocks.py")
     paths["last honest"] = checkout("last", ref)
     opts = Options(per_test_timeout=15, per_scenario_timeout=15, keyword=KEYWORD, seed=2024, scenario_size=1,
-                   only_groups=tuple(ROWS))
+                   only_groups=(*ROWS, "milestone"))
     session = Session(opts)
+    tight = MILESTONE_CONFIGS["small chunks, tight budget"]  # the milestone: only its one selected test's set-up
+    session.specs = [s for s in session.specs if s["group"] != "milestone" or s["args"]["config"] == tight]
     docs, times = {}, {}
     for name, path in paths.items():
         start = time.monotonic()
@@ -144,7 +170,7 @@ def graded(tmp_path_factory):
         target.mkdir()
         (target / "grade.json").write_text(json.dumps(docs[name]))
     for name, doc in docs.items():  # the table (shown with pytest -s)
-        print(f"{name:14} {points(doc)} {times[name]:.0f} s; flags: "
+        print(f"{name:14} {points(doc)} milestone {doc['milestone']['score']:g} {times[name]:.0f} s; flags: "
               + "; ".join(f[:70] for f in doc["flags"] if "changed outside" not in f))
     return docs, times, out
 
@@ -158,6 +184,7 @@ def test_honest_checkouts_before_and_after_get_full_points(graded):
     docs, _, _ = graded
     for name in ("first honest", "last honest"):
         assert points(docs[name]) == ROWS, (name, points(docs[name]), docs[name]["flags"])
+        assert docs[name]["milestone"]["score"] == MILESTONE, docs[name]["milestone"]
         assert not [f for f in docs[name]["flags"] if "disagree" in f]
 
 
@@ -197,6 +224,26 @@ def test_a_patched_oracle_or_torch_function_earns_nothing_for_its_hole(graded, c
     claimed = row["passed"] == row["total"]  # what the (patched) tests said
     assert row["verified"] == "fail" and (not claimed or any(f.startswith(hole) and "disagree" in f
                                                              for f in doc["flags"])), (row, doc["flags"])
+
+
+def test_a_patched_milestone_oracle_earns_no_milestone_points(graded):
+    """generate(), the milestone tests' oracle, reassigned at module level to agree with a buggy engine:
+    the tests pass, the milestone's scenarios (answered by the reference in the grader's own process) don't."""
+    doc = graded[0]["generate"]
+    row = doc["milestone"]
+    assert row["passed"] == row["total"] == 1, row  # the patched oracle fooled the test
+    assert row["score"] == 0 and row["verified"] == "fail", row
+    assert any(f.startswith("milestone") and "disagree" in f for f in doc["flags"]), doc["flags"]
+    assert points(doc) == ROWS, points(doc)  # its holes' own tests and scenarios are right
+
+
+def test_the_instructors_reference_executed_from_a_hole_gives_nothing_and_is_flagged(graded):
+    doc = graded[0]["solutions"]
+    row = next(r for r in doc["holes"] if r["name"] == "hash_block")
+    assert row["passed"] == row["total"] and row["score"] == 0 and row["verified"] == "fail", row
+    assert any(f.startswith("hash_block") and "disagree" in f for f in doc["flags"]), doc["flags"]
+    assert {k: v for k, v in points(doc).items() if k != "hash_block"} == \
+        {k: v for k, v in ROWS.items() if k != "hash_block"}, points(doc)
 
 
 def test_an_exfiltrating_message_shows_nothing_to_the_learner(graded):

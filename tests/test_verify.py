@@ -46,3 +46,65 @@ def test_scenarios_are_drawn_from_the_seed_and_cover_every_hole():
     assert a == make_scenarios(1) and a != b
     covered = {h for s in a for h in s["holes"]}
     assert {h.qualname for h in all_holes()} | {"milestone", "engine checks"} == covered
+
+
+def _learner_answers(files: dict[str, str], specs: list[dict], tmp) -> dict[str, dict]:
+    """The scenarios answered by a workspace whose chapter files are ``files`` (no sandbox: these are ours)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from course.testrun import workspace
+    from course.verify import read_results
+
+    bed = workspace(tmp / "repo", files)
+    spec_file, out = tmp / "specs.json", tmp / "answers.jsonl"
+    spec_file.write_text(json.dumps(specs))
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+           "ENGINE_IMPL": "engine", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(bed)}
+    subprocess.run([sys.executable, "-m", "course.scenarios", str(spec_file), str(out)], cwd=bed, env=env,
+                   timeout=600, check=True, capture_output=True)
+    return read_results(out)
+
+
+def test_a_bug_in_one_rule_costs_only_the_scenarios_of_that_rule(tmp_path):
+    """The cap is fine-grained: a reference with preemption by recompute broken (the mutant
+    recompute-keeps-stale-num-computed) fails the preemption scenarios of that rule only (one of four
+    rules), and of the engine checks only the configurations that preempt by recompute (which are
+    then unverified, preemption having failed its own). With one scenario per row (the grader
+    before) both rows were all or nothing: 2 of 4 and 0 of 1."""
+    from course.mutants import MUTANTS
+    from course.testrun import reference_files
+    from course.verify import reference_results
+
+    specs = [s for s in make_scenarios(11) if s["group"] in ("Scheduler._preempt", "engine checks")]
+    mutant = next(m for m in MUTANTS if m.name == "recompute-keeps-stale-num-computed")
+    files = reference_files()
+    files[mutant.file] = files[mutant.file].replace(mutant.old, mutant.new)
+    rows = verdicts(specs, reference_results(specs), _learner_answers(files, specs, tmp_path))
+    pre, checks = rows["Scheduler._preempt"], rows["engine checks"]
+    recompute = [s for s in specs if s["group"] == "engine checks"
+                 and s["args"]["config"].get("preemption_mode", "recompute") == "recompute"
+                 and s["args"]["config"].get("num_blocks", 200) < 40]
+    assert checks["verified"] == "unverified" and checks["unverified_because"] == ["Scheduler._preempt"], checks
+    assert checks["total"] >= 10, checks
+    assert checks["total"] - len(recompute) <= checks["matched"] < checks["total"], (checks, len(recompute))
+    rules = [s["args"].get("rule") for s in specs if s["group"] == "Scheduler._preempt"]
+    assert pre["verified"] == "fail" and pre["matched"] == pre["total"] - rules.count("recompute"), pre
+
+
+def test_an_unverified_row_keeps_its_test_points_unless_a_hole_it_runs_lied():
+    """A row whose scenarios failed behind a failing dependency keeps its tests' points (an honest buggy
+    checkout), unless that dependency's tests reported a pass its scenarios contradict (a forged report):
+    then those tests are not believed either."""
+    from course.grade import Row, apply_verdict
+
+    verdict = {"verified": "unverified", "matched": 1, "total": 4, "messages": [],
+               "unverified_because": ["build_batch"]}
+    honest = Row("engine checks", "", 20, 37, "partial", 10, 5.41)
+    apply_verdict(honest, verdict, [], contradicted=set())
+    assert honest.score == 5.41
+    forged, flags = Row("engine checks", "", 37, 37, "pass", 10, 10.0), []
+    apply_verdict(forged, verdict, flags, contradicted={"build_batch"})
+    assert forged.score == 2.5 and forged.status == "flagged" and flags
