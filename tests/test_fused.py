@@ -121,6 +121,61 @@ def test_fused_float32_prepacked_matches_generate():
         assert out[f"r{i}"] == generate(model, p, m), f"prepacked float32: request r{i} differs from generate()"
 
 
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("layout", ["small", "packed"])
+def test_each_linear_layout_matches_generate(layout, tied, monkeypatch):
+    """Both layouts a float32 linear can keep (forced through ``$ENGINE_LINEAR_LAYOUT``, as the
+    load-time measurement would pick one): every linear in it, the engine gives generate()'s greedy
+    tokens on the test model's well-separated logits. Tied: the head keeps the panels (small) or
+    the embedding's plain tensor, and the embedding's lookups read that same one copy."""
+    from engine.serve.backends.cpu_linear import library
+
+    if layout == "packed" and not torch.backends.mkldnn.is_available():
+        pytest.fail("this test needs oneDNN (torch.backends.mkldnn) for the packed layout")
+    assert library() is not None, "the small-batch linear kernel did not build (is there a C++ compiler?)"
+    monkeypatch.setenv("ENGINE_LINEAR_LAYOUT", layout)
+    model = tiny_model(seed=3, tie_word_embeddings=tied)
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused",
+                                          max_num_batched_tokens=16, long_prefill_token_threshold=8))
+    linears = [entry[k] for entry in core.flat.layers for k in ("qkv", "o", "gate_up", "down")]
+    assert {lin.layout for lin in linears} == {layout}
+    head = "small" if layout == "small" else "plain" if tied else "packed"
+    assert core.flat.lm_head.layout == head and core.flat.tied == tied
+    if tied:
+        ids = torch.tensor([0, 15, 16, 17, model.cfg.vocab_size - 1])
+        assert torch.equal(core.flat.embed(ids), model.model.embed_tokens(ids)), "lookups from the head's layout"
+    prompts = prompts_for(model)
+    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
+    out = core.run_until_done()
+    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+        assert out[f"r{i}"] == generate(model, p, m), f"{layout} layout (tied={tied}): request r{i} differs"
+
+
+def test_layout_choice_is_measured_and_decided_by_rule(monkeypatch):
+    """The load-time choice: the smallest geometric mean over the probed row counts, the reference
+    (first) layout kept unless another beats it by MARGIN; measured once per shape (cached), and a
+    forced layout that is not a name is refused."""
+    from engine.serve.backends import linear_layout as ll
+
+    assert ll.decide({"packed": (1.0, 4.0, 16.0), "small": (0.5, 5.0, 18.0)}) == "small"  # geo 0.82x
+    assert ll.decide({"packed": (1.0, 4.0, 16.0), "small": (0.9, 4.0, 17.0)}) == "packed"  # geo 0.98x: a tie
+    assert ll.decide({"packed": (1.0, 4.0, 16.0), "small": (1.2, 4.4, 17.0)}) == "packed"
+    assert ll.decide({"plain": (3.0, 9.0, 30.0), "small": (1.0, 5.0, 20.0)}) == "small"
+    monkeypatch.delenv("ENGINE_LINEAR_LAYOUT", raising=False)
+    monkeypatch.setattr(ll, "_chosen", {})
+    calls = []
+    monkeypatch.setattr(ll, "measure", lambda n, k, dtype, among: calls.append((n, k)) or
+                        {"packed": (2.0, 2.0, 2.0), "small": (1.0, 1.0, 1.0)})
+    first = ll.choose(96, 40, torch.float32, ("packed", "small"))
+    again = ll.choose(96, 40, torch.float32, ("packed", "small"))
+    assert first.layout == again.layout == "small" and calls == [(96, 40)], "measured once per shape"
+    assert ll.choose(96, 40, torch.float32, ("packed",)).layout == "packed" and len(calls) == 1
+    assert ll.choose(96, 40, torch.float32, ("packed", "small"), layout="packed").forced
+    with pytest.raises(ValueError, match="linear layout must be one of"):
+        FusedFlatModel(tiny_model(seed=3), layout="fastest")
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_small_linear_matches_f_linear(threads, monkeypatch):
     """The small-batch float32 kernel (decode steps' linears): F.linear's result up to summation

@@ -232,11 +232,11 @@ class CompiledFlatModel(FusedFlatModel):
     step context) and its norm weights, so nothing is copied per engine or per layer.
     """
 
-    def __init__(self, model: nn.Module, background: bool = True) -> None:
+    def __init__(self, model: nn.Module, background: bool = True, layout: str | None = None) -> None:
         why = inductor_available()
         if why:
             raise ValueError(f"flat_model='compiled' needs TorchInductor: {why}; use flat_model='fused'")
-        super().__init__(model)
+        super().__init__(model, layout=layout)
         if any(not isinstance(layer.mlp, Qwen3MLP) for layer in model.model.layers):
             raise ValueError("flat_model='compiled' serves dense models only (this one has MoE layers); use 'fused'")
         m, cfg = model.model, self.cfg
@@ -336,7 +336,7 @@ class CompiledFlatModel(FusedFlatModel):
         if input_ids.shape[0] <= self.eager_rows or not graphs.ready.is_set() or graphs.error is not None:
             return super().forward(input_ids, positions, kv_caches, meta, backend, keep_rows=keep_rows)
         cfg, work = self.cfg, self.linear_dtype
-        hidden = self.model.model.embed_tokens(input_ids).to(work)  # [N, D]
+        hidden = self.embed(input_ids)  # [N, D]
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, work)  # [N, Dh]
         step = _Step(meta, backend, kv_caches, self.linears)
         hidden, residual = self._run(hidden, cos, sin, step, kv_caches[0][0].dtype)
