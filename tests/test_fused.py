@@ -126,8 +126,8 @@ def test_fused_float32_prepacked_matches_generate():
 def test_each_linear_layout_matches_generate(layout, tied, monkeypatch):
     """Both layouts a float32 linear can keep (forced through ``$ENGINE_LINEAR_LAYOUT``, as the
     load-time measurement would pick one): every linear in it, the engine gives generate()'s greedy
-    tokens on the test model's well-separated logits. Tied: the head keeps the panels (small) or
-    the embedding's plain tensor, and the embedding's lookups read that same one copy."""
+    tokens on the test model's well-separated logits. Tied: the head keeps that layout too, and the
+    embedding's lookups read the panels (small) or the embedding beside the packed head."""
     from engine.serve.backends.cpu_linear import library
 
     if layout == "packed" and not torch.backends.mkldnn.is_available():
@@ -139,8 +139,7 @@ def test_each_linear_layout_matches_generate(layout, tied, monkeypatch):
                                           max_num_batched_tokens=16, long_prefill_token_threshold=8))
     linears = [entry[k] for entry in core.flat.layers for k in ("qkv", "o", "gate_up", "down")]
     assert {lin.layout for lin in linears} == {layout}
-    head = "small" if layout == "small" else "plain" if tied else "packed"
-    assert core.flat.lm_head.layout == head and core.flat.tied == tied
+    assert core.flat.lm_head.layout == layout and core.flat.tied == tied
     if tied:
         ids = torch.tensor([0, 15, 16, 17, model.cfg.vocab_size - 1])
         assert torch.equal(core.flat.embed(ids), model.model.embed_tokens(ids)), "lookups from the head's layout"

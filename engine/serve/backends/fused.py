@@ -16,8 +16,9 @@ and, on a CPU, a few microseconds of dispatch. This class serves the same comput
   gate/up tensors are temporaries on the way to that layout (or, where the layout is the plain
   tensor, the model's own parameters become views of them); the model's originals,
   memory-mapped from the checkpoint by ``load_model``, hand their resident pages back once read
-  (``engine.models.mapped``) and stay valid for ``generate()``. A tied LM head keeps a layout the
-  embedding's lookups can read too (``embed``): the embedding's own plain tensor, or the panels;
+  (``engine.models.mapped``) and stay valid for ``generate()``. A tied LM head keeps the
+  embedding's own plain tensor or, measured faster, a layout of its own (``embed`` then reads the
+  lookups from its panels, or from the embedding's pages of the tokens looked up);
 - on a CPU in float32, each seam's elementwise work (residual add + norm, q/k norm + RoPE,
   SiLU-mul) as one call of ``cpu_elementwise``'s kernels instead of ~25 PyTorch operations a layer;
 - the last layer past its K/V write only on the rows whose logits are needed (``keep_rows``: the
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.layers import Qwen3MLP
-from engine.models.mapped import release_pages
+from engine.models.mapped import drop_pages, releasable, release_pages, trim_heap
 from engine.precision import work_dtype
 from engine.rope import rope_cos_sin
 from engine.serve.attention import AttentionBackend, KVCache
@@ -235,22 +236,31 @@ class FusedFlatModel(FlatModel):
                 entry["down"] = linear([mlp.down_proj.weight])
             self.layers.append(entry)
         head = model.lm_head.weight
-        # A head tied to the embedding serves the embedding's lookups too (``embed``), so it keeps
-        # a layout rows can be read from: the plain tensor (the embedding's own) or the panels,
-        # never an opaque packed copy of the model's largest matrix beside the embedding.
+        # A head tied to the embedding: the embedding's own plain tensor (the reference) or, if
+        # measured faster, its own layout, the embedding's originals then handing their pages
+        # back like any linear's. Lookups (``embed``) read the panels, or the embedding's pages
+        # beside a packed head (those of the tokens looked up come back: 2 KiB a token in bf16).
         self.tied = head is model.model.embed_tokens.weight
         if self.tied:
-            self.lm_head = linear([head], ("plain",) + (("small",) if small else ()))
+            self.lm_head = linear([head], ("plain",) + tuple(c for c in candidates if c != "plain"))
         else:
             self.lm_head = linear([head])
+        # Lookups through the embedding module (no tied head holds its rows): its file-backed
+        # pages are handed back after each one (``embed``), not left to accumulate.
+        own_rows = self.tied and self.lm_head.layout != "packed"
+        self._embedding_pages = None if own_rows else releasable(model.model.embed_tokens.weight.detach())
         self._norm_weights: dict[int, torch.Tensor] = {}
+        trim_heap()  # the merged temporaries' heap memory back to the OS
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [N] -> their embeddings [N, D] in ``linear_dtype``: read from the tied head's
-        layout when it is one (so the embedding's own pages are not needed), else the module."""
-        if self.tied:
+        """input_ids [N] -> their embeddings [N, D] in ``linear_dtype``: read from a tied head's
+        plain tensor or panels (so the embedding's own pages are not needed), else the module."""
+        if self.tied and self.lm_head.layout != "packed":
             return self.lm_head.rows(input_ids).to(self.linear_dtype)
-        return self.model.model.embed_tokens(input_ids).to(self.linear_dtype)
+        rows = self.model.model.embed_tokens(input_ids).to(self.linear_dtype)  # a new tensor
+        if self._embedding_pages is not None:
+            drop_pages(self._embedding_pages)
+        return rows
 
     def layout_report(self) -> str:
         """One line per weight shape: the layout it keeps and the measured times behind it."""
