@@ -17,12 +17,15 @@ from engine.serve import EngineConfig, EngineCore, SamplingParams
 pytestmark = pytest.mark.given  # complete code the chapter gives; the reference holes serve as oracle
 
 
-@pytest.mark.parametrize("dtype,layout", [(torch.float64, "auto"), (torch.float32, "packed"), (torch.float32, "small")])
+@pytest.mark.parametrize("dtype,layout", [(torch.float64, "auto"), (torch.float32, "packed"), (torch.float32, "small"),
+                                          (torch.bfloat16, "auto")])
 def test_compiled_engine_matches_generate(dtype, layout, monkeypatch):
     """float64: plain weights; float32: oneDNN's prepacked ones or the small kernel's panels (each
     forced, as the load-time measurement would pick one), through the graph's linear op (every
     step through the graph, though decode-sized steps would normally run eagerly). The layer graph
-    holds no weights, so the second float32 layout reuses the first one's graph."""
+    holds no weights, so the second float32 layout reuses the first one's graph. bfloat16: the
+    graph rounds where generate()'s eager ops round (emulate_precision_casts; without it a kept
+    float32 intermediate flipped request r2's 19th token), so the tokens are generate()'s exactly."""
     from engine.serve.backends.compiled import CompiledFlatModel
 
     monkeypatch.setenv("ENGINE_LINEAR_LAYOUT", layout)

@@ -160,7 +160,10 @@ class _LayerGraph:
 
     def __init__(self, shape: _Shape) -> None:
         self.s = shape
-        self.layer = torch.compile(self._layer, dynamic=True, fullgraph=True)
+        # emulate_precision_casts: a 16-bit graph rounds where eager PyTorch (and generate()) rounds,
+        # instead of keeping a fused kernel's intermediates in float32 (which flipped a bf16 greedy token).
+        self.layer = torch.compile(self._layer, dynamic=True, fullgraph=True,
+                                   options={"emulate_precision_casts": True})
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.seconds: float | None = None
@@ -169,8 +172,9 @@ class _LayerGraph:
     def _layer(self, hidden, residual, cos, sin, w_in, w_qk, w_post, pool_dtype: torch.dtype):
         """(hidden, residual) [N, D] each -> the next layer's (hidden, residual)."""
         s = self.s
+        # Norms as RMSNorm rounds them: normalised (one rounding in a 16-bit dtype), then times the weight.
         residual = hidden + residual
-        x = F.rms_norm(residual, (s.dim,), w_in, s.eps[0])
+        x = F.rms_norm(residual, (s.dim,), None, s.eps[0]) * w_in
         qkv = torch.ops.engine_serve.linear(x, 0, s.widths[0])  # [N, (Hq + 2 Hkv) Dh]
         qk = qkv[:, :(s.hq + s.hkv) * s.dh].reshape(-1, s.hq + s.hkv, s.dh)
         qk = F.rms_norm(qk, (s.dh,), None, s.eps[1]) * w_qk
@@ -179,7 +183,7 @@ class _LayerGraph:
         v = qkv[:, (s.hq + s.hkv) * s.dh:].reshape(-1, s.hkv, s.dh)
         o = torch.ops.engine_serve.paged_attention(qk[:, :s.hq].to(pool_dtype), qk[:, s.hq:], v, s.scale, s.window)
         residual = torch.ops.engine_serve.linear(o.reshape(-1, s.hq * s.dh).to(x.dtype), 1, s.widths[1]) + residual
-        x = F.rms_norm(residual, (s.dim,), w_post, s.eps[2])
+        x = F.rms_norm(residual, (s.dim,), None, s.eps[2]) * w_post
         gate, up = torch.ops.engine_serve.linear(x, 2, s.widths[2]).chunk(2, dim=-1)
         return torch.ops.engine_serve.linear(F.silu(gate) * up, 3, s.widths[3]), residual
 
