@@ -36,6 +36,7 @@ process. Results equal FusedFlatModel's up to summation order. Dense (non-MoE) Q
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import shutil
 import sys
@@ -47,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.mapped import trim_heap
 from engine.models.qwen3 import Qwen3MLP
 from engine.rope import rope_cos_sin
 from engine.serve.attention import AttentionBackend, KVCache
@@ -313,6 +315,8 @@ class CompiledFlatModel(FusedFlatModel):
                   f"{misses2 - misses} miss(es)); steps of more than {self.eager_rows} rows now run the graph",
                   file=sys.stderr, flush=True)
         finally:
+            gc.collect()  # the compiler's garbage, and its heap memory back to the OS (~50-100 MB)
+            trim_heap()
             graphs.ready.set()
 
     def _run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: _Step,
