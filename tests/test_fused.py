@@ -254,5 +254,45 @@ def test_elementwise_kernels_match_torch(threads, monkeypatch):
     got = ew.silu_mul(gate_up)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), \
         f"silu_mul differs from F.silu(gate) * up by {(got - want).abs().max().item():.2e}"
-    with pytest.raises(ValueError, match="contiguous float32"):
+    with pytest.raises(ValueError, match="one dtype, float32 or bfloat16"):
         ew.silu_mul(gate_up.double())
+    with pytest.raises(ValueError, match="one dtype, float32 or bfloat16"):
+        ew.add_rms_norm(hidden, residual, weight.bfloat16(), 1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bfloat16_elementwise_kernels_round_as_torch_does(threads, monkeypatch):
+    """The bfloat16 kernels round where the PyTorch ops of a bfloat16 model (and so generate())
+    round: RMSNorm (the model's module: normalised in float32, rounded, times the weight), the
+    residual add, RoPE's products and sum, SiLU then the product with up. On these inputs every
+    value is bit-equal to PyTorch's, at widths that are not a multiple of the 8-float vector."""
+    import torch.nn.functional as F
+
+    from engine.models.layers import RMSNorm
+    from engine.rope import apply_rope, rope_cos_sin
+    from engine.serve.backends import cpu_elementwise as ew
+
+    assert ew.library() is not None, "the elementwise kernels did not build (is there a C++ compiler?)"
+    monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen, bf = torch.Generator().manual_seed(1), torch.bfloat16
+    n, d, hq, hkv, dh, inter = 37, 100, 3, 1, 18, 75
+    hidden, residual = torch.randn(n, d, generator=gen).to(bf), torch.randn(n, d, generator=gen).to(bf)
+    norm = RMSNorm(d, 1e-6).requires_grad_(False)
+    norm.weight.copy_(torch.rand(d, generator=gen) + 0.5)
+    norm = norm.to(bf)
+    want_res = hidden + residual
+    got, res = ew.add_rms_norm(hidden, residual, norm.weight, 1e-6)
+    assert res is residual and torch.equal(res, want_res), "residual = bf16(hidden + residual), in place"
+    assert torch.equal(got, norm(want_res)), "add_rms_norm differs from the model's RMSNorm in bfloat16"
+    qkv = (torch.randn(n, (hq + 2 * hkv) * dh, generator=gen) * 3).to(bf)
+    qk_weight = (torch.rand(hq + hkv, dh, generator=gen) + 0.5).to(bf)
+    cos, sin = rope_cos_sin(torch.randint(0, 500, (n,), generator=gen), dh, 10000.0, bf)
+    qk = qkv[:, :(hq + hkv) * dh].view(n, hq + hkv, dh)
+    want_qk = apply_rope(qk_weight * F.rms_norm(qk, (dh,), None, 1e-6), cos, sin)
+    q = ew.qk_norm_rope(qkv, hq, hkv, dh, qk_weight, cos, sin, 1e-6)
+    assert torch.equal(q, want_qk[:, :hq]) and torch.equal(qkv[:, hq * dh:(hq + hkv) * dh].view(n, hkv, dh),
+                                                           want_qk[:, hq:]), "q/k norm + RoPE differ in bfloat16"
+    gate_up = (torch.randn(n, 2 * inter, generator=gen) * 3).to(bf)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(ew.silu_mul(gate_up), F.silu(gate) * up), "silu_mul differs in bfloat16"

@@ -19,8 +19,9 @@ and, on a CPU, a few microseconds of dispatch. This class serves the same comput
   (``engine.models.mapped``) and stay valid for ``generate()``. A tied LM head keeps the
   embedding's own plain tensor or, measured faster, a layout of its own (``embed`` then reads the
   lookups from its panels, or from the embedding's pages of the tokens looked up);
-- on a CPU in float32, each seam's elementwise work (residual add + norm, q/k norm + RoPE,
-  SiLU-mul) as one call of ``cpu_elementwise``'s kernels instead of ~25 PyTorch operations a layer;
+- on a CPU in float32 or bfloat16, each seam's elementwise work (residual add + norm, q/k norm +
+  RoPE, SiLU-mul) as one call of ``cpu_elementwise``'s kernels instead of ~25 PyTorch operations a
+  layer (in bfloat16 rounding where those operations round);
 - the last layer past its K/V write only on the rows whose logits are needed (``keep_rows``: the
   batch's ``logits_indices``). Nothing reads the other rows' last hidden state, so a prefill step
   skips a quarter of the attention and ~20% of the matmuls of a 4-layer model with the same results.
@@ -193,8 +194,8 @@ class FusedFlatModel(FlatModel):
         small = linear_dtype == torch.float32 and device.type == "cpu" and cpu_linear.library() is not None
         # Each linear's candidate layouts, the reference (kept on a near-tie) first.
         candidates = (("packed",) if self.pack else ()) + (("small",) if small else ()) or ("plain",)
-        if elementwise is None:  # float32 on a CPU where the elementwise kernels build
-            elementwise = (linear_dtype == torch.float32 and device.type == "cpu"
+        if elementwise is None:  # float32 or bfloat16 on a CPU where the elementwise kernels build
+            elementwise = (linear_dtype in cpu_elementwise.DTYPES and device.type == "cpu"
                            and cpu_elementwise.library() is not None)
         self.elementwise = elementwise
         cast = linear_dtype != dtype
