@@ -32,6 +32,16 @@ def prompts_for(model, seed: int = 5) -> list[list[int]]:
     return prompts
 
 
+def assert_serves_generate(core: EngineCore, model, what: str) -> None:
+    """The engine serves ``prompts_for(model)`` greedily with ``generate()``'s tokens."""
+    prompts = prompts_for(model)
+    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
+    out = core.run_until_done()
+    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+        assert out[f"r{i}"] == generate(model, p, m), f"{what}: request r{i} differs from generate()"
+
+
 @pytest.mark.parametrize("moe", [False, True])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -110,12 +120,7 @@ def test_fused_bfloat16_matches_generate_in_bfloat16(tied):
     model = tiny_model(seed=3, dtype=torch.bfloat16, tie_word_embeddings=tied)
     core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused",
                                           max_num_batched_tokens=16, long_prefill_token_threshold=8))
-    prompts = prompts_for(model)
-    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
-        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
-    out = core.run_until_done()
-    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
-        assert out[f"r{i}"] == generate(model, p, m), f"bfloat16 (tied={tied}): request r{i} differs from generate()"
+    assert_serves_generate(core, model, f"bfloat16 (tied={tied})")
 
 
 def test_an_unknown_flat_model_is_refused_naming_the_choices():
@@ -129,12 +134,7 @@ def test_fused_float32_prepacked_matches_generate():
     model = tiny_model(seed=3)
     core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused"))
     assert core.flat.pack == torch.backends.mkldnn.is_available()
-    prompts = prompts_for(model)
-    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
-        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
-    out = core.run_until_done()
-    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
-        assert out[f"r{i}"] == generate(model, p, m), f"prepacked float32: request r{i} differs from generate()"
+    assert_serves_generate(core, model, "prepacked float32")
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -159,12 +159,7 @@ def test_each_linear_layout_matches_generate(layout, tied, monkeypatch):
     if tied:
         ids = torch.tensor([0, 15, 16, 17, model.cfg.vocab_size - 1])
         assert torch.equal(core.flat.embed(ids), model.model.embed_tokens(ids)), "lookups from the head's layout"
-    prompts = prompts_for(model)
-    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
-        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
-    out = core.run_until_done()
-    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
-        assert out[f"r{i}"] == generate(model, p, m), f"{layout} layout (tied={tied}): request r{i} differs"
+    assert_serves_generate(core, model, f"{layout} layout (tied={tied})")
 
 
 def test_layout_choice_is_measured_and_decided_by_rule(monkeypatch):
