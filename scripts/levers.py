@@ -117,15 +117,25 @@ def step(args) -> None:
     from engine.serve import EngineConfig, EngineCore, FlatModel, SamplingParams
     from engine.serve.backends.torch_attention import TorchBackend
 
+    from engine.serve.backends.linear_layout import LAYOUTS
+
     dtype = getattr(torch, args.dtype)
-    model = tiny_model(seed=0, **MODEL_PRESETS["small"]).to(dtype)
+    shape = dict(MODEL_PRESETS[args.preset], **({"num_hidden_layers": args.layers} if args.layers else {}))
+    model = tiny_model(seed=0, **shape).to(dtype)
     variants = args.variants.split(",")
 
     def engine(name: str, prefill: bool) -> EngineCore:
         rng = random.Random(0)
         backend, _, fuse = name.partition("+")
-        core = EngineCore(model, EngineConfig(attention_backend=backend.removesuffix("/tiles"), flat_model=fuse.partition("/")[0] or "flat",
-                                              num_blocks=args.requests * 20 + 1))
+        variant = fuse.partition("/")[2]
+        if variant in LAYOUTS:  # every linear in that layout (by default each shape's measured fastest)
+            os.environ["ENGINE_LINEAR_LAYOUT"] = variant
+        try:
+            core = EngineCore(model, EngineConfig(attention_backend=backend.removesuffix("/tiles"),
+                                                  flat_model=fuse.partition("/")[0] or "flat",
+                                                  num_blocks=args.requests * 20 + 1, max_num_seqs=max(256, args.requests)))
+        finally:
+            os.environ.pop("ENGINE_LINEAR_LAYOUT", None)
         if backend == "cpu/tiles":  # the cpu backend's previous design: only decode rows in the kernel
             core.runner.backend.prefill_in_place = False
         if fuse.startswith("compiled"):
@@ -142,10 +152,6 @@ def step(args) -> None:
                 for linear in entry.values():
                     if getattr(linear, "small", None) is not None:
                         linear.small.prefetch = False
-        if fuse.endswith("/onednn"):  # every linear through oneDNN, none through the small-batch kernel
-            for linear in [core.flat.lm_head, *(w for entry in core.flat.layers for w in entry.values())]:
-                if hasattr(linear, "small"):
-                    linear.small = None
         for i in range(args.requests):
             core.add_request(f"s{i}", [rng.randrange(512) for _ in range(args.context)],
                              SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0))
@@ -179,8 +185,12 @@ def step(args) -> None:
         cores = {name: engine(name, False) for name in variants}
         res = interleaved({k: c.step for k, c in cores.items()}, args.rounds)
         what = "decode step"
-    print(f"{what}, R={args.requests}, context ~{args.context}, {args.dtype}, "
-          f"{torch.get_num_threads()} thread(s), ms: {res}")
+    from course.machine import machine_line
+
+    layers = f", {args.layers} of its layers" if args.layers else ""
+    print(machine_line(torch.get_num_threads()))
+    print(f"{what}, {args.preset} preset{layers}, R={args.requests}, context ~{args.context}, {args.dtype}, "
+          f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f}, ms: {res}")
 
 
 def parts(args) -> None:
@@ -245,7 +255,7 @@ def linear(args) -> None:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) for n, k in shapes]
     small = [SmallLinear(w) for w in weights]
-    onednn = [Linear(w, pack=True) for w in weights]
+    onednn = [Linear(w, "packed") for w in weights]
     for rows in (16, 64, 256):
         xs = [torch.randn(rows, w.shape[1], generator=gen) for w in weights]
         flops = sum(2 * rows * w.numel() for w in weights)
@@ -313,11 +323,14 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants", default="torch,cpu,cpu+fused,cpu+compiled",
                     help="step: engines to compare (backend, +fused: flat_model='fused', +compiled: flat_model='compiled'; "
-                         "cpu/tiles: the cpu backend with prefill tiles gathered for SDPA; +fused/onednn: "
-                         "no small-batch linear kernel; +fused/torch-ew: PyTorch elementwise ops and write_kv; "
+                         "cpu/tiles: the cpu backend with prefill tiles gathered for SDPA; +fused/packed, "
+                         "+fused/small (or +compiled/...): every linear in that layout (default: each shape's measured "
+                         "fastest); +fused/torch-ew: PyTorch elementwise ops and write_kv; "
                          "+fused/no-prefetch: the linear kernel without software prefetch; +compiled/all-rows: the last "
                          "layer on every row)")
     ap.add_argument("--prefill", action="store_true", help="step: time a fresh engine's first (prefill) step")
+    ap.add_argument("--preset", default="small", help="step: the bench's model preset (small, qwen3-0.6b, test)")
+    ap.add_argument("--layers", type=int, default=0, help="step: this many of the preset's layers (0: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     {"attention": attention, "step": step, "parts": parts, "linear": linear, "elementwise": elementwise}[args.what](args)

@@ -17,12 +17,18 @@ from engine.serve import EngineConfig, EngineCore, SamplingParams
 pytestmark = pytest.mark.given  # complete code the chapter gives; the reference holes serve as oracle
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_compiled_engine_matches_generate(dtype):
-    """float64: plain weights; float32: oneDNN's prepacked ones, through the graph's linear op
-    (every step through the graph, though decode-sized steps would normally run eagerly)."""
+@pytest.mark.parametrize("dtype,layout", [(torch.float64, "auto"), (torch.float32, "packed"), (torch.float32, "small"),
+                                          (torch.bfloat16, "auto")])
+def test_compiled_engine_matches_generate(dtype, layout, monkeypatch):
+    """float64: plain weights; float32: oneDNN's prepacked ones or the small kernel's panels (each
+    forced, as the load-time measurement would pick one), through the graph's linear op (every
+    step through the graph, though decode-sized steps would normally run eagerly). The layer graph
+    holds no weights, so the second float32 layout reuses the first one's graph. bfloat16: the
+    graph rounds where generate()'s eager ops round (emulate_precision_casts; without it a kept
+    float32 intermediate flipped request r2's 19th token), so the tokens are generate()'s exactly."""
     from engine.serve.backends.compiled import CompiledFlatModel
 
+    monkeypatch.setenv("ENGINE_LINEAR_LAYOUT", layout)
     model = tiny_model(seed=3, dtype=dtype)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (37, 5, 21)]
@@ -31,6 +37,8 @@ def test_compiled_engine_matches_generate(dtype):
     core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="compiled",
                                           max_num_batched_tokens=16, long_prefill_token_threshold=8))
     assert isinstance(core.flat, CompiledFlatModel)
+    if layout != "auto":
+        assert {entry[k].layout for entry in core.flat.layers for k in ("qkv", "o", "gate_up", "down")} == {layout}
     assert core.flat.wait_compiled(), f"the background compile failed: {core.flat.graphs.error!r}"
     core.flat.eager_rows = 1  # every step through the graph but one-row ones (a size it specialises)
     for i, (p, m) in enumerate(zip(prompts, lens)):

@@ -32,6 +32,16 @@ def prompts_for(model, seed: int = 5) -> list[list[int]]:
     return prompts
 
 
+def assert_serves_generate(core: EngineCore, model, what: str) -> None:
+    """The engine serves ``prompts_for(model)`` greedily with ``generate()``'s tokens."""
+    prompts = prompts_for(model)
+    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
+    out = core.run_until_done()
+    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+        assert out[f"r{i}"] == generate(model, p, m), f"{what}: request r{i} differs from generate()"
+
+
 @pytest.mark.parametrize("moe", [False, True])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -102,6 +112,17 @@ def test_fused_float32_linears_for_a_16bit_model():
     assert fast_16bit_matmul(torch.float32, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_fused_bfloat16_matches_generate_in_bfloat16(tied):
+    """A bfloat16 model on bf16 matmuls (oneDNN's bf16 GEMM where the CPU has bf16 units, else
+    float32 linears on the same values): greedy tokens equal generate()'s in bfloat16 exactly,
+    under chunked prefill, on the test model's well-separated logits."""
+    model = tiny_model(seed=3, dtype=torch.bfloat16, tie_word_embeddings=tied)
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused",
+                                          max_num_batched_tokens=16, long_prefill_token_threshold=8))
+    assert_serves_generate(core, model, f"bfloat16 (tied={tied})")
+
+
 def test_an_unknown_flat_model_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="unknown flat model 'fast'.*'compiled', 'flat', 'fused'"):
         EngineConfig(flat_model="fast")
@@ -113,12 +134,56 @@ def test_fused_float32_prepacked_matches_generate():
     model = tiny_model(seed=3)
     core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused"))
     assert core.flat.pack == torch.backends.mkldnn.is_available()
-    prompts = prompts_for(model)
-    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
-        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
-    out = core.run_until_done()
-    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
-        assert out[f"r{i}"] == generate(model, p, m), f"prepacked float32: request r{i} differs from generate()"
+    assert_serves_generate(core, model, "prepacked float32")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("layout", ["small", "packed"])
+def test_each_linear_layout_matches_generate(layout, tied, monkeypatch):
+    """Both layouts a float32 linear can keep (forced through ``$ENGINE_LINEAR_LAYOUT``, as the
+    load-time measurement would pick one): every linear in it, the engine gives generate()'s greedy
+    tokens on the test model's well-separated logits. Tied: the head keeps that layout too, and the
+    embedding's lookups read the panels (small) or the embedding beside the packed head."""
+    from engine.serve.backends.cpu_linear import library
+
+    if layout == "packed" and not torch.backends.mkldnn.is_available():
+        pytest.fail("this test needs oneDNN (torch.backends.mkldnn) for the packed layout")
+    assert library() is not None, "the small-batch linear kernel did not build (is there a C++ compiler?)"
+    monkeypatch.setenv("ENGINE_LINEAR_LAYOUT", layout)
+    model = tiny_model(seed=3, tie_word_embeddings=tied)
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused",
+                                          max_num_batched_tokens=16, long_prefill_token_threshold=8))
+    linears = [entry[k] for entry in core.flat.layers for k in ("qkv", "o", "gate_up", "down")]
+    assert {lin.layout for lin in linears} == {layout}
+    assert core.flat.lm_head.layout == layout and core.flat.tied == tied
+    if tied:
+        ids = torch.tensor([0, 15, 16, 17, model.cfg.vocab_size - 1])
+        assert torch.equal(core.flat.embed(ids), model.model.embed_tokens(ids)), "lookups from the head's layout"
+    assert_serves_generate(core, model, f"{layout} layout (tied={tied})")
+
+
+def test_layout_choice_is_measured_and_decided_by_rule(monkeypatch):
+    """The load-time choice: the smallest geometric mean over the probed row counts, the reference
+    (first) layout kept unless another beats it by MARGIN; measured once per shape (cached), and a
+    forced layout that is not a name is refused."""
+    from engine.serve.backends import linear_layout as ll
+
+    assert ll.decide({"packed": (1.0, 4.0, 16.0), "small": (0.5, 5.0, 18.0)}) == "small"  # geo 0.82x
+    assert ll.decide({"packed": (1.0, 4.0, 16.0), "small": (0.9, 4.0, 17.0)}) == "packed"  # geo 0.98x: a tie
+    assert ll.decide({"packed": (1.0, 4.0, 16.0), "small": (1.2, 4.4, 17.0)}) == "packed"
+    assert ll.decide({"plain": (3.0, 9.0, 30.0), "small": (1.0, 5.0, 20.0)}) == "small"
+    monkeypatch.delenv("ENGINE_LINEAR_LAYOUT", raising=False)
+    monkeypatch.setattr(ll, "_chosen", {})
+    calls = []
+    monkeypatch.setattr(ll, "measure", lambda n, k, dtype, among: calls.append((n, k)) or
+                        {"packed": (2.0, 2.0, 2.0), "small": (1.0, 1.0, 1.0)})
+    first = ll.choose(96, 40, torch.float32, ("packed", "small"))
+    again = ll.choose(96, 40, torch.float32, ("packed", "small"))
+    assert first.layout == again.layout == "small" and calls == [(96, 40)], "measured once per shape"
+    assert ll.choose(96, 40, torch.float32, ("packed",)).layout == "packed" and len(calls) == 1
+    assert ll.choose(96, 40, torch.float32, ("packed", "small"), layout="packed").forced
+    with pytest.raises(ValueError, match="linear layout must be one of"):
+        FusedFlatModel(tiny_model(seed=3), layout="fastest")
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -184,5 +249,45 @@ def test_elementwise_kernels_match_torch(threads, monkeypatch):
     got = ew.silu_mul(gate_up)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), \
         f"silu_mul differs from F.silu(gate) * up by {(got - want).abs().max().item():.2e}"
-    with pytest.raises(ValueError, match="contiguous float32"):
+    with pytest.raises(ValueError, match="one dtype, float32 or bfloat16"):
         ew.silu_mul(gate_up.double())
+    with pytest.raises(ValueError, match="one dtype, float32 or bfloat16"):
+        ew.add_rms_norm(hidden, residual, weight.bfloat16(), 1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bfloat16_elementwise_kernels_round_as_torch_does(threads, monkeypatch):
+    """The bfloat16 kernels round where the PyTorch ops of a bfloat16 model (and so generate())
+    round: RMSNorm (the model's module: normalised in float32, rounded, times the weight), the
+    residual add, RoPE's products and sum, SiLU then the product with up. On these inputs every
+    value is bit-equal to PyTorch's, at widths that are not a multiple of the 8-float vector."""
+    import torch.nn.functional as F
+
+    from engine.models.layers import RMSNorm
+    from engine.rope import apply_rope, rope_cos_sin
+    from engine.serve.backends import cpu_elementwise as ew
+
+    assert ew.library() is not None, "the elementwise kernels did not build (is there a C++ compiler?)"
+    monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen, bf = torch.Generator().manual_seed(1), torch.bfloat16
+    n, d, hq, hkv, dh, inter = 37, 100, 3, 1, 18, 75
+    hidden, residual = torch.randn(n, d, generator=gen).to(bf), torch.randn(n, d, generator=gen).to(bf)
+    norm = RMSNorm(d, 1e-6).requires_grad_(False)
+    norm.weight.copy_(torch.rand(d, generator=gen) + 0.5)
+    norm = norm.to(bf)
+    want_res = hidden + residual
+    got, res = ew.add_rms_norm(hidden, residual, norm.weight, 1e-6)
+    assert res is residual and torch.equal(res, want_res), "residual = bf16(hidden + residual), in place"
+    assert torch.equal(got, norm(want_res)), "add_rms_norm differs from the model's RMSNorm in bfloat16"
+    qkv = (torch.randn(n, (hq + 2 * hkv) * dh, generator=gen) * 3).to(bf)
+    qk_weight = (torch.rand(hq + hkv, dh, generator=gen) + 0.5).to(bf)
+    cos, sin = rope_cos_sin(torch.randint(0, 500, (n,), generator=gen), dh, 10000.0, bf)
+    qk = qkv[:, :(hq + hkv) * dh].view(n, hq + hkv, dh)
+    want_qk = apply_rope(qk_weight * F.rms_norm(qk, (dh,), None, 1e-6), cos, sin)
+    q = ew.qk_norm_rope(qkv, hq, hkv, dh, qk_weight, cos, sin, 1e-6)
+    assert torch.equal(q, want_qk[:, :hq]) and torch.equal(qkv[:, hq * dh:(hq + hkv) * dh].view(n, hkv, dh),
+                                                           want_qk[:, hq:]), "q/k norm + RoPE differ in bfloat16"
+    gate_up = (torch.randn(n, 2 * inter, generator=gen) * 3).to(bf)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(ew.silu_mul(gate_up), F.silu(gate) * up), "silu_mul differs in bfloat16"

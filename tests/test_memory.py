@@ -54,7 +54,8 @@ def test_loader_memory_maps_the_checkpoint(tmp_path):
 
 
 def test_fused_model_holds_one_copy_per_weight(tmp_path):
-    """Packed layouts (float32 on a CPU with oneDNN): one layout per linear, and the model's
+    """Packed layouts (float32 on a CPU with oneDNN: oneDNN's or the small kernel's, whichever was
+    measured faster): one layout per linear, and the model's
     originals' pages go back to the file, while the model still computes generate()'s tokens."""
     path, _ = _checkpoint(tmp_path)
     file = (path / "model.safetensors").resolve()
@@ -70,7 +71,7 @@ def test_fused_model_holds_one_copy_per_weight(tmp_path):
         for key in ("qkv", "o", "gate_up", "down"):
             linear = entry[key]
             held = [t for t in (linear.weight, linear.packed, linear.small) if t is not None]
-            assert len(held) == 1 and linear.layout == "packed", f"{key}: {len(held)} layouts held"
+            assert len(held) == 1 and linear.layout in ("packed", "small"), f"{key}: {len(held)} layouts held"
     released = before - _resident(file)
     slack = 2 * PAGE * len(PROJECTIONS) * len(model.model.layers)  # pages shared with a neighbour stay
     assert released >= projection_bytes - slack, \

@@ -28,14 +28,18 @@ Start-up: the engine is ready as soon as FusedFlatModel's weights are laid out. 
 in a background thread (announced on stderr, with its duration when done; needs a C++ compiler),
 on a dummy step of ``WARM_UP_ROWS`` rows; until then every step runs FusedFlatModel's eager path,
 and afterwards steps of more than ``eager_rows`` rows run the graph (the row count N is dynamic:
-one graph serves every size but 1). In float32, steps of at most ``EAGER_ROWS`` rows (decodes)
-stay eager for good: FusedFlatModel's elementwise C++ kernels are faster there
-(docs/performance.md). One compiled graph serves every engine and model of the same shape in the
-process. Results equal FusedFlatModel's up to summation order. Dense (non-MoE) Qwen3 models only.
+one graph serves every size but 1, so nothing recompiles mid-run). Which path serves is measured
+once compiled: the warm-up step is timed through the graph and eagerly (the same linears, in the
+same layouts), and where the graph is not the faster every step stays eager (on a CPU with the
+float32 / bfloat16 elementwise kernels it was slower even at 1,600 rows: ~2.0 s vs ~1.6 s,
+``scripts/levers.py step --prefill``); where it is faster, steps of at most ``EAGER_ROWS`` rows
+(decodes) still stay eager when the elementwise kernels serve them. One compiled graph serves
+every engine and model of the same shape in the process. Results equal FusedFlatModel's up to summation order. Dense (non-MoE) Qwen3 models only.
 """
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import shutil
 import sys
@@ -47,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.mapped import trim_heap
 from engine.models.qwen3 import Qwen3MLP
 from engine.rope import rope_cos_sin
 from engine.serve.attention import AttentionBackend, KVCache
@@ -56,7 +61,7 @@ from engine.serve.batch import BatchMeta
 
 WARM_UP_ROWS = 256  # the start-up compile's step size
 COMPILE_NICE = 10  # the background compile thread's niceness (0 = the serving thread's)
-EAGER_ROWS = 256  # float32 steps of at most this many rows run FusedFlatModel's eager path
+EAGER_ROWS = 256  # with the elementwise kernels, steps of at most this many rows run FusedFlatModel's eager path
 SLOTS = ("qkv", "o", "gate_up", "down")  # engine_serve::linear's slot numbers
 
 
@@ -160,17 +165,24 @@ class _LayerGraph:
 
     def __init__(self, shape: _Shape) -> None:
         self.s = shape
-        self.layer = torch.compile(self._layer, dynamic=True, fullgraph=True)
+        # emulate_precision_casts: a 16-bit graph rounds where eager PyTorch (and generate()) rounds,
+        # instead of keeping a fused kernel's intermediates in float32 (which flipped a bf16 greedy token).
+        self.layer = torch.compile(self._layer, dynamic=True, fullgraph=True,
+                                   options={"emulate_precision_casts": True})
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.seconds: float | None = None
         self.thread: threading.Thread | None = None  # the background compile, while there is one
+        # Measured once compiled, on the warm-up step: (graph ms, eager ms); the graph serves
+        # steps only where it was the faster.
+        self.timings: tuple[float, float] | None = None
 
     def _layer(self, hidden, residual, cos, sin, w_in, w_qk, w_post, pool_dtype: torch.dtype):
         """(hidden, residual) [N, D] each -> the next layer's (hidden, residual)."""
         s = self.s
+        # Norms as RMSNorm rounds them: normalised (one rounding in a 16-bit dtype), then times the weight.
         residual = hidden + residual
-        x = F.rms_norm(residual, (s.dim,), w_in, s.eps[0])
+        x = F.rms_norm(residual, (s.dim,), None, s.eps[0]) * w_in
         qkv = torch.ops.engine_serve.linear(x, 0, s.widths[0])  # [N, (Hq + 2 Hkv) Dh]
         qk = qkv[:, :(s.hq + s.hkv) * s.dh].reshape(-1, s.hq + s.hkv, s.dh)
         qk = F.rms_norm(qk, (s.dh,), None, s.eps[1]) * w_qk
@@ -179,7 +191,7 @@ class _LayerGraph:
         v = qkv[:, (s.hq + s.hkv) * s.dh:].reshape(-1, s.hkv, s.dh)
         o = torch.ops.engine_serve.paged_attention(qk[:, :s.hq].to(pool_dtype), qk[:, s.hq:], v, s.scale, s.window)
         residual = torch.ops.engine_serve.linear(o.reshape(-1, s.hq * s.dh).to(x.dtype), 1, s.widths[1]) + residual
-        x = F.rms_norm(residual, (s.dim,), w_post, s.eps[2])
+        x = F.rms_norm(residual, (s.dim,), None, s.eps[2]) * w_post
         gate, up = torch.ops.engine_serve.linear(x, 2, s.widths[2]).chunk(2, dim=-1)
         return torch.ops.engine_serve.linear(F.silu(gate) * up, 3, s.widths[3]), residual
 
@@ -232,11 +244,11 @@ class CompiledFlatModel(FusedFlatModel):
     step context) and its norm weights, so nothing is copied per engine or per layer.
     """
 
-    def __init__(self, model: nn.Module, background: bool = True) -> None:
+    def __init__(self, model: nn.Module, background: bool = True, layout: str | None = None) -> None:
         why = inductor_available()
         if why:
             raise ValueError(f"flat_model='compiled' needs TorchInductor: {why}; use flat_model='fused'")
-        super().__init__(model)
+        super().__init__(model, layout=layout)
         if any(not isinstance(layer.mlp, Qwen3MLP) for layer in model.model.layers):
             raise ValueError("flat_model='compiled' serves dense models only (this one has MoE layers); use 'fused'")
         m, cfg = model.model, self.cfg
@@ -251,7 +263,7 @@ class CompiledFlatModel(FusedFlatModel):
         self.norms = [(as_work(layer.input_layernorm.weight), entry["qk_norm"],
                        as_work(layer.post_attention_layernorm.weight)) for layer, entry in zip(m.layers, self.layers)]
         self.linears = [[entry[k] for k in SLOTS] for entry in self.layers]
-        self.eager_rows = EAGER_ROWS if self.elementwise else 1  # 1 row: a size the graph would specialise
+        self._eager_rows: int | None = None  # set: a fixed threshold (tests, levers.py); None: measured
         key = (self.shape, work, self.dtype)
         with _graphs_lock:
             graphs = _graphs.get(key)
@@ -265,6 +277,23 @@ class CompiledFlatModel(FusedFlatModel):
                 graphs.thread.start()
             else:
                 self._warm_up()
+
+    @property
+    def eager_rows(self) -> int:
+        """Steps of at most this many rows run FusedFlatModel's eager path: every step where the
+        compiled graph measured slower than eager on the warm-up step (``_LayerGraph.timings``);
+        else, with the elementwise kernels, decode-sized steps (``EAGER_ROWS``), without them only
+        one-row steps (a size the graph would specialise on)."""
+        if self._eager_rows is not None:
+            return self._eager_rows
+        timings = self.graphs.timings
+        if timings is not None and timings[0] >= timings[1]:
+            return sys.maxsize
+        return EAGER_ROWS if self.elementwise else 1
+
+    @eager_rows.setter
+    def eager_rows(self, rows: int) -> None:
+        self._eager_rows = rows
 
     def _compile_in_background(self) -> None:
         """``_warm_up`` at a lower scheduling priority (Linux: nice is per thread, and the compiler
@@ -298,18 +327,41 @@ class CompiledFlatModel(FusedFlatModel):
                 cos, sin = rope_cos_sin(torch.arange(rows, device=self.device), cfg.head_dim, cfg.rope_theta, work)
                 step = _Step(None, _ZeroAttention(), [None] * cfg.num_hidden_layers, self.linears)
                 self._run(hidden, cos, sin, step, self.dtype, compiled=True)
+                graphs.seconds = time.perf_counter() - start
+                graphs.timings = self._time_paths(rows)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: say so, stay eager
             graphs.error = exc
             print(f"flat_model='compiled': compiling failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                   "this engine keeps running eagerly", file=sys.stderr, flush=True)
         else:
-            graphs.seconds = time.perf_counter() - start
             hits2, misses2 = _cache_counts()
+            graph_ms, eager_ms = graphs.timings
+            use = ("every step stays eager (the graph is not faster here)" if self.eager_rows == sys.maxsize else
+                   f"steps of more than {self.eager_rows} rows now run the graph")
             print(f"flat_model='compiled': compiled in {graphs.seconds:.1f} s (FX graph cache: {hits2 - hits} hit(s), "
-                  f"{misses2 - misses} miss(es)); steps of more than {self.eager_rows} rows now run the graph",
-                  file=sys.stderr, flush=True)
+                  f"{misses2 - misses} miss(es)); a {rows}-row step: graph {graph_ms:.1f} ms, eager {eager_ms:.1f} ms; "
+                  f"{use}", file=sys.stderr, flush=True)
         finally:
+            gc.collect()  # the compiler's garbage, and its heap memory back to the OS (~50-100 MB)
+            trim_heap()
             graphs.ready.set()
+
+    def _time_paths(self, rows: int, rounds: int = 3) -> tuple[float, float]:
+        """(graph ms, eager ms) of one dummy step of ``rows`` rows (attention returning zeros), the
+        fastest of ``rounds`` interleaved rounds each."""
+        cfg = self.cfg
+        ids, positions = torch.zeros(rows, dtype=torch.long, device=self.device), torch.arange(rows, device=self.device)
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        caches, zero = [(empty, empty)] * cfg.num_hidden_layers, _ZeroAttention()
+        paths = (lambda: self._graph_forward(ids, positions, caches, None, zero),
+                 lambda: FusedFlatModel.forward(self, ids, positions, caches, None, zero))
+        best = [float("inf"), float("inf")]
+        for _ in range(rounds):
+            for i, path in enumerate(paths):
+                start = time.perf_counter()
+                path()
+                best[i] = min(best[i], (time.perf_counter() - start) * 1000)
+        return best[0], best[1]
 
     def _run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: _Step,
              pool_dtype: torch.dtype, compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,14 +381,19 @@ class CompiledFlatModel(FusedFlatModel):
                 meta: BatchMeta, backend: AttentionBackend, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [N] -> final hidden [N, D] in ``linear_dtype`` (with ``keep_rows``,
         int64 [M]: those rows' [M, D]). FusedFlatModel's eager path for steps of at most
-        ``eager_rows`` rows (float32, where its elementwise kernels beat the graph's per-call
-        cost) and while the graph is still compiling; else every layer through the graph, and
-        the final norm on the kept rows."""
+        ``eager_rows`` rows and while the graph is still compiling; else every layer through the
+        graph, and the final norm on the kept rows."""
         graphs = self.graphs
-        if input_ids.shape[0] <= self.eager_rows or not graphs.ready.is_set() or graphs.error is not None:
+        if not graphs.ready.is_set() or graphs.error is not None or input_ids.shape[0] <= self.eager_rows:
             return super().forward(input_ids, positions, kv_caches, meta, backend, keep_rows=keep_rows)
+        return self._graph_forward(input_ids, positions, kv_caches, meta, backend, keep_rows)
+
+    def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                       meta: BatchMeta | None, backend: AttentionBackend, keep_rows: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """``forward`` through the layer graph (compiled, or compiling on this call)."""
         cfg, work = self.cfg, self.linear_dtype
-        hidden = self.model.model.embed_tokens(input_ids).to(work)  # [N, D]
+        hidden = self.embed(input_ids)  # [N, D]
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, work)  # [N, Dh]
         step = _Step(meta, backend, kv_caches, self.linears)
         hidden, residual = self._run(hidden, cos, sin, step, kv_caches[0][0].dtype)

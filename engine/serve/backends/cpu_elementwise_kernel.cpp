@@ -16,22 +16,78 @@
 // loop the rest).
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "cpu_kernel_share.h"
 #include "cpu_kernel_vec.h"
 
 namespace {
 
-inline float sum_of_squares(const float* x, int64_t d) {
+// bfloat16 <-> float32 (bfloat16 is a float32's high half), rounding to nearest even as PyTorch does.
+typedef uint32_t vu32 __attribute__((vector_size(kBytes)));
+
+inline float from_bf16(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
+
+inline vfloat load_bf16(const uint16_t* p) {
+  vu32 u;
+  for (int j = 0; j < kFloats; ++j) u[j] = static_cast<uint32_t>(p[j]) << 16;
+  vfloat v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+inline vu32 bf16_bits(vfloat v) {  // round-to-nearest-even to bfloat16, in the high half of each lane
+  vu32 u;
+  std::memcpy(&u, &v, sizeof u);
+  const auto nan = (u & 0x7fffffffu) > 0x7f800000u;
+  const vu32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  return nan ? ((u | 0x400000u) & 0xffff0000u) : rounded;
+}
+
+inline vfloat round_bf16(vfloat v) {
+  const vu32 u = bf16_bits(v);
+  vfloat r;
+  std::memcpy(&r, &u, sizeof r);
+  return r;
+}
+
+inline void store_bf16(uint16_t* p, vfloat v) {
+  const vu32 u = bf16_bits(v);
+  for (int j = 0; j < kFloats; ++j) p[j] = static_cast<uint16_t>(u[j] >> 16);
+}
+
+inline vfloat load_any(const float* p) { return load(p); }
+inline vfloat load_any(const uint16_t* p) { return load_bf16(p); }
+inline float value(float x) { return x; }
+inline float value(uint16_t h) { return from_bf16(h); }
+
+// The sum of x[i]^2 in float32, for float32 or bfloat16 rows.
+template <typename T>
+inline float sum_of_squares(const T* x, int64_t d) {
   vfloat acc{};
   int64_t i = 0;
   for (; i + kFloats <= d; i += kFloats) {
-    const vfloat v = load(x + i);
+    const vfloat v = load_any(x + i);
     acc += v * v;
   }
   float s = 0;
   for (int j = 0; j < kFloats; ++j) s += acc[j];
-  for (; i < d; ++i) s += x[i] * x[i];
+  for (; i < d; ++i) s += value(x[i]) * value(x[i]);
   return s;
 }
 
@@ -100,6 +156,88 @@ extern "C" void silu_mul_float32(const float* gate_up, float* out, int64_t n, in
         store(o + i, silu * load(u + i));
       }
       for (; i < width; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+  });
+}
+
+// ----- bfloat16: the same three seams on bfloat16 tensors, rounding where generate() rounds -------
+// generate()'s bfloat16 model rounds every PyTorch op's result to bfloat16 (RMSNorm normalises in
+// float32, rounds, then multiplies by its weight and rounds again; RoPE rounds each product and the
+// sum; SiLU rounds, then the product with up). These kernels compute each value in float32 and
+// round at exactly those points, round-to-nearest-even as PyTorch does, so their results equal the
+// PyTorch ops' up to the float32 summation order of the norms and the exponential's last ulp.
+namespace {
+
+// out[i] = bf16(w[i] * bf16(x[i] * inv)): RMSNorm's two roundings.
+inline void scale_by_bf16(const uint16_t* x, float inv, const uint16_t* w, uint16_t* out, int64_t d) {
+  int64_t i = 0;
+  for (; i + kFloats <= d; i += kFloats) store_bf16(out + i, load_bf16(w + i) * round_bf16(load_bf16(x + i) * inv));
+  for (; i < d; ++i) out[i] = to_bf16(from_bf16(w[i]) * round_bf16(from_bf16(x[i]) * inv));
+}
+
+inline float inv_rms(float sum_sq, int64_t d, double eps) {
+  return 1.0f / std::sqrt(sum_sq / static_cast<float>(d) + static_cast<float>(eps));
+}
+
+}  // namespace
+
+extern "C" void add_rms_norm_bfloat16(const uint16_t* hidden, uint16_t* residual, const uint16_t* weight, uint16_t* out,
+                                      int64_t n, int64_t d, double eps, int64_t add, int64_t threads) {
+  share(n, threads, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      uint16_t* res = residual + r * d;
+      if (add) {  // residual = bf16(hidden + residual)
+        const uint16_t* h = hidden + r * d;
+        int64_t i = 0;
+        for (; i + kFloats <= d; i += kFloats) store_bf16(res + i, load_bf16(h + i) + load_bf16(res + i));
+        for (; i < d; ++i) res[i] = to_bf16(from_bf16(h[i]) + from_bf16(res[i]));
+      }
+      scale_by_bf16(res, inv_rms(sum_of_squares(res, d), d, eps), weight, out + r * d, d);
+    }
+  });
+}
+
+extern "C" void qk_norm_rope_bfloat16(uint16_t* qkv, int64_t ld, int64_t n, int64_t hq, int64_t hkv, int64_t dh,
+                                      const uint16_t* weight, const uint16_t* cos, const uint16_t* sin,
+                                      uint16_t* q_out, double eps, int64_t threads) {
+  const int64_t half = dh / 2;
+  share(n, threads, [&](int64_t begin, int64_t end) {
+    uint16_t y[1024];  // one normalised head, bfloat16 (dh <= 1024, checked by the caller)
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* c = cos + r * dh;
+      const uint16_t* s = sin + r * dh;
+      for (int64_t h = 0; h < hq + hkv; ++h) {
+        uint16_t* x = qkv + r * ld + h * dh;
+        scale_by_bf16(x, inv_rms(sum_of_squares(x, dh), dh, eps), weight + h * dh, y, dh);
+        uint16_t* o = h < hq ? q_out + (r * hq + h) * dh : x;  // k: in place (y holds its inputs)
+        // o = bf16(bf16(y * cos) + bf16([-y2, y1] * sin)), as apply_rope's three ops round
+        for (int64_t i = 0; i < half; ++i)
+          o[i] = to_bf16(round_bf16(from_bf16(y[i]) * from_bf16(c[i])) + round_bf16(-from_bf16(y[i + half]) * from_bf16(s[i])));
+        for (int64_t i = half; i < dh; ++i)
+          o[i] = to_bf16(round_bf16(from_bf16(y[i]) * from_bf16(c[i])) + round_bf16(from_bf16(y[i - half]) * from_bf16(s[i])));
+      }
+    }
+  });
+}
+
+extern "C" void silu_mul_bfloat16(const uint16_t* gate_up, uint16_t* out, int64_t n, int64_t width, int64_t threads) {
+  share(n, threads, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* g = gate_up + r * 2 * width;
+      const uint16_t* u = g + width;
+      uint16_t* o = out + r * width;
+      int64_t i = 0;
+      for (; i + kFloats <= width; i += kFloats) {  // o = bf16(bf16(silu(g)) * u)
+        const vfloat x = load_bf16(g + i);
+        const vfloat neg = x < 0 ? x : -x;
+        const vfloat e = exp_nonpositive(neg);
+        const vfloat silu = (x < 0 ? x * e : x) / (1.0f + e);
+        store_bf16(o + i, round_bf16(silu) * load_bf16(u + i));
+      }
+      for (; i < width; ++i) {
+        const float x = from_bf16(g[i]);
+        o[i] = to_bf16(round_bf16(x / (1.0f + std::exp(-x))) * from_bf16(u[i]));
+      }
     }
   });
 }

@@ -8,23 +8,28 @@ and, on a CPU, a few microseconds of dispatch. This class serves the same comput
   built once at start-up);
 - q and k normalised and rotated together, as one ``[N, Hq + Hkv, Dh]`` tensor;
 - SiLU and the gate product done in place on the merged output;
-- on a CPU, the weights prepacked for oneDNN's matmul (float32, or bfloat16 with bf16 units), or
-  where oneDNN cannot pack float32, packed for ``cpu_linear``'s small-batch kernel;
-- ONE resident copy of every weight: each linear keeps only the layout its path reads (``Linear``),
-  built once here. The merged q/k/v and gate/up tensors are temporaries on the way to that layout
-  (or, where the layout is the plain tensor, the model's own parameters become views of them);
-  the model's originals, memory-mapped from the checkpoint by ``load_model``, hand their resident
-  pages back once read (``engine.models.mapped``) and stay valid for ``generate()``. A tied LM head
-  shares the embedding's plain tensor;
-- on a CPU in float32, each seam's elementwise work (residual add + norm, q/k norm + RoPE,
-  SiLU-mul) as one call of ``cpu_elementwise``'s kernels instead of ~25 PyTorch operations a layer;
+- on a CPU, each weight shape in the layout measured fastest for it at load time
+  (``linear_layout.choose``): prepacked for oneDNN's matmul (float32, or bfloat16 with bf16 units)
+  or, in float32, in ``cpu_linear``'s small-batch kernel's panels;
+- ONE resident copy of every weight: each linear keeps only the layout its kernel reads
+  (``Linear``), built once here, and every row count goes through it. The merged q/k/v and
+  gate/up tensors are temporaries on the way to that layout (or, where the layout is the plain
+  tensor, the model's own parameters become views of them); the model's originals,
+  memory-mapped from the checkpoint by ``load_model``, hand their resident pages back once read
+  (``engine.models.mapped``) and stay valid for ``generate()``. A tied LM head keeps the
+  embedding's own plain tensor or, measured faster, a layout of its own (``embed`` then reads the
+  lookups from its panels, or from the embedding's pages of the tokens looked up);
+- on a CPU in float32 or bfloat16, each seam's elementwise work (residual add + norm, q/k norm +
+  RoPE, SiLU-mul) as one call of ``cpu_elementwise``'s kernels instead of ~25 PyTorch operations a
+  layer (in bfloat16 rounding where those operations round);
 - the last layer past its K/V write only on the rows whose logits are needed (``keep_rows``: the
   batch's ``logits_indices``). Nothing reads the other rows' last hidden state, so a prefill step
   skips a quarter of the attention and ~20% of the matmuls of a 4-layer model with the same results.
 
 Float64 results are those of ``FlatModel`` up to summation order (tests check the engine against
 ``generate()`` token for token); float32 ones differ from it by summation order too (oneDNN's
-blocking), which the bench's agreement column checks on every workload. Its ``linear_dtype`` is the dtype the matmuls run in:
+blocking, or the small kernel's), which the bench's agreement column checks on every workload.
+Its ``linear_dtype`` is the dtype the matmuls run in:
 the model's own, except for a 16-bit model on a CPU without bfloat16/float16 matmul units (no
 AVX512-BF16 / AMX), where PyTorch's 16-bit matmul is several times slower than float32's: there
 the merged weights are float32 copies of the 16-bit values and activations stay float32 between
@@ -39,11 +44,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.layers import Qwen3MLP
-from engine.models.mapped import release_pages
+from engine.models.mapped import drop_pages, releasable, release_pages, trim_heap
 from engine.precision import work_dtype
 from engine.rope import rope_cos_sin
 from engine.serve.attention import AttentionBackend, KVCache
-from engine.serve.backends import cpu_elementwise, cpu_linear
+from engine.serve.backends import cpu_elementwise, cpu_linear, linear_layout
 from engine.serve.batch import Batch, BatchMeta
 from engine.serve.flat import FlatModel
 
@@ -60,29 +65,27 @@ def packable(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class Linear:
-    """A weight [out, in] held in ONE layout, the one its fast path reads, and applied through it:
+    """A weight [out, in] held in ONE layout, the one its kernel reads, and applied through it:
     oneDNN's prepacked matmul (``packed``: the weight reordered once into the blocked layout the
     matmul kernel reads, instead of on every call), or ``cpu_linear.SmallLinear``'s panels
     (``small``), or the plain tensor through ``F.linear`` (``weight``). Exactly one of the three is
-    set; the others are None. ``layout`` names it.
-
-    Which one: ``small`` when asked for (float32 CPU weights), else ``packed`` when ``pack``, else
-    plain. At Qwen3-0.6B's shapes oneDNN's prepacked matmul was the fastest at every row count
-    from 16 up (docs/performance.md), so a second, small-batch copy would cost memory and buy
-    nothing; the small kernel's panels serve where oneDNN cannot pack (no mkldnn) and where a
-    caller asks for them (``FusedFlatModel(small=True)``, ``scripts/levers.py``).
+    set; the others are None. ``layout`` names it; ``choice`` says how it was chosen
+    (``linear_layout.choose``: measured per shape at load time, or forced).
     """
 
-    def __init__(self, weight: torch.Tensor, pack: bool, small: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, layout: str, choice: linear_layout.Choice | None = None) -> None:
+        if layout not in linear_layout.LAYOUTS:
+            raise ValueError(f"layout must be one of {linear_layout.LAYOUTS}, not {layout!r}")
         self.n, self.k = weight.shape
         self.weight = self.packed = self.small = None
-        if small:
+        if layout == "small":
             self.small = cpu_linear.SmallLinear(weight)
-        elif pack:
+        elif layout == "packed":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=PACK_BATCH)
         else:
             self.weight = weight
-        self.layout = "small" if small else "packed" if pack else "plain"
+        self.layout = layout
+        self.choice = choice
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None:
@@ -90,6 +93,15 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [N] of the weight, [N, in] (an embedding lookup in a tied head's layout);
+        plain or panels only (oneDNN's packed layout is opaque)."""
+        if self.small is not None:  # panels [P, K, 16]: row r is panels[r // 16, :, r % 16]
+            return self.small.panels[ids // cpu_linear.PANEL, :, ids % cpu_linear.PANEL]
+        if self.weight is None:
+            raise ValueError("a packed linear cannot look up rows")
+        return F.embedding(ids, self.weight)
 
     @property
     def held(self) -> torch.Tensor:
@@ -170,34 +182,43 @@ class FusedFlatModel(FlatModel):
     """
 
     def __init__(self, model: nn.Module, linear_dtype: torch.dtype | None = None, pack: bool | None = None,
-                 small: bool | None = None, elementwise: bool | None = None) -> None:
+                 layout: str | None = None, elementwise: bool | None = None) -> None:
         super().__init__(model)
         dtype, device = self.dtype, self.device
         if linear_dtype is None:
             linear_dtype = dtype if fast_16bit_matmul(dtype, device) else torch.float32
         self.linear_dtype = linear_dtype
         self.pack = packable(linear_dtype, device) if pack is None else pack
-        if small is None:  # float32 on a CPU where oneDNN cannot pack and the small-batch kernel builds
-            small = (not self.pack and linear_dtype == torch.float32 and device.type == "cpu"
-                     and cpu_linear.library() is not None)
-        self.small = small
-        if elementwise is None:  # float32 on a CPU where the elementwise kernels build
-            elementwise = (linear_dtype == torch.float32 and device.type == "cpu"
+        linear_layout.forced_layout(layout)  # a bad name: ValueError before anything is built
+        # The small-batch kernel's panels: float32 CPU weights, where the kernel builds.
+        small = linear_dtype == torch.float32 and device.type == "cpu" and cpu_linear.library() is not None
+        # Each linear's candidate layouts, the reference (kept on a near-tie) first.
+        candidates = (("packed",) if self.pack else ()) + (("small",) if small else ()) or ("plain",)
+        if elementwise is None:  # float32 or bfloat16 on a CPU where the elementwise kernels build
+            elementwise = (linear_dtype in cpu_elementwise.DTYPES and device.type == "cpu"
                            and cpu_elementwise.library() is not None)
         self.elementwise = elementwise
         cast = linear_dtype != dtype
-        plain = not self.pack and not small and not cast  # the fused path reads the model's own tensors
+        self.choices: dict[tuple[int, int], linear_layout.Choice] = {}  # per weight shape [out, in]
 
-        def linear(params: list[nn.Parameter]) -> Linear:
-            """One Linear over ``params``' rows, made without keeping a second copy: plain, the
-            model's parameters become views of the merged tensor; otherwise the merged tensor
-            is a temporary, and the model's file-backed originals hand their pages back."""
+        def choose(n: int, k: int, among: tuple[str, ...]) -> linear_layout.Choice:
+            choice = linear_layout.choose(n, k, linear_dtype, among, layout)
+            self.choices[(n, k)] = choice
+            return choice
+
+        def linear(params: list[nn.Parameter], among: tuple[str, ...] = candidates) -> Linear:
+            """One Linear over ``params``' rows in the layout chosen for its shape, made without
+            keeping a second copy: plain, the model's parameters become views of the merged
+            tensor; otherwise the merged tensor is a temporary, and the model's file-backed
+            originals hand their pages back."""
+            n, k = sum(p.shape[0] for p in params), params[0].shape[1]
+            choice = choose(n, k, among)
             with torch.no_grad():
                 whole = merged([p.detach() for p in params]) if len(params) > 1 else params[0].detach()
-                if plain:
+                if choice.layout == "plain" and not cast:
                     share_rows(whole, params)
-                    return Linear(whole, pack=False)
-                out = Linear(whole.to(linear_dtype), self.pack, small)
+                    return Linear(whole, "plain", choice)
+                out = Linear(whole.to(linear_dtype), choice.layout, choice)
             release_pages([p.detach() for p in params])
             return out
 
@@ -216,13 +237,35 @@ class FusedFlatModel(FlatModel):
                 entry["down"] = linear([mlp.down_proj.weight])
             self.layers.append(entry)
         head = model.lm_head.weight
-        if head is model.model.embed_tokens.weight and not cast:
-            # Tied to the embedding, which lookups read in its plain layout: the head shares it
-            # rather than holding a packed copy of the model's largest matrix.
-            self.lm_head = Linear(head.detach(), pack=False)
+        # A head tied to the embedding: the embedding's own plain tensor (the reference) or, if
+        # measured faster, its own layout, the embedding's originals then handing their pages
+        # back like any linear's. Lookups (``embed``) read the panels, or the embedding's pages
+        # beside a packed head (those of the tokens looked up come back: 2 KiB a token in bf16).
+        self.tied = head is model.model.embed_tokens.weight
+        if self.tied:
+            self.lm_head = linear([head], ("plain",) + tuple(c for c in candidates if c != "plain"))
         else:
             self.lm_head = linear([head])
+        # Lookups through the embedding module (no tied head holds its rows): its file-backed
+        # pages are handed back after each one (``embed``), not left to accumulate.
+        own_rows = self.tied and self.lm_head.layout != "packed"
+        self._embedding_pages = None if own_rows else releasable(model.model.embed_tokens.weight.detach())
         self._norm_weights: dict[int, torch.Tensor] = {}
+        trim_heap()  # the merged temporaries' heap memory back to the OS
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [N] -> their embeddings [N, D] in ``linear_dtype``: read from a tied head's
+        plain tensor or panels (so the embedding's own pages are not needed), else the module."""
+        if self.tied and self.lm_head.layout != "packed":
+            return self.lm_head.rows(input_ids).to(self.linear_dtype)
+        rows = self.model.model.embed_tokens(input_ids).to(self.linear_dtype)  # a new tensor
+        if self._embedding_pages is not None:
+            drop_pages(self._embedding_pages)
+        return rows
+
+    def layout_report(self) -> str:
+        """One line per weight shape: the layout it keeps and the measured times behind it."""
+        return "\n".join(choice.describe(n, k) for (n, k), choice in self.choices.items())
 
     def _norm_weight(self, norm: nn.Module) -> torch.Tensor:
         """``norm``'s weight in ``linear_dtype`` (a copy of a 16-bit one, made once)."""
@@ -256,7 +299,7 @@ class FusedFlatModel(FlatModel):
         m, cfg = self.model.model, self.cfg
         work = self.linear_dtype
         hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        hidden = m.embed_tokens(input_ids).to(work)  # [N, D]
+        hidden = self.embed(input_ids)  # [N, D]
         n = hidden.shape[0]
         cos, sin = rope_cos_sin(positions, dh, cfg.rope_theta, work)  # [N, Dh]
         residual = None
