@@ -321,8 +321,12 @@ def compare_engines(model, workload: Workload, fast_backend: str, engines: list[
     for name in names:
         reset_peak_rss()
         start = time.perf_counter()
-        run_workload(factories[name](), warm)
-        started[name] = (round(time.perf_counter() - start, 2), peak_rss())
+        runner = factories[name]()
+        run_workload(runner, warm)
+        # A runner that times itself serves in another process: this one's RSS is not its own.
+        started[name] = (round(time.perf_counter() - start, 2),
+                         None if getattr(runner, "timed", None) is not None else peak_rss())
+        del runner
     for _ in range(repeat):
         for name in names:
             res = run_workload(factories[name](), workload)

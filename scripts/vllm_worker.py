@@ -8,7 +8,7 @@ original stdout (everything vLLM prints goes to stderr):
     -> {"cmd": "serve", "items": [[request_id, prompt_token_ids, max_tokens], ...], "reset": true}
     <- {"outputs": {request_id: [token ids]}, "seconds": wall, "cpu_seconds": process CPU}
     -> {"cmd": "decode", "requests": R, "prompt_len": 64, "steps": 20, "vocab": V, "seed": 0}
-    <- {"step_ms": median step of R requests decoding together}
+    <- {"step_ms": median step of R requests decoding together, "cpu_ms": its process CPU time}
     -> {"cmd": "quit"}
 
 Every request is greedy (temperature 0) and decodes exactly ``max_tokens`` (``ignore_eos``). The
@@ -103,15 +103,17 @@ def main() -> int:
             started, times = set(), []
             while len(started) < len(ids):
                 started.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
+            cpu_times = []
             for i in range(3 + msg["steps"]):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 engine.step()
                 if i >= 3:
                     times.append(time.perf_counter() - t0)
+                    cpu_times.append(time.process_time() - c0)
             engine.abort_request(ids)
             while engine.has_unfinished_requests():
                 engine.step()
-            reply({"step_ms": statistics.median(times) * 1000})
+            reply({"step_ms": statistics.median(times) * 1000, "cpu_ms": statistics.median(cpu_times) * 1000})
         else:
             reply({"error": f"unknown command {msg['cmd']!r}"})
     return 0

@@ -281,7 +281,7 @@ for line in sys.stdin:
         print(json.dumps({"outputs": {rid: [0] * m for rid, _, m in msg["items"]}, "seconds": 0.5,
                           "cpu_seconds": 0.25}), flush=True)
     else:
-        print(json.dumps({"step_ms": 1.0}), flush=True)
+        print(json.dumps({"step_ms": 1.0, "cpu_ms": 0.75}), flush=True)
 '''
 
 
@@ -327,6 +327,7 @@ def test_bench_peers_end_to_end_with_a_fake_peer(tmp_path, monkeypatch, capsys):
     assert s["ttft_s"]["vLLM b32"] == 0.5 and s["ttft_s"][row["core"]] > 0
     (point,) = s["decode"]
     assert point["requests"] == 2 and point["vLLM b32"] == 1.0 and point["roofline"]["roofline_ms"] > 0
+    assert point["cpu_ms"]["vLLM b32"] == 0.75 and point["cpu_ms"][row["core"]] > 0
     assert "time to first token" in text and "core reached" in text and s["failures"] == []
 
 
