@@ -528,6 +528,14 @@ def peers_main(argv: list[str] | None = None) -> int:
     from course.bench import default_fast_backend
 
     backend = args.backend or default_fast_backend(torch.device("cpu"))
+    # One process runs every dtype and thread count here, which a server never does: torch.compile
+    # guards on the thread count and the dtype, so the compiled core's layer graph gains a compiled
+    # variant per combination, and at torch's default limit (8 per function) the next one is a hard
+    # error under fullgraph=True. Room for them all; each recompile is still reported (a note per
+    # workload that paid one), and a configuration that fails anyway is dropped, not fatal.
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 * len(dtypes) * len(threads))
     RESULTS.mkdir(exist_ok=True)
     log_path = RESULTS / "vllm-worker.log"
     print(f"machine: {machine_line()}")

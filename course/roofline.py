@@ -18,8 +18,8 @@ Left out, each well under 1% of a step at the presets' shapes: norm weights, RoP
 activations (they stay in cache at decode sizes), the embedding rows looked up, the K/V written.
 
 The peak and the bandwidth are measured here, at the thread count in use: the peak is the fastest
-of a few ``torch.nn.functional.linear`` calls of a square GEMM in the model's dtype (what the
-engines' linears call); the bandwidth is the faster of a large tensor copy (bytes read + written)
+of a few ``torch.nn.functional.linear`` (what the engines' linears call) and ``torch.mm`` calls of
+a square GEMM in the model's dtype; the bandwidth is the faster of a large tensor copy (bytes read + written)
 and a large sum (bytes read), each the fastest of a few tries (on one thread by that thread's CPU
 clock, so that other jobs on a shared machine do not lower them; ``_fastest``).
 """
@@ -93,8 +93,9 @@ def machine_limits(dtype: torch.dtype = torch.float32, size: int = 1024, copy_mi
         g = torch.Generator().manual_seed(0)
         a = torch.randn(size, size, generator=g).to(dtype)
         w = torch.randn(size, size, generator=g).to(dtype)
-        with torch.inference_mode():
-            gemm_s = _fastest(lambda: F.linear(a, w), tries)
+        wt = w.t().contiguous()
+        with torch.inference_mode():  # the faster of the two layouts a GEMM library takes
+            gemm_s = min(_fastest(lambda: F.linear(a, w), tries), _fastest(lambda: torch.mm(a, wt), tries))
             n = copy_mib * 2**20 // 4
             src, dst = torch.ones(n), torch.empty(n)
             copy_s = _fastest(lambda: dst.copy_(src), tries)

@@ -302,13 +302,15 @@ def test_bench_peers_end_to_end_with_a_fake_peer(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bp, "WORKER", worker)
     monkeypatch.setattr(bp, "RESULTS", tmp_path / "results")
     monkeypatch.setenv("FAKE_PEER_LOG", str(log))
+    import torch._dynamo.config as dynamo_config
     out_json = tmp_path / "peers.json"
     threads = torch.get_num_threads()
     try:
-        assert bp.peers_main(["--preset", "test", "--dtypes", "float32", "--threads", "1", "--workloads", "chat",
-                              "--scale", "0.25", "--core-configs", "fused", "--repeat", "2", "--decode", "2",
-                              "--decode-steps", "2", "--ttft-prompt", "8", "--ttft-tries", "1",
-                              "--vllm-python", sys.executable, "--json", str(out_json)]) == 0
+        with dynamo_config.patch(recompile_limit=dynamo_config.recompile_limit):  # bench-peers raises it
+            assert bp.peers_main(["--preset", "test", "--dtypes", "float32", "--threads", "1", "--workloads", "chat",
+                                  "--scale", "0.25", "--core-configs", "fused", "--repeat", "2", "--decode", "2",
+                                  "--decode-steps", "2", "--ttft-prompt", "8", "--ttft-tries", "1",
+                                  "--vllm-python", sys.executable, "--json", str(out_json)]) == 0
     finally:
         torch.set_num_threads(threads)
     rounds = len(make_workload("chat", 512, scale=0.25).rounds)
@@ -346,6 +348,7 @@ def test_bench_peers_drops_a_failing_configuration_and_goes_on(tmp_path, monkeyp
     monkeypatch.setattr(bp, "WORKER", worker)
     monkeypatch.setattr(bp, "RESULTS", tmp_path / "results")
     monkeypatch.setenv("FAKE_PEER_LOG", str(tmp_path / "resets.log"))
+    import torch._dynamo.config as dynamo_config
     real = bp.CoreRunner
     calls = {"n": 0}
 
@@ -360,9 +363,10 @@ def test_bench_peers_drops_a_failing_configuration_and_goes_on(tmp_path, monkeyp
     out_json = tmp_path / "peers.json"
     threads = torch.get_num_threads()
     try:
-        assert bp.peers_main(["--preset", "test", "--dtypes", "float32", "--threads", "1", "--workloads", "shared",
-                              "--scale", "0.15", "--core-configs", "fused", "--repeat", "1", "--decode", "",
-                              "--ttft-prompt", "0", "--vllm-python", sys.executable, "--json", str(out_json)]) == 0
+        with dynamo_config.patch(recompile_limit=dynamo_config.recompile_limit):  # bench-peers raises it
+            assert bp.peers_main(["--preset", "test", "--dtypes", "float32", "--threads", "1", "--workloads", "shared",
+                                  "--scale", "0.15", "--core-configs", "fused", "--repeat", "1", "--decode", "",
+                                  "--ttft-prompt", "0", "--vllm-python", sys.executable, "--json", str(out_json)]) == 0
     finally:
         torch.set_num_threads(threads)
     s = json.loads(out_json.read_text())["sittings"][0]
