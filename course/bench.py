@@ -17,6 +17,10 @@ another checkpoint; it prints one completion, so you can read what the engines c
 
 The scaling table runs R requests at once, decode-heavy, for R = 16, 64, 256, and splits the core's
 step into schedule / build batch / forward / sample / bookkeeping (medians over the timed steps).
+Under it, the limit: each point's roofline on this machine (``course.roofline``: measured peak GEMM
+FLOP/s and memory bandwidth against the step's FLOPs and bytes) and the fraction reached.
+``--dtype bfloat16`` builds the preset in bfloat16; ``--preset qwen3-0.6b`` (Qwen3-0.6B's shape)
+brings workloads, engines and scaling points sized for 2 cores (``SIZED_WORKLOADS``, ``SIZED_SCALING``).
 The model is a random seeded Qwen3 (``--preset small``, the default, or ``test``) or a checkpoint;
 the text workload needs a tokenizer, so it runs on a checkpoint (the KJV model in float32 by default).
 """
@@ -56,7 +60,7 @@ MODEL_PRESETS: dict[str, dict] = {
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, head_dim=64),
     # Qwen3-0.6B's own shape (596 M parameters: 2.38 GB in float32, 1.19 GB in bfloat16), random
-    # weights: for memory and start-up (``--memory``) with small workloads; a 2-core machine
+    # weights: with the workloads of SIZED_WORKLOADS, and for memory and start-up (``--memory``); a 2-core machine
     # prefills ~50-100 tokens/s at this size.
     "qwen3-0.6b": dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
@@ -624,7 +628,7 @@ def bench_main(argv: list[str] | None = None) -> int:
                     help="the random model to build: 'small' (4 layers, hidden 512: Qwen3-0.6B's shape "
                          "scaled down; the default without the text workload) or 'test' (2 layers, hidden 128: "
                          "the tests' model, quick, and dominated by per-op overhead) or 'qwen3-0.6b' "
-                         "(Qwen3-0.6B's own shape; meant for --memory)")
+                         "(Qwen3-0.6B's own shape, with workloads sized for 2 cores)")
     ap.add_argument("--memory", action="store_true",
                     help="instead: each engine's start-up and peak RSS, one fresh process per engine "
                          "(course.bench_memory; its options: run.py bench --memory --help)")

@@ -374,3 +374,19 @@ def test_bench_peers_drops_a_failing_configuration_and_goes_on(tmp_path, monkeyp
     assert "recompile_limit" in failure["error"] and failure["where"] == "workload 'shared'"
     assert [r["engine"] for r in s["workloads"]["shared"]] == ["vLLM b32"]
     assert "FAILED" in capsys.readouterr().out
+
+
+def test_bench_dtype_option_builds_the_preset_in_that_dtype(tmp_path):
+    import torch
+
+    out_json = tmp_path / "bench.json"
+    threads = torch.get_num_threads()
+    try:
+        assert bench_main(["--workloads", "shared", "--scale", "0.15", "--engines", "reference,fast", "--backend",
+                           "torch", "--scaling", "", "--preset", "test", "--dtype", "bfloat16",
+                           "--json", str(out_json)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads(out_json.read_text())
+    assert report["dtype"] == "bfloat16" and report["machine"]["cpu"]
+    assert {r["engine"] for r in report["workloads"]["shared"]} == {"core/reference", "core/torch"}
