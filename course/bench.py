@@ -17,6 +17,10 @@ another checkpoint; it prints one completion, so you can read what the engines c
 
 The scaling table runs R requests at once, decode-heavy, for R = 16, 64, 256, and splits the core's
 step into schedule / build batch / forward / sample / bookkeeping (medians over the timed steps).
+Under it, the limit: each point's roofline on this machine (``course.roofline``: measured peak GEMM
+FLOP/s and memory bandwidth against the step's FLOPs and bytes) and the fraction reached.
+``--dtype bfloat16`` builds the preset in bfloat16; ``--preset qwen3-0.6b`` (Qwen3-0.6B's shape)
+brings workloads, engines and scaling points sized for 2 cores (``SIZED_WORKLOADS``, ``SIZED_SCALING``).
 The model is a random seeded Qwen3 (``--preset small``, the default, or ``test``) or a checkpoint;
 the text workload needs a tokenizer, so it runs on a checkpoint (the KJV model in float32 by default).
 """
@@ -39,11 +43,12 @@ from engine.serve.slots import SlotEngine
 from course.workloads import (OPENINGS, ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload,
                               text_workload)
 from engine._impl import add_impl_argument
-from course.machine import machine_line
+from course.machine import machine_info, machine_line
 
 WORKLOADS = ("shared", "random", "chat")  # the default set: token ids, any model
 TEXT = "text"  # real text through a checkpoint's tokenizer (models/qwen3-kjv-tiny by default)
 SCALING_POINTS = (16, 64, 256)
+SIZED_SCALING = (1, 16)  # --preset qwen3-0.6b: R = 1 is the time per output token of a lone request
 # Random seeded Qwen3 models the bench can build (``--preset``), as overrides of the test model's
 # config. "small" (the default) is Qwen3-0.6B's shape scaled down (4 layers, hidden 512, 8 query /
 # 4 kv heads of 64, SwiGLU 3x): enough arithmetic per op that the engines differ by what they
@@ -55,7 +60,7 @@ MODEL_PRESETS: dict[str, dict] = {
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, head_dim=64),
     # Qwen3-0.6B's own shape (596 M parameters: 2.38 GB in float32, 1.19 GB in bfloat16), random
-    # weights: for memory and start-up (``--memory``) with small workloads; a 2-core machine
+    # weights: with the workloads of SIZED_WORKLOADS, and for memory and start-up (``--memory``); a 2-core machine
     # prefills ~50-100 tokens/s at this size.
     "qwen3-0.6b": dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
@@ -85,10 +90,31 @@ class Workload:
         return items
 
 
-def make_workload(name: str, vocab_size: int, seed: int = 0, scale: float = 1.0, tokenizer=None) -> Workload:
+# Workloads sized for a preset whose default-sized workloads would not fit a 2-core machine's
+# afternoon: at Qwen3-0.6B's shape one core prefills ~100 tokens/s and decodes 5-25 tokens/s, so
+# the default random workload (4,800 output tokens) would take over an hour per engine. There:
+# 16 requests of 128 prompt tokens wanting 32 tokens each, all behind one 96-token prefix
+# (shared) or each its own (random); chat: 4 conversations x 2 turns.
+SIZED_WORKLOADS = {"qwen3-0.6b": ("shared", "random")}  # the preset's default workloads
+
+
+def make_workload(name: str, vocab_size: int, seed: int = 0, scale: float = 1.0, tokenizer=None,
+                  preset: str | None = None) -> Workload:
     """The named workload; ``scale`` < 1 shrinks request counts (quick runs and tests).
-    ``tokenizer`` (an ``engine.tokenizer.Tokenizer``) is needed by ``text`` only."""
+    ``tokenizer`` (an ``engine.tokenizer.Tokenizer``) is needed by ``text`` only; ``preset``
+    (a key of ``SIZED_WORKLOADS``) picks that preset's smaller sizes."""
     count = lambda n: max(2, round(n * scale))  # noqa: E731
+    if preset in SIZED_WORKLOADS and name != TEXT:
+        if name == "shared":
+            return Workload(name, [shared_prefix_workload(count(16), seed=seed, vocab_size=vocab_size, system_len=96,
+                                                          question_len=(32, 32), output_len=(32, 32))])
+        if name == "random":
+            return Workload(name, [random_workload(count(16), seed=seed, vocab_size=vocab_size,
+                                                   prompt_len=(128, 128), output_len=(32, 32))])
+        if name == "chat":
+            system, rounds = chat_workload(count(4), num_turns=2, seed=seed, vocab_size=vocab_size, system_len=64,
+                                           message_len=(32, 32), output_len=(16, 16))
+            return Workload(name, rounds, system)
     if name == "shared":
         return Workload(name, [shared_prefix_workload(count(16), seed=seed, vocab_size=vocab_size)])
     if name == "random":
@@ -114,8 +140,8 @@ def release_memory() -> None:
 class CoreRunner:
     """EngineCore with one attention backend; kept across rounds, so chat turns hit the cache."""
 
-    def __init__(self, model, backend: str, **config) -> None:
-        self.label = f"core/{backend}"
+    def __init__(self, model, backend: str, label: str | None = None, **config) -> None:
+        self.label = label or f"core/{backend}"
         release_memory()  # the previous engine's pool must be gone before this one sizes its own
         if model.model.embed_tokens.weight.device.type == "cuda":
             config.setdefault("gpu_memory_utilization", 0.5)  # leave room for the other engines' runs
@@ -278,8 +304,9 @@ def compare_engines(model, workload: Workload, fast_backend: str, engines: list[
     own; with ``repeat`` > 1 each engine keeps its fastest run (timing noise only ever slows down).
     Repeats go round-robin (every engine once, then every engine again), so a slow spell of a
     shared machine lands on one run of each engine rather than on all runs of one. ``peers`` adds
-    engines by name (``course.bench_peers``: vLLM in its own process). ``agrees`` compares with
-    core/reference, or core/<fast backend> when the reference does not run."""
+    engines by name (``course.bench_peers``: vLLM in its own process, the core's configurations).
+    ``agrees`` compares with core/reference, or when the reference does not run the first
+    core/<fast backend> (a label may name a configuration after a "+": core/cpu+fused)."""
     first = workload.rounds[0][0]
     warm = Workload("warm-up", [[WorkItem("warm", first.prompt_token_ids if isinstance(first, WorkItem)
                                           else workload.system + first.message, 4)]])
@@ -298,8 +325,12 @@ def compare_engines(model, workload: Workload, fast_backend: str, engines: list[
     for name in names:
         reset_peak_rss()
         start = time.perf_counter()
-        run_workload(factories[name](), warm)
-        started[name] = (round(time.perf_counter() - start, 2), peak_rss())
+        runner = factories[name]()
+        run_workload(runner, warm)
+        # A runner that times itself serves in another process: this one's RSS is not its own.
+        started[name] = (round(time.perf_counter() - start, 2),
+                         None if getattr(runner, "timed", None) is not None else peak_rss())
+        del runner
     for _ in range(repeat):
         for name in names:
             res = run_workload(factories[name](), workload)
@@ -312,7 +343,7 @@ def compare_engines(model, workload: Workload, fast_backend: str, engines: list[
         log(f"  {res.engine:16s} {res.output_tok_s:9.1f} out tok/s  ({res.seconds:.2f} s wall, "
             f"{res.cpu_seconds:.2f} s CPU)")
     oracle = next((r for r in results if r.engine == "core/reference"),
-                  next((r for r in results if r.engine == f"core/{fast_backend}"), None))
+                  next((r for r in results if r.engine.split("+")[0] == f"core/{fast_backend}"), None))
     for r in results:
         peers = [p.output_tok_s for p in results if p is not r]
         r.vs_fastest_peer = round(r.output_tok_s / max(peers), 2) if peers else 1.0
@@ -345,14 +376,15 @@ def scaling_point(model, backend: str, num_requests: int, steps: int = 20, promp
     # A pool that holds every request to the end: the point measures R requests decoding, not a
     # preempting scheduler (a memory-sized default pool is too small for R = 256 on bigger models).
     bs = EngineConfig().cache.block_size
-    num_blocks = num_requests * -(-(prompt_len + steps + 8) // bs) + 1
+    max_tokens = steps + 64
+    num_blocks = num_requests * -(-(prompt_len + max_tokens) // bs) + 1  # room for every request's whole length
     core = EngineCore(model, EngineConfig(attention_backend=backend, max_num_seqs=max(256, num_requests),
                                           max_num_batched_tokens=max(2048, num_requests), num_blocks=num_blocks,
                                           flat_model=flat_model))
     wait_compiled(core)
     for i in range(num_requests):
         core.add_request(f"s{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
-                         SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=0.0))
+                         SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
     while any(r.num_computed_tokens < r.num_prompt_tokens - 1 for r in core.scheduler.requests.values()):
         core.step()  # prefill
     for _ in range(3):
@@ -414,6 +446,43 @@ def print_scaling(points: list[dict]) -> None:
           "with forward; CPU ms = process CPU time per step (all threads)")
 
 
+def decode_context(prompt_len: int, steps: int) -> int:
+    """Tokens each request attends to, on average over ``scaling_point``'s timed steps: its prompt,
+    the first token's, 3 settling steps', then the mean of the ``steps`` timed ones' (step k: k more)."""
+    return prompt_len + 4 + (steps - 1) // 2
+
+
+def add_roofline(model, points: list[dict], steps: int, prompt_len: int = 64) -> dict:
+    """Put this machine's roofline estimate (``course.roofline``) into every scaling point, as its
+    ``roofline`` entry; return the measured limits (peak GEMM FLOP/s, memory bandwidth)."""
+    from course.roofline import decode_step_cost, machine_limits, roofline
+
+    dtype = model.model.embed_tokens.weight.dtype
+    limits = machine_limits(dtype)
+    size = dtype.itemsize
+    for p in points:
+        cost = decode_step_cost(model.cfg, p["requests"], decode_context(prompt_len, steps), size, size)
+        p["roofline"] = roofline(cost, limits, p["step_ms"])
+    return limits
+
+
+def print_roofline(points: list[dict], limits: dict) -> None:
+    from course.roofline import describe
+
+    print(f"\nthe limit: this machine's roofline for each decode step ({describe(limits)}); "
+          "roofline = max(FLOPs / peak, bytes / bandwidth), bytes = every weight once + the K/V read; "
+          "reached = roofline / measured step")
+    head = f"{'backend':10s} {'R':>4s} {'GFLOP':>8s} {'MB':>9s} {'compute ms':>11s} {'memory ms':>10s} " \
+           f"{'roofline ms':>12s} {'bound':>8s} {'step ms':>8s} {'reached':>8s}"
+    print(head)
+    print("-" * len(head))
+    for p in points:
+        r = p["roofline"]
+        print(f"{p['backend']:10s} {p['requests']:4d} {r['flops'] / 1e9:8.2f} {(r['weight_bytes'] + r['kv_bytes']) / 1e6:9.1f} "
+              f"{r['compute_ms']:11.2f} {r['memory_ms']:10.2f} {r['roofline_ms']:12.2f} {r['bound']:>8s} "
+              f"{p['step_ms']:8.2f} {r['fraction']:8.1%}")
+
+
 def plot(path: str, by_workload: dict[str, list[RunResult]], points: list[dict]) -> None:
     import matplotlib
 
@@ -473,8 +542,10 @@ def fast_config(fast_backend: str) -> dict:
 def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str | None = None,
               scaling: tuple[int, ...] = SCALING_POINTS, scaling_backends: tuple[str, ...] | None = None,
               scaling_steps: int = 20, scale: float = 1.0, seed: int = 0, hf_batch: int = 64,
-              repeat: int = 1, tokenizer=None) -> dict:
-    """Everything ``run.py bench`` prints, as a dict (also what ``--json`` writes)."""
+              repeat: int = 1, tokenizer=None, preset: str | None = None, roofline: bool = True) -> dict:
+    """Everything ``run.py bench`` prints, as a dict (also what ``--json`` writes). ``preset``
+    sizes the workloads (``SIZED_WORKLOADS``); ``roofline`` adds each scaling point's limit
+    (``course.roofline``) on a CPU."""
     device = model.model.embed_tokens.weight.device
     fast_backend = fast_backend or default_fast_backend(device)
     hf = None
@@ -494,7 +565,7 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
     print(f"machine: {machine_line()}", flush=True)
     by_workload: dict[str, list[RunResult]] = {}
     for name in workloads:
-        wl = make_workload(name, model.cfg.vocab_size, seed=seed, scale=scale, tokenizer=tokenizer)
+        wl = make_workload(name, model.cfg.vocab_size, seed=seed, scale=scale, tokenizer=tokenizer, preset=preset)
         print(f"running workload {name!r} ...", flush=True)
         by_workload[name] = compare_engines(model, wl, fast_backend, engines, hf, hf_batch, repeat)
         print_results(by_workload[name], wl)
@@ -508,10 +579,15 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
             points.append(scaling_point(model, backend, r, steps=scaling_steps, seed=seed,
                                         **(fast_config(fast_backend) if backend == fast_backend else {})))
             print(f"  scaling {backend} R={r}: {points[-1]['step_ms']:.2f} ms/step", flush=True)
+    limits = None
     if points:
         print_scaling(points)
+        if roofline and device.type == "cpu":
+            limits = add_roofline(model, points, scaling_steps)
+            print_roofline(points, limits)
     return {"device": str(device), "dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "fast_backend": fast_backend, "model": shape,
+            "machine": machine_info(torch.get_num_threads()), "limits": limits,
             "workloads": {w: [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in rs]
                           for w, rs in by_workload.items()},
             "scaling": points, "_results": by_workload}
@@ -520,15 +596,24 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
 def bench_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="run.py bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", default=",".join(WORKLOADS),
-                    help=f"comma-separated, from {WORKLOADS + (TEXT,)} (default: {','.join(WORKLOADS)}); "
+    ap.add_argument("--workloads", default=None,
+                    help=f"comma-separated, from {WORKLOADS + (TEXT,)} (default: {','.join(WORKLOADS)}; "
+                         f"{','.join(SIZED_WORKLOADS['qwen3-0.6b'])}, sized for 2 cores, with --preset qwen3-0.6b); "
                          "'text' runs on a checkpoint: models/qwen3-kjv-tiny unless --model is given")
-    ap.add_argument("--engines", default="ch24,reference,fast,hf",
-                    help="comma-separated, from ch24, reference, fast, hf (default: all)")
+    ap.add_argument("--engines", default=None,
+                    help="comma-separated, from ch24, reference, fast, hf (default: all; reference,fast with "
+                         "--preset qwen3-0.6b)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the preset model's dtype (default float32)")
     ap.add_argument("--backend", default=None,
                     help="the fast attention backend (default: triton on CUDA, else cpu; torch without a C++ compiler)")
-    ap.add_argument("--scaling", default=",".join(map(str, SCALING_POINTS)),
-                    help="concurrency levels of the scaling table ('' to skip it)")
+    ap.add_argument("--scaling", default=None,
+                    help=f"concurrency levels of the scaling table ('' to skip it; default "
+                         f"{','.join(map(str, SCALING_POINTS))}, or {','.join(map(str, SIZED_SCALING))} with "
+                         "--preset qwen3-0.6b)")
+    ap.add_argument("--no-roofline", action="store_true",
+                    help="skip the roofline estimate under the scaling table (it measures this machine's peak "
+                         "GEMM FLOP/s and memory bandwidth, a few seconds)")
     ap.add_argument("--scaling-backends", default=None, help="backends of the scaling table (default: reference and the fast one)")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per scaling point (default 20)")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink the workloads' request counts (e.g. 0.25 for a quick run)")
@@ -543,7 +628,7 @@ def bench_main(argv: list[str] | None = None) -> int:
                     help="the random model to build: 'small' (4 layers, hidden 512: Qwen3-0.6B's shape "
                          "scaled down; the default without the text workload) or 'test' (2 layers, hidden 128: "
                          "the tests' model, quick, and dominated by per-op overhead) or 'qwen3-0.6b' "
-                         "(Qwen3-0.6B's own shape; meant for --memory)")
+                         "(Qwen3-0.6B's own shape, with workloads sized for 2 cores)")
     ap.add_argument("--memory", action="store_true",
                     help="instead: each engine's start-up and peak RSS, one fresh process per engine "
                          "(course.bench_memory; its options: run.py bench --memory --help)")
@@ -553,6 +638,13 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, metavar="PATH", help="also draw the results as a PNG (needs matplotlib)")
     add_impl_argument(ap)
     args = ap.parse_args(argv)
+    sized = args.preset in SIZED_WORKLOADS and not args.model
+    if args.workloads is None:
+        args.workloads = ",".join(SIZED_WORKLOADS[args.preset] if sized else WORKLOADS)
+    if args.engines is None:
+        args.engines = "reference,fast" if sized else "ch24,reference,fast,hf"
+    if args.scaling is None:
+        args.scaling = ",".join(map(str, SIZED_SCALING if sized else SCALING_POINTS))
     workloads = [w for w in args.workloads.split(",") if w]
     engines = [e for e in args.engines.split(",") if e]
     for w in workloads:
@@ -587,12 +679,16 @@ def bench_main(argv: list[str] | None = None) -> int:
     else:
         from engine.models import tiny_model
 
-        model = tiny_model(seed=0, **MODEL_PRESETS[args.preset or "small"]).to(args.device)
-    report = run_bench(model, workloads, engines, args.backend,
-                       scaling=tuple(int(x) for x in args.scaling.split(",") if x),
+        model = tiny_model(seed=0, **MODEL_PRESETS[args.preset or "small"]).to(args.device, getattr(torch, args.dtype))
+    try:
+        scaling = tuple(int(x) for x in args.scaling.split(",") if x)
+    except ValueError:
+        ap.error(f"--scaling: comma-separated integers, got {args.scaling!r}")
+    report = run_bench(model, workloads, engines, args.backend, scaling=scaling,
                        scaling_backends=tuple(args.scaling_backends.split(",")) if args.scaling_backends else None,
                        scaling_steps=args.steps, scale=args.scale, seed=args.seed, hf_batch=args.hf_batch,
-                       repeat=args.repeat, tokenizer=tokenizer)
+                       repeat=args.repeat, tokenizer=tokenizer, preset=args.preset if sized else None,
+                       roofline=not args.no_roofline)
     results = report.pop("_results")
     if args.json:
         with open(args.json, "w") as f:

@@ -5,15 +5,17 @@ pins its own torch and transformers, so it never shares the course's venv). It i
 from the course. Protocol: one JSON object per line on stdin, one JSON reply per line on the
 original stdout (everything vLLM prints goes to stderr):
 
-    -> {"cmd": "serve", "items": [[request_id, prompt_token_ids, max_tokens], ...]}
+    -> {"cmd": "serve", "items": [[request_id, prompt_token_ids, max_tokens], ...], "reset": true}
     <- {"outputs": {request_id: [token ids]}, "seconds": wall, "cpu_seconds": process CPU}
     -> {"cmd": "decode", "requests": R, "prompt_len": 64, "steps": 20, "vocab": V, "seed": 0}
-    <- {"step_ms": median step of R requests decoding together}
+    <- {"step_ms": median step of R requests decoding together, "cpu_ms": its process CPU time}
     -> {"cmd": "quit"}
 
-Every request is greedy (temperature 0), decodes exactly ``max_tokens`` (``ignore_eos``), and the
-prefix cache is emptied before each ``serve`` so that every timed run starts cold, as the course's
-engines do (a fresh engine per run).
+Every request is greedy (temperature 0) and decodes exactly ``max_tokens`` (``ignore_eos``). The
+prefix cache is emptied before a ``serve`` whose ``reset`` is true (the bench sends it at the start
+of each timed run, as the course's engines start each run on a fresh engine) and kept otherwise
+(the later rounds of a run, e.g. a chat's next turns, hit the earlier rounds' blocks, as in the
+course's engine). On start it prints its configuration as the ready line, so the bench can state it.
 """
 from __future__ import annotations
 
@@ -54,15 +56,26 @@ def main() -> int:
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, block_size=args.block_size,
               enable_prefix_caching=True, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, seed=0)
+    config = {"block_size": args.block_size, "dtype": args.dtype, "enable_prefix_caching": True,
+              "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+              "kv_cache_gib": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]),
+              "in_process": os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0",
+              "thread_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}
+    try:  # how vLLM compiles its model (its own default unless told otherwise)
+        cc = llm.llm_engine.vllm_config.compilation_config
+        config["compilation"] = f"{getattr(cc, 'mode', '?')}, backend {getattr(cc, 'backend', '?') or 'default'}"
+    except AttributeError:
+        pass
     reply = lambda obj: proto.write(json.dumps(obj) + "\n")  # noqa: E731
     reply({"ready": True, "startup_s": round(time.perf_counter() - start, 2), "threads": torch.get_num_threads(),
-           "vllm": __import__("vllm").__version__, "torch": torch.__version__})
+           "vllm": __import__("vllm").__version__, "torch": torch.__version__, "config": config})
 
-    def run(items):
+    def run(items, reset: bool):
         prompts = [{"prompt_token_ids": list(p)} for _, p, _ in items]
         params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False)
                   for _, _, m in items]
-        llm.reset_prefix_cache()
+        if reset:
+            llm.reset_prefix_cache()
         t0, c0 = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, params, use_tqdm=False)
         return outs, time.perf_counter() - t0, time.process_time() - c0
@@ -72,7 +85,7 @@ def main() -> int:
         if msg["cmd"] == "quit":
             break
         if msg["cmd"] == "serve":
-            outs, secs, cpu = run(msg["items"])
+            outs, secs, cpu = run(msg["items"], bool(msg.get("reset", True)))
             reply({"outputs": {rid: list(o.outputs[0].token_ids) for (rid, _, _), o in zip(msg["items"], outs)},
                    "seconds": secs, "cpu_seconds": cpu})
         elif msg["cmd"] == "decode":
@@ -90,15 +103,17 @@ def main() -> int:
             started, times = set(), []
             while len(started) < len(ids):
                 started.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
+            cpu_times = []
             for i in range(3 + msg["steps"]):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 engine.step()
                 if i >= 3:
                     times.append(time.perf_counter() - t0)
+                    cpu_times.append(time.process_time() - c0)
             engine.abort_request(ids)
             while engine.has_unfinished_requests():
                 engine.step()
-            reply({"step_ms": statistics.median(times) * 1000})
+            reply({"step_ms": statistics.median(times) * 1000, "cpu_ms": statistics.median(cpu_times) * 1000})
         else:
             reply({"error": f"unknown command {msg['cmd']!r}"})
     return 0

@@ -65,6 +65,7 @@ def test_scaling_point_keeps_every_request_running():
     model = tiny_model(seed=0, num_attention_heads=16, num_key_value_heads=16, head_dim=64)
     point = scaling_point(model, "torch", 300, steps=1, prompt_len=64)
     assert point["requests"] == 300 and point["step_ms"] > 0
+    assert scaling_point(model, "torch", 1, steps=2, prompt_len=64)["requests"] == 1, "a lone request fits its pool too"
     assert set(MODEL_PRESETS) == {"test", "small", "qwen3-0.6b"} and MODEL_PRESETS["test"] == {}
 
 
@@ -161,3 +162,252 @@ def test_run_py_core_says_which_code_ran(impl, backend):
     first = json.loads(out.stdout.splitlines()[0])
     assert first == {"impl": impl, "attention_backend": backend, "flat_model": "flat"}, out.stdout + out.stderr
     assert out.returncode in ((0, 2) if impl == "engine" else (0,)), out.stderr  # 2: holes left to fill
+
+
+# ----- the limit: course.roofline ---------------------------------------------------------------
+def test_decode_step_cost_matches_a_hand_count():
+    """FLOPs and bytes of a decode step, counted by hand for a tiny config: hidden 8, SwiGLU 12,
+    2 layers, 2 query / 1 kv heads of 4, vocab 10; 3 requests of 5 tokens of context, float32."""
+    from types import SimpleNamespace
+
+    from course.roofline import decode_step_cost, roofline
+
+    cfg = SimpleNamespace(hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=4, vocab_size=10, num_experts=0)
+    cost = decode_step_cost(cfg, requests=3, context=5, weight_bytes=4, kv_bytes=2)
+    # a layer's weights: q/k/v 8 x (2 + 1 + 1) * 4 = 128, o 8 * 8 = 64, gate/up/down 3 * 8 * 12 = 288 -> 480;
+    # 2 layers 960, LM head 10 * 8 = 80: 1,040 weights.
+    # FLOPs: 2 * 1,040 * 3 rows = 6,240; attention 2 layers * 3 req * (2 + 2) * 2 heads * 4 * 5 = 960.
+    assert cost.flops == 6240 + 960
+    assert cost.weight_bytes == 1040 * 4
+    # K/V read: 2 layers * 3 req * (K + V) 2 * 1 kv head * 4 * 5 tokens = 240 values of 2 bytes.
+    assert cost.kv_bytes == 480 and cost.bytes == 4160 + 480
+    limits = {"peak_flops": 7200 * 1000.0, "bandwidth": 4640 * 500.0}  # 1 ms of FLOPs, 2 ms of bytes
+    r = roofline(cost, limits, step_ms=4.0)
+    assert (r["compute_ms"], r["memory_ms"], r["roofline_ms"], r["bound"], r["fraction"]) == (1.0, 2.0, 2.0, "memory", 0.5)
+    with pytest.raises(ValueError, match="requests >= 1"):
+        decode_step_cost(cfg, requests=0, context=5, weight_bytes=4, kv_bytes=4)
+
+
+def test_decode_step_cost_counts_every_weight_of_a_real_model():
+    """The weights counted are the model's own matrices (each linear and the LM head, the tied
+    embedding counted once as the head), counted from its parameters."""
+    from course.bench import MODEL_PRESETS
+    from course.roofline import decode_step_cost
+    from engine.models import tiny_model
+
+    for overrides in (MODEL_PRESETS["test"], dict(tie_word_embeddings=True, num_hidden_layers=1)):
+        model = tiny_model(seed=0, **overrides)
+        head = model.lm_head.weight
+        matrices = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n]
+        if head is model.model.embed_tokens.weight:
+            matrices.append(head)
+        assert any(p is head for p in matrices)
+        want = sum(p.numel() for p in matrices)
+        assert decode_step_cost(model.cfg, 1, 1, 1, 1).weight_bytes == want
+
+
+def test_machine_limits_are_measured_and_cached():
+    from course.roofline import machine_limits
+
+    a = machine_limits(size=128, copy_mib=8, tries=1)
+    assert a["peak_flops"] > 0 and a["bandwidth"] == max(a["copy_bandwidth"], a["read_bandwidth"]) > 0
+    assert machine_limits(size=128, copy_mib=8, tries=1) == a, "measured once per process and setting"
+
+
+def test_bench_prints_the_roofline_per_decode_point(capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        assert bench_main(["--workloads", "", "--engines", "fast", "--scaling", "2", "--steps", "2",
+                           "--preset", "test", "--scaling-backends", "torch"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "the limit: this machine's roofline" in out and "peak GEMM" in out and "GB/s" in out
+    row = next(line for line in out.splitlines()[::-1] if line.startswith("torch "))
+    assert row.split()[1] == "2" and row.rstrip().endswith("%")
+
+
+def test_cpu_flags_come_from_cpuinfo(tmp_path):
+    """One /proc/cpuinfo reader: the model and the matrix-unit flags, AMX included."""
+    from course.machine import cpu_model_and_flags, machine_info
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+                    "flags\t\t: fpu avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile amx_int8 amx_fancy\n\n"
+                    "processor\t: 1\nmodel name\t: other\n")
+    assert cpu_model_and_flags(str(info)) == ("Intel(R) Xeon(R) Platinum 8480+",
+                                              ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16",
+                                               "amx_int8", "amx_fancy"])
+    m = machine_info(2)
+    assert m["torch_threads"] == 2 and m["line"].endswith("2 torch thread(s)") and m["cpu"] in m["line"]
+
+
+# ----- qwen3-0.6b workloads and the LM head ------------------------------------------------------
+def test_qwen_preset_workloads_are_sized_for_two_cores():
+    """16 requests of 128 prompt tokens wanting 32 each: behind one 96-token prefix, or each its own."""
+    shared = make_workload("shared", 151_936, preset="qwen3-0.6b").rounds[0]
+    rand = make_workload("random", 151_936, preset="qwen3-0.6b").rounds[0]
+    for items in (shared, rand):
+        assert len(items) == 16 and all(len(i.prompt_token_ids) == 128 and i.max_tokens == 32 for i in items)
+    assert len({tuple(i.prompt_token_ids[:96]) for i in shared}) == 1
+    assert len({tuple(i.prompt_token_ids[:8]) for i in rand}) == 16
+    assert max(t for i in rand for t in i.prompt_token_ids) > 512, "token ids drawn from the whole vocabulary"
+
+
+@pytest.mark.parametrize("flat_model", ["fused", "flat"])
+def test_lm_head_runs_only_on_the_rows_that_sample(flat_model):
+    """Counted: the LM head's input rows over a whole run equal the tokens sampled (one per
+    request per step that samples), far fewer than the rows the forward passes carried
+    (chunked prefills of long prompts, whose chunks sample nothing)."""
+    from engine.models import tiny_model
+    from engine.serve import EngineConfig, EngineCore, SamplingParams
+
+    model = tiny_model(seed=0)
+    core = EngineCore(model, EngineConfig(attention_backend="torch", flat_model=flat_model, max_num_batched_tokens=48))
+    rows = {"head": 0, "forward": 0}
+    if flat_model == "fused":
+        head = core.flat.lm_head
+        core.flat.lm_head = lambda x: (rows.__setitem__("head", rows["head"] + x.shape[0]), head(x))[1]
+    else:
+        head = core.flat.compute_logits
+        core.flat.compute_logits = lambda x: (rows.__setitem__("head", rows["head"] + x.shape[0]), head(x))[1]
+    execute = core.runner.execute
+    core.runner.execute = lambda batch: (rows.__setitem__("forward", rows["forward"] + batch.input_ids.shape[0]),
+                                         execute(batch))[1]
+    for i, (n, m) in enumerate([(100, 3), (7, 5), (60, 2)]):
+        core.add_request(f"r{i}", [(i + t) % 500 for t in range(n)], SamplingParams(max_tokens=m, ignore_eos=True))
+    out = core.run_until_done()
+    assert sum(len(v) for v in out.values()) == 10
+    assert rows["head"] == 10, rows
+    assert rows["forward"] == 167 + (10 - 3), rows  # every prompt token, then one row per later token
+
+
+# ----- bench-peers with a fake peer ---------------------------------------------------------------
+FAKE_WORKER = '''
+"""A stand-in for scripts/vllm_worker.py: the same protocol, every token 0, 1 ms a decode step.
+It appends each serve's "reset" flag to $FAKE_PEER_LOG."""
+import json, os, sys, time
+log = open(os.environ["FAKE_PEER_LOG"], "a")
+print(json.dumps({"ready": True, "threads": 1, "vllm": "fake", "torch": "none",
+                  "config": {"block_size": 32, "kv_cache_gib": 1, "max_num_seqs": 256,
+                             "max_num_batched_tokens": 2048, "thread_bind": "nobind"}}), flush=True)
+for line in sys.stdin:
+    msg = json.loads(line)
+    if msg["cmd"] == "quit":
+        break
+    if msg["cmd"] == "serve":
+        log.write(json.dumps(msg["reset"]) + "\\n"); log.flush()
+        print(json.dumps({"outputs": {rid: [0] * m for rid, _, m in msg["items"]}, "seconds": 0.5,
+                          "cpu_seconds": 0.25}), flush=True)
+    else:
+        print(json.dumps({"step_ms": 1.0, "cpu_ms": 0.75}), flush=True)
+'''
+
+
+def test_bench_peers_end_to_end_with_a_fake_peer(tmp_path, monkeypatch, capsys):
+    """bench-peers on a fake vLLM (--vllm-python: this interpreter; the worker a stand-in): both
+    engines keep their prefix cache through a run's rounds and start each run empty (the fake
+    sees reset on a run's first round only), the best configurations, wall and CPU seconds, the
+    CPU line, time to first token and the roofline reach the output and the JSON."""
+    import sys
+
+    import torch
+
+    import course.bench_peers as bp
+
+    worker, log = tmp_path / "fake_worker.py", tmp_path / "resets.log"
+    worker.write_text(FAKE_WORKER)
+    monkeypatch.setattr(bp, "WORKER", worker)
+    monkeypatch.setattr(bp, "RESULTS", tmp_path / "results")
+    monkeypatch.setenv("FAKE_PEER_LOG", str(log))
+    import torch._dynamo.config as dynamo_config
+    out_json = tmp_path / "peers.json"
+    threads = torch.get_num_threads()
+    try:
+        with dynamo_config.patch(recompile_limit=dynamo_config.recompile_limit):  # bench-peers raises it
+            assert bp.peers_main(["--preset", "test", "--dtypes", "float32", "--threads", "1", "--workloads", "chat",
+                                  "--scale", "0.25", "--core-configs", "fused", "--repeat", "2", "--decode", "2",
+                                  "--decode-steps", "2", "--ttft-prompt", "8", "--ttft-tries", "1",
+                                  "--vllm-python", sys.executable, "--json", str(out_json)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rounds = len(make_workload("chat", 512, scale=0.25).rounds)
+    # warm-up (one round), then 2 timed runs of `rounds` rounds, then the time-to-first-token run
+    want = [True] + ([True] + [False] * (rounds - 1)) * 2 + [True]
+    assert [json.loads(x) for x in log.read_text().split()] == want
+    text = capsys.readouterr().out
+    report = json.loads(out_json.read_text())
+    assert report["machine"]["cpu"] in text and report["machine"]["flags"] == report["sittings"][0]["machine"]["flags"]
+    assert "empty prefix cache" in report["cache_policy"] and report["cache_policy"] in text and report["complete"]
+    (row,) = report["summary"]
+    assert (row["core"], row["vllm"]) == ("core/cpu+fused", "vLLM b32") or row["core"] == "core/torch+fused"
+    assert row["vllm_s"] == 0.5 * rounds and row["vllm_cpu_s"] == 0.25 * rounds and row["core_cpu_s"] > 0
+    assert row["agrees"] == 0.0, "the fake's tokens are all 0"
+    s = report["sittings"][0]
+    assert set(s["configs"]) == {row["core"], "vLLM b32"} and "flat_model='fused'" in s["configs"][row["core"]]
+    assert s["ttft_s"]["vLLM b32"] == 0.5 and s["ttft_s"][row["core"]] > 0
+    (point,) = s["decode"]
+    assert point["requests"] == 2 and point["vLLM b32"] == 1.0 and point["roofline"]["roofline_ms"] > 0
+    assert point["cpu_ms"]["vLLM b32"] == 0.75 and point["cpu_ms"][row["core"]] > 0
+    assert "time to first token" in text and "core reached" in text and s["failures"] == []
+
+
+def test_bench_peers_drops_a_failing_configuration_and_goes_on(tmp_path, monkeypatch, capsys):
+    """A configuration that raises inside its runs (as the compiled core did on torch's recompile
+    limit) is reported and dropped; the other configurations' figures are still written."""
+    import sys
+
+    import torch
+
+    import course.bench_peers as bp
+
+    worker = tmp_path / "fake_worker.py"
+    worker.write_text(FAKE_WORKER)
+    monkeypatch.setattr(bp, "WORKER", worker)
+    monkeypatch.setattr(bp, "RESULTS", tmp_path / "results")
+    monkeypatch.setenv("FAKE_PEER_LOG", str(tmp_path / "resets.log"))
+    import torch._dynamo.config as dynamo_config
+    real = bp.CoreRunner
+    calls = {"n": 0}
+
+    class Flaky(real):  # the second engine built fails in its runs, as a recompile limit would
+        def serve(self, items):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("recompile_limit reached (simulated)")
+            return super().serve(items)
+
+    monkeypatch.setattr(bp, "CoreRunner", Flaky)
+    out_json = tmp_path / "peers.json"
+    threads = torch.get_num_threads()
+    try:
+        with dynamo_config.patch(recompile_limit=dynamo_config.recompile_limit):  # bench-peers raises it
+            assert bp.peers_main(["--preset", "test", "--dtypes", "float32", "--threads", "1", "--workloads", "shared",
+                                  "--scale", "0.15", "--core-configs", "fused", "--repeat", "1", "--decode", "",
+                                  "--ttft-prompt", "0", "--vllm-python", sys.executable, "--json", str(out_json)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    s = json.loads(out_json.read_text())["sittings"][0]
+    (failure,) = s["failures"]
+    assert "recompile_limit" in failure["error"] and failure["where"] == "workload 'shared'"
+    assert [r["engine"] for r in s["workloads"]["shared"]] == ["vLLM b32"]
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_bench_dtype_option_builds_the_preset_in_that_dtype(tmp_path):
+    import torch
+
+    out_json = tmp_path / "bench.json"
+    threads = torch.get_num_threads()
+    try:
+        assert bench_main(["--workloads", "shared", "--scale", "0.15", "--engines", "reference,fast", "--backend",
+                           "torch", "--scaling", "", "--preset", "test", "--dtype", "bfloat16",
+                           "--json", str(out_json)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads(out_json.read_text())
+    assert report["dtype"] == "bfloat16" and report["machine"]["cpu"]
+    assert {r["engine"] for r in report["workloads"]["shared"]} == {"core/reference", "core/torch"}
