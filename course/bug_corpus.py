@@ -943,8 +943,7 @@ def main(argv: list[str] | None = None) -> int:
             if missing:
                 print(f"no earlier row for {missing}: run without names first", file=sys.stderr)
                 return 2
-            note = (note.split(";")[0] + f"; then {len(results)} rows rerun ({seconds:.0f} s): "
-                    + ", ".join(args.names))
+            note += f"; then {len(results)} rows rerun ({seconds:.0f} s): " + ", ".join(args.names)
             merged = [rows[b.name] for b in BUGS]
             held = [rows[b.name] for b in HELD_OUT]
         else:
