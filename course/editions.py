@@ -9,8 +9,8 @@ the complete reference engine, where the chapter's tests pass with the default `
 It is built in a temporary git index from HEAD's files: your working tree, index and branch are
 not touched (the branch is replaced if it exists).
 
-``handout`` exports HEAD (``git archive``) into DIR without the answers — ``solutions/`` and
-``tests/learner_fill.py`` — and with ``HANDOUT.md`` as its README: what works there and what
+``handout`` exports HEAD (``git archive``) into DIR without the answers — ``solutions/``,
+``tests/learner_fill.py`` and the files that quote them (``ANSWERS``) — and with ``HANDOUT.md`` as its README: what works there and what
 doesn't. DIR must not exist yet.
 """
 from __future__ import annotations
@@ -29,7 +29,10 @@ from course.holes import answers, fill
 from engine._impl import CHAPTER_FILES, ROOT
 
 BRANCH = "solutions"
-ANSWERS = ("solutions", "tests/learner_fill.py")  # what a handout leaves out
+# What a handout leaves out: the answers, and every file that quotes them — the mutant and bug
+# catalogues hold reference lines as the text each bug replaces, and their tests and tools import them.
+ANSWERS = ("solutions", "tests/learner_fill.py", "course/mutants.py", "course/bug_corpus.py",
+           "tests/test_mutants.py", "tests/test_bug_corpus.py", "scripts/grade_table.py")
 HANDOUT_README = ROOT / "course" / "HANDOUT.md"
 
 
