@@ -49,11 +49,11 @@ from engine.precision import work_dtype
 from engine.rope import rope_cos_sin
 from engine.serve.attention import AttentionBackend, KVCache
 from engine.serve.backends import cpu_elementwise, cpu_linear, linear_layout
+from engine.serve.backends.linear_layout import Linear
 from engine.serve.batch import Batch, BatchMeta
 from engine.serve.flat import FlatModel
 
 
-PACK_BATCH = 256  # the row count oneDNN lays packed weights out for (a hint; any row count works)
 
 
 def packable(dtype: torch.dtype, device: torch.device) -> bool:
@@ -62,63 +62,6 @@ def packable(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and fast_16bit_matmul(dtype, device))
-
-
-class Linear:
-    """A weight [out, in] held in ONE layout, the one its kernel reads, and applied through it:
-    oneDNN's prepacked matmul (``packed``: the weight reordered once into the blocked layout the
-    matmul kernel reads, instead of on every call), or ``cpu_linear.SmallLinear``'s panels
-    (``small``), or the plain tensor through ``F.linear`` (``weight``). Exactly one of the three is
-    set; the others are None. ``layout`` names it; ``choice`` says how it was chosen
-    (``linear_layout.choose``: measured per shape at load time, or forced).
-    """
-
-    def __init__(self, weight: torch.Tensor, layout: str, choice: linear_layout.Choice | None = None) -> None:
-        if layout not in linear_layout.LAYOUTS:
-            raise ValueError(f"layout must be one of {linear_layout.LAYOUTS}, not {layout!r}")
-        self.n, self.k = weight.shape
-        self.weight = self.packed = self.small = None
-        if layout == "small":
-            self.small = cpu_linear.SmallLinear(weight)
-        elif layout == "packed":
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=PACK_BATCH)
-        else:
-            self.weight = weight
-        self.layout = layout
-        self.choice = choice
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small is not None:
-            return self.small(x)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` [N] of the weight, [N, in] (an embedding lookup in a tied head's layout);
-        plain or panels only (oneDNN's packed layout is opaque)."""
-        if self.small is not None:  # panels [P, K, 16]: row r is panels[r // 16, :, r % 16]
-            return self.small.panels[ids // cpu_linear.PANEL, :, ids % cpu_linear.PANEL]
-        if self.weight is None:
-            raise ValueError("a packed linear cannot look up rows")
-        return F.embedding(ids, self.weight)
-
-    @property
-    def held(self) -> torch.Tensor:
-        """The one tensor this linear holds (panels, oneDNN's packed weight or the plain one)."""
-        return self.small.panels if self.small is not None else self.packed if self.packed is not None else self.weight
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.held.dtype
-
-    def nbytes(self) -> int:
-        """Bytes this linear holds of its own (0 for a plain weight shared with the model)."""
-        if self.small is not None:
-            return self.small.panels.numel() * self.small.panels.element_size()
-        if self.packed is not None:  # an opaque oneDNN tensor: at least the weight's own size
-            return self.n * self.k * self.packed.element_size()
-        return 0
 
 
 def merged(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Which ONE layout a CPU linear keeps, chosen by measuring both at load time, once per weight shape.
+"""A CPU linear in ONE layout (``Linear``), and which one: measured for each weight shape at load time.
 
 A float32 weight on a CPU can be served by two kernels, each reading its own layout of the weight:
 oneDNN's matmul on its prepacked (blocked) copy, or ``cpu_linear``'s small-batch kernel on its
@@ -34,6 +34,9 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from engine.serve.backends import cpu_linear
 
 LAYOUTS = ("packed", "small", "plain")  # oneDNN-prepacked, cpu_linear panels, the plain tensor
 PROBE_ROWS = (16, 64, 256)  # the row counts each layout is timed at
@@ -43,6 +46,7 @@ PROBE_MAX_OUT = 2048  # wider weights (an LM head) are timed on this many of the
 PROBE_ROUNDS = 3  # timed rounds; the fastest counts (other processes only ever add time)
 MARGIN = 0.03  # a layout other than the reference wins only when it is this much faster
 ENV = "ENGINE_LINEAR_LAYOUT"
+PACK_BATCH = 256  # the row count oneDNN lays packed weights out for (a hint; any row count works)
 
 
 @dataclass(frozen=True)
@@ -84,8 +88,6 @@ def measure(n: int, k: int, dtype: torch.dtype, candidates: tuple[str, ...]) -> 
     size = n * k * torch.empty((), dtype=dtype).element_size()
     copies = max(2, min(PROBE_MAX_COPIES, PROBE_BYTES // max(size, 1)))
     weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies)]
-    from engine.serve.backends.fused import Linear
-
     layouts = {name: [Linear(w, name) for w in weights] for name in candidates}
     out: dict[str, list[float]] = {name: [] for name in candidates}
     with torch.inference_mode():
@@ -129,3 +131,60 @@ def choose(n: int, k: int, dtype: torch.dtype, candidates: tuple[str, ...], layo
         ms = measure(n, k, dtype, candidates)
         _chosen[key] = Choice(decide(ms), ms)
     return _chosen[key]
+
+
+class Linear:
+    """A weight [out, in] held in ONE layout, the one its kernel reads, and applied through it:
+    oneDNN's prepacked matmul (``packed``: the weight reordered once into the blocked layout the
+    matmul kernel reads, instead of on every call), or ``cpu_linear.SmallLinear``'s panels
+    (``small``), or the plain tensor through ``F.linear`` (``weight``). Exactly one of the three is
+    set; the others are None. ``layout`` names it; ``choice`` says how it was chosen
+    (``linear_layout.choose``: measured per shape at load time, or forced).
+    """
+
+    def __init__(self, weight: torch.Tensor, layout: str, choice: Choice | None = None) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+        self.n, self.k = weight.shape
+        self.weight = self.packed = self.small = None
+        if layout == "small":
+            self.small = cpu_linear.SmallLinear(weight)
+        elif layout == "packed":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=PACK_BATCH)
+        else:
+            self.weight = weight
+        self.layout = layout
+        self.choice = choice
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None:
+            return self.small(x)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [N] of the weight, [N, in] (an embedding lookup in a tied head's layout);
+        plain or panels only (oneDNN's packed layout is opaque)."""
+        if self.small is not None:  # panels [P, K, 16]: row r is panels[r // 16, :, r % 16]
+            return self.small.panels[ids // cpu_linear.PANEL, :, ids % cpu_linear.PANEL]
+        if self.weight is None:
+            raise ValueError("a packed linear cannot look up rows")
+        return F.embedding(ids, self.weight)
+
+    @property
+    def held(self) -> torch.Tensor:
+        """The one tensor this linear holds (panels, oneDNN's packed weight or the plain one)."""
+        return self.small.panels if self.small is not None else self.packed if self.packed is not None else self.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.held.dtype
+
+    def nbytes(self) -> int:
+        """Bytes this linear holds of its own (0 for a plain weight shared with the model)."""
+        if self.small is not None:
+            return self.small.panels.numel() * self.small.panels.element_size()
+        if self.packed is not None:  # an opaque oneDNN tensor: at least the weight's own size
+            return self.n * self.k * self.packed.element_size()
+        return 0
