@@ -280,6 +280,20 @@ def test_reference_forward_matches_plain_attention_per_request(window):
 
 
 @hole("ReferenceBackend.forward")
+def test_reference_forward_uses_the_callers_scale():
+    lens = [(11, 5), (10, 1)]
+    backend, cache, batch, q, ks, vs = pool_with_requests(lens)
+    qsl = batch.meta.query_start_loc_cpu.tolist()
+    want = torch.cat([causal_attention(q[qsl[i]:qsl[i + 1]], ks[i], vs[i], torch.arange(ctx)[ctx - t:],
+                                       torch.arange(ctx), scale=0.9) for i, (ctx, t) in enumerate(lens)])
+    out = backend.forward(q, cache, batch.meta, scale=0.9)
+    assert_rows_close(out, want, "ReferenceBackend.forward(scale=0.9) against plain causal attention with that scale",
+                      atol=1e-10, rows=batch_rows(batch),
+                      cause=lambda bad: "pass the caller's scale on to causal_attention (its default is 1/sqrt(D), "
+                                        "here 0.354, not the 0.9 asked for)")
+
+
+@hole("ReferenceBackend.forward")
 def test_reference_forward_leaves_padding_rows_zero():
     backend = ReferenceBackend()
     cache = backend.allocate((5, 4, 2, 8), torch.float64, "cpu")

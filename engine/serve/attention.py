@@ -73,7 +73,7 @@ class ReferenceBackend:
         in slot ``table[p // block_size] * block_size + p % block_size``), read K and V there,
         and run chapter 5's causal attention. Its t queries close the context: query i is at
         position L-t+i and sees keys 0 .. L-t+i (with ``window > 0``, only keys with
-        k_pos > q_pos - window). Requests with L == 0 are
-        padding: their rows are left as zeros.
+        k_pos > q_pos - window), with ``scale`` as the softmax scale (None: causal_attention's
+        default, 1/sqrt(D)). Requests with L == 0 are padding: their rows are left as zeros.
         """
         raise NotImplementedError("ReferenceBackend.forward is a hole: fill it in (Chapter 31, engine/serve/attention.py)")
