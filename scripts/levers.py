@@ -33,6 +33,7 @@ os.environ.setdefault("ENGINE_IMPL", "solution")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 
 def interleaved(fns: dict, rounds: int) -> dict[str, float]:
@@ -243,20 +244,33 @@ def parts(args) -> None:
 
 def linear(args) -> None:
     """The small-batch kernel on one step's linears (every layer's weights: they do not fit in
-    the caches together), with and without its software prefetch, and oneDNN's prepacked matmul."""
+    the caches together), with and without its software prefetch, oneDNN's prepacked matmul and
+    the plain weight through F.linear; ``--preset`` the model's shapes (``--layers`` of them),
+    ``--rows`` the row counts. Beside each time: GFLOP/s, and the weights' GB read per second
+    (at one row a linear streams its weight once: compare with ``memory bandwidth``, a plain sum)."""
     from course.bench import MODEL_PRESETS
     from engine.serve.backends.cpu_linear import SmallLinear
     from engine.serve.backends.fused import Linear
 
-    p = MODEL_PRESETS["small"]
+    p = MODEL_PRESETS[args.preset]
     d, inter, hq, hkv, dh = p["hidden_size"], p["intermediate_size"], p["num_attention_heads"], \
         p["num_key_value_heads"], p["head_dim"]
-    shapes = [((hq + 2 * hkv) * dh, d), (d, hq * dh), (2 * inter, d), (d, inter)] * p["num_hidden_layers"]
+    shapes = [((hq + 2 * hkv) * dh, d), (d, hq * dh), (2 * inter, d), (d, inter)] * (args.layers or p["num_hidden_layers"])
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) for n, k in shapes]
     small = [SmallLinear(w) for w in weights]
     onednn = [Linear(w, "packed") for w in weights]
-    for rows in (16, 64, 256):
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    big = torch.randn(64 << 20, generator=gen)  # 256 MiB: a plain sum's read rate
+    sums = []
+    for _ in range(7):
+        start = time.perf_counter()
+        big.sum()
+        sums.append(time.perf_counter() - start)
+    print(f"{args.preset}, {len(weights)} linears ({nbytes / 1e9:.2f} GB of float32 weights); memory bandwidth "
+          f"(a 256 MiB sum, fastest of 7): {big.numel() * 4 / min(sums) / 1e9:.1f} GB/s")
+    del big
+    for rows in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(rows, w.shape[1], generator=gen) for w in weights]
         flops = sum(2 * rows * w.numel() for w in weights)
 
@@ -267,10 +281,14 @@ def linear(args) -> None:
                         lin.prefetch = prefetch
                     lin(x)
             return f
-        res = interleaved({"prefetch": run(small), "no prefetch": run(small, False), "onednn": run(onednn)},
-                          args.rounds)
-        print(f"{rows} rows, {len(weights)} linears, {torch.get_num_threads()} thread(s): "
-              + ", ".join(f"{k} {v} ms ({flops / v / 1e6:.0f} GFLOP/s)" for k, v in res.items()))
+
+        def plain():
+            for w, x in zip(weights, xs):
+                F.linear(x, w)
+        res = interleaved({"prefetch": run(small), "no prefetch": run(small, False), "onednn": run(onednn),
+                           "F.linear": plain}, args.rounds)
+        print(f"{rows} rows, {torch.get_num_threads()} thread(s): "
+              + ", ".join(f"{k} {v} ms ({flops / v / 1e6:.0f} GFLOP/s, {nbytes / v / 1e6:.1f} GB/s)" for k, v in res.items()))
 
 
 def elementwise(args) -> None:
@@ -329,8 +347,9 @@ def main() -> int:
                          "+fused/no-prefetch: the linear kernel without software prefetch; +compiled/all-rows: the last "
                          "layer on every row)")
     ap.add_argument("--prefill", action="store_true", help="step: time a fresh engine's first (prefill) step")
-    ap.add_argument("--preset", default="small", help="step: the bench's model preset (small, qwen3-0.6b, test)")
-    ap.add_argument("--layers", type=int, default=0, help="step: this many of the preset's layers (0: all)")
+    ap.add_argument("--preset", default="small", help="step, linear: the bench's model preset (small, qwen3-0.6b, test)")
+    ap.add_argument("--layers", type=int, default=0, help="step, linear: this many of the preset's layers (0: all)")
+    ap.add_argument("--rows", default="16,64,256", help="linear: the row counts, comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     {"attention": attention, "step": step, "parts": parts, "linear": linear, "elementwise": elementwise}[args.what](args)

@@ -89,3 +89,45 @@ def test_two_compiled_engines_in_two_threads():
     for i, core in enumerate(cores):
         for j, p in enumerate(prompts[i]):
             assert results[i][f"r{j}"] == generate(model, p, 10), f"engine {i}, request r{j}: wrong tokens"
+
+
+def test_compiler_failure_mid_run_falls_back_to_eager(monkeypatch, capsys):
+    """A layer graph that the compiler refuses mid-run (torch's recompile limit under fullgraph=True,
+    as a new thread count or dtype can trigger) must not fail the step: that step and every later
+    one run eagerly, with generate()'s tokens, and stderr says so. An error of the engine's own code
+    inside the graph is not the compiler's and still propagates. No compilation: the graph is
+    marked ready and its call replaced."""
+    from engine.serve.backends import compiled
+
+    model = tiny_model(seed=3, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (23, 9)]
+    monkeypatch.setattr(compiled, "_graphs", {})  # a graph of this test's own
+    monkeypatch.setattr(compiled.CompiledFlatModel, "_compile_in_background", lambda self: None)  # no compile
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="compiled",
+                                          max_num_batched_tokens=16))
+    graphs = core.flat.graphs
+    graphs.thread.join()
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile_limit reached with fullgraph=True")
+
+    monkeypatch.setattr(graphs, "layer", refuse)
+    graphs.ready.set()
+    core.flat.eager_rows = 1
+    for i, p in enumerate(prompts):
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=7, ignore_eos=True, temperature=0.0))
+    out = core.run_until_done()
+    for i, p in enumerate(prompts):
+        assert out[f"r{i}"] == generate(model, p, 7), f"request r{i}: wrong tokens after the eager fallback"
+    assert calls == [1], f"the refusing graph was called {len(calls)} times: after a refusal every step must be eager"
+    assert isinstance(graphs.error, torch._dynamo.exc.FailOnRecompileLimitHit)
+    assert "running eagerly from now on" in capsys.readouterr().err
+
+    graphs.error = None  # an error of the engine's own: not swallowed
+    monkeypatch.setattr(graphs, "layer", lambda *a, **k: (_ for _ in ()).throw(ValueError("the backend's own error")))
+    core.add_request("r9", prompts[0], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0))
+    with pytest.raises(ValueError, match="the backend's own error"):
+        core.step()

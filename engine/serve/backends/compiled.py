@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch._dynamo.exc
 import torch.nn.functional as F
 from torch import nn
 
@@ -63,6 +64,9 @@ WARM_UP_ROWS = 256  # the start-up compile's step size
 COMPILE_NICE = 10  # the background compile thread's niceness (0 = the serving thread's)
 EAGER_ROWS = 256  # with the elementwise kernels, steps of at most this many rows run FusedFlatModel's eager path
 SLOTS = ("qkv", "o", "gate_up", "down")  # engine_serve::linear's slot numbers
+# What the compiler raises when it will not run a call (not errors of the engine's own ops, which
+# pass through unchanged): torch's recompile limit under fullgraph=True, and dynamo's own failures.
+COMPILER_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
 
 
 def compile_cache_dir() -> str:
@@ -386,7 +390,17 @@ class CompiledFlatModel(FusedFlatModel):
         graphs = self.graphs
         if not graphs.ready.is_set() or graphs.error is not None or input_ids.shape[0] <= self.eager_rows:
             return super().forward(input_ids, positions, kv_caches, meta, backend, keep_rows=keep_rows)
-        return self._graph_forward(input_ids, positions, kv_caches, meta, backend, keep_rows)
+        try:
+            return self._graph_forward(input_ids, positions, kv_caches, meta, backend, keep_rows)
+        except COMPILER_ERRORS as exc:
+            # The compiler refused this call (a recompile past torch's limit, a guard it cannot
+            # build): this step and every later one run eagerly. Whatever layers the graph ran
+            # before refusing wrote the same K/V slots the eager pass writes again.
+            graphs.error = exc
+            print(f"flat_model='compiled': the layer graph failed mid-run ({type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0] if str(exc) else ''}); running eagerly from now on",
+                  file=sys.stderr, flush=True)
+            return super().forward(input_ids, positions, kv_caches, meta, backend, keep_rows=keep_rows)
 
     def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                        meta: BatchMeta | None, backend: AttentionBackend, keep_rows: torch.Tensor | None = None
