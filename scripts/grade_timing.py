@@ -3,6 +3,7 @@
     python scripts/grade_timing.py [--checkouts 20] [--jobs 2] [--scenarios 2]
     python scripts/grade_timing.py --hang      # what a hung hole costs with the defaults
     python scripts/grade_timing.py --threads   # the milestone's scenarios on the reference, 1 vs 2 torch threads
+    python scripts/grade_timing.py --phases    # where one complete checkout's time goes
 
 Both sittings share one seed; prints each wall time, the ratio, and the CPU it ran on. The machine's
 load matters (a shared machine gives a noisy ratio): the load average is printed beside the figures.
@@ -32,9 +33,12 @@ def main() -> int:
     ap.add_argument("-k", dest="keyword", default="")
     ap.add_argument("--hang", action="store_true", help="grade a complete checkout and one whose check_stop hangs")
     ap.add_argument("--threads", action="store_true", help="time the milestone's scenarios with 1 and 2 threads")
+    ap.add_argument("--phases", action="store_true", help="the session's set-up, then one complete checkout by phase")
     args = ap.parse_args()
     if args.hang:
         return hang_cost()
+    if args.phases:
+        return phase_cost()
     if args.threads:
         return thread_cost()
     with tempfile.TemporaryDirectory(prefix="grade-timing-") as tmp:
@@ -71,6 +75,41 @@ def hang_cost() -> int:
             walls[name] = time.monotonic() - start
             print(f"{name}: {walls[name]:.0f} s, {doc['score']:g}/{doc['max_score']:g}; load {os.getloadavg()}", flush=True)
         print(f"the hung hole cost {walls['hung check_stop'] - walls['complete']:.0f} s more")
+    return 0
+
+
+def phase_cost() -> int:
+    """The grader's defaults, seed 11: the session's set-up (scenario results on the reference, the
+    test collection), then one complete checkout, its sandboxed runs timed one by one."""
+    from course import grade as grading, watchdog
+
+    spent: dict[str, float] = {}
+
+    def timed(module, name: str) -> None:
+        fn = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.monotonic() - start
+        setattr(module, name, wrapper)
+
+    for name in ("run_tests", "run_scenarios"):
+        timed(watchdog, name)
+    print(f"machine: {machine_line()}")
+    start = time.monotonic()
+    session = grading.Session(grading.Options(seed=11))
+    print(f"session set-up: {time.monotonic() - start:.1f} s")
+    with tempfile.TemporaryDirectory(prefix="grade-phases-") as tmp:
+        path = workspace(Path(tmp) / "complete" / "ch31", reference_files())
+        start = time.monotonic()
+        doc = grading.grade(path, session)
+        whole = time.monotonic() - start
+    print(f"one complete checkout: {whole:.1f} s ({doc['score']:g}/{doc['max_score']:g}): the tests in the sandbox "
+          f"{spent['run_tests']:.1f} s, the scenarios {spent['run_scenarios']:.1f} s, the rest "
+          f"{whole - sum(spent.values()):.1f} s; load {os.getloadavg()}")
     return 0
 
 
