@@ -110,7 +110,8 @@ constexpr int64_t kPrefetchMaxRows = 64;
 extern "C" void linear_float32(const float* x, const float* packed, float* y, int64_t m, int64_t k_dim, int64_t n,
                                int64_t threads, int64_t prefetch) {
   const int64_t panels = (n + 15) / 16;
-  if (m == 1) {  // groups of kOneRowGroup panels shared among the threads, the leftover ones singly
+  if (m == 1) {  // groups of kOneRowGroup panels shared among the threads, the leftover ones singly;
+                 // no software prefetch here (`prefetch` is ignored): the four streams are the hardware's
     const int64_t groups = (panels + kOneRowGroup - 1) / kOneRowGroup;
     share(groups, threads, [&](int64_t group_begin, int64_t group_end) {
       for (int64_t g = group_begin; g < group_end; ++g) {
