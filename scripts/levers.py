@@ -33,7 +33,6 @@ os.environ.setdefault("ENGINE_IMPL", "solution")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 
 def interleaved(fns: dict, rounds: int) -> dict[str, float]:
@@ -247,8 +246,10 @@ def linear(args) -> None:
     the caches together), with and without its software prefetch, oneDNN's prepacked matmul and
     the plain weight through F.linear; ``--preset`` the model's shapes (``--layers`` of them),
     ``--rows`` the row counts. Beside each time: GFLOP/s, and the weights' GB read per second
-    (at one row a linear streams its weight once: compare with ``memory bandwidth``, a plain sum)."""
+    (at one row a linear streams its weight once: compare with the memory bandwidth that
+    ``course.roofline.machine_limits`` measures, the one the bench's roofline uses)."""
     from course.bench import MODEL_PRESETS
+    from course.roofline import describe, machine_limits
     from engine.serve.backends.cpu_linear import SmallLinear
     from engine.serve.backends.fused import Linear
 
@@ -261,15 +262,8 @@ def linear(args) -> None:
     small = [SmallLinear(w) for w in weights]
     onednn = [Linear(w, "packed") for w in weights]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    big = torch.randn(64 << 20, generator=gen)  # 256 MiB: a plain sum's read rate
-    sums = []
-    for _ in range(7):
-        start = time.perf_counter()
-        big.sum()
-        sums.append(time.perf_counter() - start)
-    print(f"{args.preset}, {len(weights)} linears ({nbytes / 1e9:.2f} GB of float32 weights); memory bandwidth "
-          f"(a 256 MiB sum, fastest of 7): {big.numel() * 4 / min(sums) / 1e9:.1f} GB/s")
-    del big
+    print(f"{args.preset}, {len(weights)} linears ({nbytes / 1e9:.2f} GB of float32 weights); the roofline's "
+          f"limits here: {describe(machine_limits(torch.float32))}")
     for rows in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(rows, w.shape[1], generator=gen) for w in weights]
         flops = sum(2 * rows * w.numel() for w in weights)

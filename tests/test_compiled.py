@@ -126,8 +126,11 @@ def test_compiler_failure_mid_run_falls_back_to_eager(monkeypatch, capsys):
     assert isinstance(graphs.error, torch._dynamo.exc.FailOnRecompileLimitHit)
     assert "running eagerly from now on" in capsys.readouterr().err
 
-    graphs.error = None  # an error of the engine's own: not swallowed
-    monkeypatch.setattr(graphs, "layer", lambda *a, **k: (_ for _ in ()).throw(ValueError("the backend's own error")))
+    def own_error(*args, **kwargs):  # an error of the engine's own code inside the graph: not swallowed
+        raise ValueError("the backend's own error")
+
+    graphs.error = None
+    monkeypatch.setattr(graphs, "layer", own_error)
     core.add_request("r9", prompts[0], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0))
     with pytest.raises(ValueError, match="the backend's own error"):
         core.step()
