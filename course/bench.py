@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from engine.serve import EngineConfig, EngineCore, SamplingParams
+from engine.serve.registry import CPU_KERNEL_DTYPES, FASTEST_FLAT_MODEL, fastest_options
 from engine.serve.slots import SlotEngine
 from course.workloads import (OPENINGS, ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload,
                               text_workload)
@@ -513,30 +514,21 @@ def plot(path: str, by_workload: dict[str, list[RunResult]], points: list[dict])
 
 
 # ----- entry point ----------------------------------------------------------------------------
-def default_fast_backend(device: torch.device) -> str:
-    """``triton`` on a CUDA device with triton installed; ``cpu`` (decode attention read in place
-    by a C++ kernel) on a CPU whose compiler can build it; else ``torch``."""
-    if device.type == "cuda":
-        try:
-            import triton  # noqa: F401
-
-            return "triton"
-        except ImportError:
-            return "torch"
-    try:
-        from engine.serve.backends.cpu_attention import load_kernel
-
-        load_kernel()
-        return "cpu"
-    except ValueError as exc:
-        print(f"the 'cpu' backend is unavailable ({str(exc).splitlines()[0]}); using 'torch'")
-        return "torch"
+def default_fast_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """The fastest attention backend here (``engine.serve.registry.fastest_options``: ``triton`` on
+    a CUDA device with triton installed; ``cpu`` on a CPU whose compiler builds its kernel; else
+    ``torch``), saying so when a CPU falls back to ``torch``."""
+    backend = fastest_options(device, dtype)["attention_backend"]
+    if device.type == "cpu" and backend == "torch" and dtype in CPU_KERNEL_DTYPES:
+        print("the 'cpu' backend is unavailable (its C++ kernel does not build here: no compiler?); using 'torch'")
+    return backend
 
 
 def fast_config(fast_backend: str) -> dict:
-    """The fast core's EngineConfig options: the fused flat model, or with the ``cpu`` backend
-    (which implies a C++ compiler) its layers compiled by TorchInductor (``CompiledFlatModel``)."""
-    return {"flat_model": "compiled" if fast_backend == "cpu" else "fused"}
+    """The fast core's other EngineConfig option: the flat model ``fastest_options`` names ("fused":
+    merged projections, fused elementwise kernels; the compiled layer graph measured slower on every
+    CPU it ran on, and ``run.py bench-peers --core-configs fused,compiled`` races the two)."""
+    return {"flat_model": FASTEST_FLAT_MODEL}
 
 
 def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str | None = None,
@@ -547,7 +539,7 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
     sizes the workloads (``SIZED_WORKLOADS``); ``roofline`` adds each scaling point's limit
     (``course.roofline``) on a CPU."""
     device = model.model.embed_tokens.weight.device
-    fast_backend = fast_backend or default_fast_backend(device)
+    fast_backend = fast_backend or default_fast_backend(device, model.model.embed_tokens.weight.dtype)
     hf = None
     if "hf" in engines:
         try:

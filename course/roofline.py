@@ -19,7 +19,10 @@ activations (they stay in cache at decode sizes), the embedding rows looked up, 
 
 The peak and the bandwidth are measured here, at the thread count in use: the peak is the fastest
 of a few ``torch.nn.functional.linear`` (what the engines' linears call) and ``torch.mm`` calls of
-a square GEMM in the model's dtype; the bandwidth is the faster of a large tensor copy (bytes read + written)
+a square GEMM in the model's dtype, and for a 16-bit model also in float32: a 16-bit value widens
+to float32 exactly, so float32 FMAs on widened weights are one way to do its arithmetic, and on a
+CPU without 16-bit matmul units (where PyTorch's bfloat16 GEMM is emulated, several times slower)
+the fastest one (``peak_dtype`` says which set the peak); the bandwidth is the faster of a large tensor copy (bytes read + written)
 and a large sum (bytes read), each the fastest of a few tries (on one thread by that thread's CPU
 clock, so that other jobs on a shared machine do not lower them; ``_fastest``).
 """
@@ -96,13 +99,19 @@ def machine_limits(dtype: torch.dtype = torch.float32, size: int = 1024, copy_mi
         wt = w.t().contiguous()
         with torch.inference_mode():  # the faster of the two layouts a GEMM library takes
             gemm_s = min(_fastest(lambda: F.linear(a, w), tries), _fastest(lambda: torch.mm(a, wt), tries))
+            peak_dtype = dtype
+            if dtype in (torch.bfloat16, torch.float16):  # its arithmetic in float32, on exactly widened values
+                a32, w32 = a.float(), w.float()
+                wide_s = _fastest(lambda: F.linear(a32, w32), tries)
+                if wide_s < gemm_s:
+                    gemm_s, peak_dtype = wide_s, torch.float32
             n = copy_mib * 2**20 // 4
             src, dst = torch.ones(n), torch.empty(n)
             copy_s = _fastest(lambda: dst.copy_(src), tries)
             sum_s = _fastest(lambda: src.sum(), tries)
             del src, dst
         _measured[key] = {"dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-                          "peak_flops": 2.0 * size ** 3 / gemm_s,
+                          "peak_flops": 2.0 * size ** 3 / gemm_s, "peak_dtype": str(peak_dtype).removeprefix("torch."),
                           "copy_bandwidth": 2.0 * n * 4 / copy_s, "read_bandwidth": n * 4 / sum_s,
                           "bandwidth": max(2.0 * n * 4 / copy_s, n * 4 / sum_s)}
     return dict(_measured[key])
@@ -123,6 +132,8 @@ def roofline(cost: StepCost, limits: dict, step_ms: float | None = None) -> dict
 
 def describe(limits: dict) -> str:
     """One line: the measured peak and bandwidth."""
-    return (f"peak GEMM {limits['peak_flops'] / 1e9:.1f} GFLOP/s ({limits['dtype']}, {limits['threads']} thread(s)), "
+    arithmetic = limits["dtype"] if limits.get("peak_dtype", limits["dtype"]) == limits["dtype"] else \
+        f"{limits['dtype']} values, {limits['peak_dtype']} arithmetic"
+    return (f"peak GEMM {limits['peak_flops'] / 1e9:.1f} GFLOP/s ({arithmetic}, {limits['threads']} thread(s)), "
             f"memory bandwidth {limits['bandwidth'] / 1e9:.1f} GB/s (copy {limits['copy_bandwidth'] / 1e9:.1f}, "
             f"read {limits['read_bandwidth'] / 1e9:.1f})")

@@ -71,7 +71,11 @@ class LLM(VllmExtras):
     holding one) replacing the tokenizer's. Other keywords: ``EngineConfig`` fields
     (``num_blocks``, ``max_num_batched_tokens``, ``enable_prefix_caching``, ``seed`` ...) or
     vLLM's engine arguments, sorted by ``engine.llm_options``. An option not given (``seed``,
-    ``gpu_memory_utilization`` ...) or given as None takes ``EngineConfig``'s default, its only one.
+    ``gpu_memory_utilization`` ...) or given as None takes ``EngineConfig``'s default, its only one,
+    except ``attention_backend`` and ``flat_model``: those default to the fastest configuration
+    for the model's device and dtype (``engine.serve.registry.fastest_options``: on a CPU with a
+    C++ compiler, the "cpu" backend and the "fused" flat model), as vLLM serves with its fastest.
+    Name them to run the chapter's own pieces (``attention_backend="reference", flat_model="flat"``).
 
     Invariant: every live engine request of this LLM has a ``CompletionState`` in ``_live``, and
     the core is only touched with ``_lock`` held.
@@ -90,6 +94,7 @@ class LLM(VllmExtras):
         **engine_options: Any,
     ) -> None:
         from engine.serve import EngineConfig, EngineCore
+        from engine.serve.registry import fastest_options
         from engine.serve.sizing import num_blocks_for_memory
 
         known = set(EngineConfig.field_names())
@@ -128,6 +133,10 @@ class LLM(VllmExtras):
             raise ValueError(f"tokenizer must be a Tokenizer or a directory, got {type(tokenizer).__name__}")
         self.tokenizer: Tokenizer | None = tokenizer
         self.generation_config = front.get("generation_config", "auto")
+        weight = next(self.model.parameters())
+        fastest = {k: v for k, v in fastest_options(weight.device, weight.dtype).items() if k not in options}
+        if fastest:  # the configuration not named: this machine's fastest for the model's device and dtype
+            config = dataclasses.replace(config, **fastest)
 
         if front.get("kv_cache_memory_bytes") is not None:
             from engine.serve.flat import FlatModel

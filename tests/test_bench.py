@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from course.bench import bench_main, longest_request, make_workload
 from course.workloads import ChatTurn, chat_workload, random_workload
@@ -213,6 +214,20 @@ def test_machine_limits_are_measured_and_cached():
     a = machine_limits(size=128, copy_mib=8, tries=1)
     assert a["peak_flops"] > 0 and a["bandwidth"] == max(a["copy_bandwidth"], a["read_bandwidth"]) > 0
     assert machine_limits(size=128, copy_mib=8, tries=1) == a, "measured once per process and setting"
+
+
+def test_a_16bit_peak_is_the_fastest_arithmetic_for_its_values():
+    """A bfloat16 model's peak is that of bfloat16 GEMMs or of float32 ones on its exactly widened
+    values, whichever is faster; on a CPU without bf16 units (emulated bfloat16 GEMMs, several
+    times slower) the float32 one."""
+    from course.roofline import describe, machine_limits
+    from engine.serve.backends.fused import fast_16bit_matmul
+
+    b = machine_limits(torch.bfloat16, size=256, copy_mib=8, tries=3)
+    assert b["dtype"] == "bfloat16" and b["peak_dtype"] in ("bfloat16", "float32")
+    if not fast_16bit_matmul(torch.bfloat16, torch.device("cpu")):
+        assert b["peak_dtype"] == "float32" and "bfloat16 values, float32 arithmetic" in describe(b)
+    assert machine_limits(torch.float32, size=256, copy_mib=8, tries=1)["peak_dtype"] == "float32"
 
 
 def test_bench_prints_the_roofline_per_decode_point(capsys):

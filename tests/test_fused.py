@@ -99,7 +99,8 @@ def test_fused_float32_linears_for_a_16bit_model():
     model16 = tiny_model(seed=3, dtype=torch.bfloat16)
     model32 = tiny_model(seed=3, dtype=torch.bfloat16).to(torch.float32)  # the same values, widened
     fused = FusedFlatModel(model16, linear_dtype=torch.float32)
-    assert fused.linear_dtype == torch.float32 and fused.layers[0]["qkv"].dtype == torch.float32
+    qkv = fused.layers[0]["qkv"]  # float32 arithmetic: a float32 copy, or the small kernel's bfloat16 panels
+    assert fused.linear_dtype == torch.float32 and qkv.dtype == (torch.bfloat16 if qkv.layout == "small" else torch.float32)
     prompt = prompts_for(model16)[0]
     core16 = EngineCore(model16, EngineConfig(attention_backend="cpu", flat_model="fused"))
     core16.flat = core16.runner.flat = fused
@@ -175,7 +176,7 @@ def test_layout_choice_is_measured_and_decided_by_rule(monkeypatch):
     monkeypatch.delenv("ENGINE_LINEAR_LAYOUT", raising=False)
     monkeypatch.setattr(ll, "_chosen", {})
     calls = []
-    monkeypatch.setattr(ll, "measure", lambda n, k, dtype, among: calls.append((n, k)) or
+    monkeypatch.setattr(ll, "measure", lambda n, k, dtype, among, weight_dtype=None: calls.append((n, k)) or
                         {"packed": (2.0, 2.0, 2.0), "small": (1.0, 1.0, 1.0)})
     first = ll.choose(96, 40, torch.float32, ("packed", "small"))
     again = ll.choose(96, 40, torch.float32, ("packed", "small"))
@@ -203,6 +204,29 @@ def test_small_linear_matches_f_linear(threads, monkeypatch):
         assert err < 1e-4, f"SmallLinear differs from F.linear by {err:.2e} at {rows} rows ({threads} thread(s))"
     with pytest.raises(ValueError, match="float32"):
         SmallLinear(weight.double())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bfloat16_panels_compute_what_float32_panels_of_the_same_values_do(threads, monkeypatch):
+    """A bfloat16 weight's panels keep its 16-bit values (half the bytes) and the kernel widens
+    them exactly: the output equals, bit for bit, that of float32 panels of the same values (the
+    same products in the same order), at one row, within one 6-row block, over several blocks
+    and past ROW_CHUNK, with a ragged last panel; a tied head's lookups read the weight's rows."""
+    from engine.serve.backends.cpu_linear import ROW_CHUNK, SmallLinear
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(296, 72, generator=gen).to(torch.bfloat16)  # 19 panels, the last one 8 columns wide
+    small16, small32 = SmallLinear(weight), SmallLinear(weight.float())
+    assert small16.panels.dtype == torch.bfloat16 and small16.panels.numel() == small32.panels.numel()
+    for rows in (1, 2, 5, 6, 13, 64, ROW_CHUNK + 3):
+        x = torch.randn(rows, 72, generator=gen)
+        got, want = small16(x), small32(x)
+        assert torch.equal(got, want), (f"bfloat16 panels differ from float32 panels of the same values by "
+                                        f"{(got - want).abs().max().item():.2e} at {rows} rows ({threads} thread(s)): "
+                                        "a column order or widening bug in the kernel")
+    ids = torch.tensor([0, 3, 4, 7, 8, 11, 12, 15, 16, 295])
+    assert torch.equal(small16.rows(ids), weight[ids]), "rows() must undo the bfloat16 panels' column order"
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -5,11 +5,18 @@ The chapter's files name none of the fast paths: ``EngineCore`` asks for
 maps those names to classes ("module:Class"), so ``engine/serve/backends/`` is imported only when
 one of its entries is chosen. The chapter's own pieces are the entries "reference" (attention) and
 "flat" (the model).
+
+``fastest_options`` names the configuration that serves a model fastest on this machine: the
+default of ``LLM`` and of ``run.py bench``'s fast core (``EngineConfig``'s own defaults stay the
+plain, readable ones).
 """
 from __future__ import annotations
 
 import importlib
+from importlib.util import find_spec
 from typing import Any
+
+import torch
 
 ATTENTION_BACKENDS: dict[str, str] = {
     "reference": "engine.serve.attention:ReferenceBackend",  # the chapter's loop: the oracle
@@ -39,3 +46,33 @@ def get_backend(name: str, **options: Any):
 def get_flat_model(name: str, model) -> Any:
     """The flat model called ``name`` (see ``FLAT_MODELS``) around the loaded ``model``."""
     return _load(FLAT_MODELS, "flat model", name)(model)
+
+
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float64)  # what the "cpu" backend's kernels read
+FASTEST_FLAT_MODEL = "fused"  # on every device; see fastest_options
+
+
+def fastest_options(device: torch.device | str, dtype: torch.dtype) -> dict[str, str]:
+    """The ``attention_backend`` and ``flat_model`` that serve a model of ``dtype`` on ``device``
+    fastest here: always ``flat_model="fused"``, and "triton" on a CUDA device with Triton
+    installed; "cpu" on a CPU whose C++ compiler builds its kernel, for the dtypes it reads
+    (float32, bfloat16, float64); else "torch".
+
+    Measured, not assumed (``docs/performance.md``): the compiled layer graph ("compiled") was
+    slower than the fused eager path on every CPU measured, once the fused elementwise kernels
+    existed, and it costs a compile at start-up, so it is opt-in.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        backend = "triton" if find_spec("triton") is not None else "torch"
+    elif device.type == "cpu" and dtype in CPU_KERNEL_DTYPES:
+        from engine.serve.backends.cpu_attention import load_kernel
+
+        try:
+            load_kernel()
+            backend = "cpu"
+        except ValueError:  # no C++ compiler, or a failed build: the PyTorch backend needs none
+            backend = "torch"
+    else:
+        backend = "torch"
+    return {"attention_backend": backend, "flat_model": FASTEST_FLAT_MODEL}

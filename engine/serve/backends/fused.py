@@ -32,9 +32,13 @@ blocking, or the small kernel's), which the bench's agreement column checks on e
 Its ``linear_dtype`` is the dtype the matmuls run in:
 the model's own, except for a 16-bit model on a CPU without bfloat16/float16 matmul units (no
 AVX512-BF16 / AMX), where PyTorch's 16-bit matmul is several times slower than float32's: there
-the merged weights are float32 copies of the 16-bit values and activations stay float32 between
-the matmuls, while the K/V pool keeps the model's dtype. That path computes more precisely than
-a native 16-bit one (so its greedy tokens drift less from float32), at twice the weights' memory.
+the matmuls run in float32 and activations stay float32 between them, while the K/V pool keeps
+the model's dtype. A bfloat16 model's weights then stay bfloat16 where the small kernel's panels
+hold them (``linear_layout.held_dtype``: widened exactly in registers, so the products are those
+of float32 copies, from half the bytes; at Qwen3-0.6B's shape a lone request's decode step
+reads them at the memory roofline, ``docs/performance.md``); a layout of oneDNN's holds a
+float32 copy. That path computes more precisely than a native 16-bit one (so its greedy tokens
+drift less from float32).
 MoE layers run their own block unchanged.
 """
 from __future__ import annotations
@@ -133,7 +137,8 @@ class FusedFlatModel(FlatModel):
         self.linear_dtype = linear_dtype
         self.pack = packable(linear_dtype, device) if pack is None else pack
         linear_layout.forced_layout(layout)  # a bad name: ValueError before anything is built
-        # The small-batch kernel's panels: float32 CPU weights, where the kernel builds.
+        # The small-batch kernel's panels: float32 arithmetic on CPU, where the kernel builds (a
+        # bfloat16 model's panels keep its 16-bit values: linear_layout.held_dtype).
         small = linear_dtype == torch.float32 and device.type == "cpu" and cpu_linear.library() is not None
         # Each linear's candidate layouts, the reference (kept on a near-tie) first.
         candidates = (("packed",) if self.pack else ()) + (("small",) if small else ()) or ("plain",)
@@ -145,7 +150,7 @@ class FusedFlatModel(FlatModel):
         self.choices: dict[tuple[int, int], linear_layout.Choice] = {}  # per weight shape [out, in]
 
         def choose(n: int, k: int, among: tuple[str, ...]) -> linear_layout.Choice:
-            choice = linear_layout.choose(n, k, linear_dtype, among, layout)
+            choice = linear_layout.choose(n, k, linear_dtype, among, layout, weight_dtype=dtype)
             self.choices[(n, k)] = choice
             return choice
 
@@ -161,7 +166,8 @@ class FusedFlatModel(FlatModel):
                 if choice.layout == "plain" and not cast:
                     share_rows(whole, params)
                     return Linear(whole, "plain", choice)
-                out = Linear(whole.to(linear_dtype), choice.layout, choice)
+                out = Linear(whole.to(linear_layout.held_dtype(choice.layout, linear_dtype, dtype)), choice.layout,
+                             choice)
             release_pages([p.detach() for p in params])
             return out
 

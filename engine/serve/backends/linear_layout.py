@@ -78,17 +78,31 @@ def forced_layout(layout: str | None) -> str | None:
     return asked
 
 
-def measure(n: int, k: int, dtype: torch.dtype, candidates: tuple[str, ...]) -> dict[str, tuple[float, ...]]:
+def held_dtype(layout: str, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype a linear computing in ``dtype`` holds its weight in, for a model whose weights
+    are ``weight_dtype``: the compute dtype, except that the small kernel's panels keep a bfloat16
+    model's own values when it computes in float32 (widened in registers: the same float32
+    products, from half the bytes)."""
+    if (layout == "small" and dtype == torch.float32 and weight_dtype is not None
+            and weight_dtype in cpu_linear.PANEL_DTYPES):
+        return weight_dtype
+    return dtype
+
+
+def measure(n: int, k: int, dtype: torch.dtype, candidates: tuple[str, ...],
+            weight_dtype: torch.dtype | None = None) -> dict[str, tuple[float, ...]]:
     """Ms of each candidate layout at each of ``PROBE_ROWS`` rows (its fastest round), on seeded
-    random [n, k] weights (at most ``PROBE_MAX_OUT`` rows of them). At the fewest rows, where a
+    random [n, k] weights (at most ``PROBE_MAX_OUT`` rows of them), each held as it would be
+    (``held_dtype``), inputs in ``dtype``. At the fewest rows, where a
     step's time is the weight's trip from memory, the probe cycles through copies that do not fit
     in the caches together; at more rows the arithmetic decides and one copy is timed."""
     n = min(n, PROBE_MAX_OUT)
     gen = torch.Generator().manual_seed(0)
     size = n * k * torch.empty((), dtype=dtype).element_size()
     copies = max(2, min(PROBE_MAX_COPIES, PROBE_BYTES // max(size, 1)))
-    weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies)]
-    layouts = {name: [Linear(w, name) for w in weights] for name in candidates}
+    weights = [torch.randn(n, k, generator=gen).to(weight_dtype or dtype) for _ in range(copies)]
+    layouts = {name: [Linear(w.to(held_dtype(name, dtype, weight_dtype)), name) for w in weights]
+               for name in candidates}
     out: dict[str, list[float]] = {name: [] for name in candidates}
     with torch.inference_mode():
         for rows in PROBE_ROWS:
@@ -116,19 +130,20 @@ def decide(ms: dict[str, tuple[float, ...]]) -> str:
     return best if geo[best] < (1 - MARGIN) * geo[reference] else reference
 
 
-def choose(n: int, k: int, dtype: torch.dtype, candidates: tuple[str, ...], layout: str | None = None) -> Choice:
-    """The layout an [n, k] weight of ``dtype`` keeps among ``candidates`` (available here, the
-    reference first): when one is forced, that one (the reference if it is not a candidate);
-    else the only one, else measured
-    (cached per shape, dtype, thread count and candidates)."""
+def choose(n: int, k: int, dtype: torch.dtype, candidates: tuple[str, ...], layout: str | None = None,
+           weight_dtype: torch.dtype | None = None) -> Choice:
+    """The layout an [n, k] weight computing in ``dtype`` keeps among ``candidates`` (available
+    here, the reference first), for a model whose weights are ``weight_dtype`` (default ``dtype``):
+    when one is forced, that one (the reference if it is not a candidate); else the only one,
+    else measured (cached per shape, dtypes, thread count and candidates)."""
     forced = forced_layout(layout)
     if forced is not None:  # where it is not a candidate: the reference
         return Choice(forced if forced in candidates else candidates[0], {}, forced=True)
     if len(candidates) == 1:
         return Choice(candidates[0], {})
-    key = (min(n, PROBE_MAX_OUT), k, dtype, torch.get_num_threads(), candidates)
+    key = (min(n, PROBE_MAX_OUT), k, dtype, weight_dtype, torch.get_num_threads(), candidates)
     if key not in _chosen:
-        ms = measure(n, k, dtype, candidates)
+        ms = measure(n, k, dtype, candidates, weight_dtype)
         _chosen[key] = Choice(decide(ms), ms)
     return _chosen[key]
 
@@ -166,8 +181,8 @@ class Linear:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [N] of the weight, [N, in] (an embedding lookup in a tied head's layout);
         plain or panels only (oneDNN's packed layout is opaque)."""
-        if self.small is not None:  # panels [P, K, 16]: row r is panels[r // 16, :, r % 16]
-            return self.small.panels[ids // cpu_linear.PANEL, :, ids % cpu_linear.PANEL]
+        if self.small is not None:
+            return self.small.rows(ids)
         if self.weight is None:
             raise ValueError("a packed linear cannot look up rows")
         return F.embedding(ids, self.weight)
