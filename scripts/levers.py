@@ -245,44 +245,63 @@ def linear(args) -> None:
     """The small-batch kernel on one step's linears (every layer's weights: they do not fit in
     the caches together), with and without its software prefetch, oneDNN's prepacked matmul and
     the plain weight through F.linear; ``--preset`` the model's shapes (``--layers`` of them),
-    ``--rows`` the row counts. Beside each time: GFLOP/s, and the weights' GB read per second
-    (at one row a linear streams its weight once: compare with the memory bandwidth that
-    ``course.roofline.machine_limits`` measures, the one the bench's roofline uses)."""
+    ``--rows`` the row counts. Beside each time: GFLOP/s, and the GB of weights each variant
+    holds read per second (at one row a linear streams its weight once: compare with the memory
+    bandwidth that ``course.roofline.machine_limits`` measures, the one the bench's roofline uses).
+    ``--dtype bfloat16``: bfloat16 weights with float32 inputs, as a bfloat16 model runs on a CPU
+    without bf16 units: the kernel on the weights' own bfloat16 panels, on float32 panels of the
+    same values, oneDNN and F.linear on float32 copies (and oneDNN's bfloat16 matmul where the CPU
+    has bf16 units)."""
     from course.bench import MODEL_PRESETS
     from course.roofline import describe, machine_limits
     from engine.serve.backends.cpu_linear import SmallLinear
-    from engine.serve.backends.fused import Linear
+    from engine.serve.backends.fused import Linear, fast_16bit_matmul
 
     p = MODEL_PRESETS[args.preset]
     d, inter, hq, hkv, dh = p["hidden_size"], p["intermediate_size"], p["num_attention_heads"], \
         p["num_key_value_heads"], p["head_dim"]
     shapes = [((hq + 2 * hkv) * dh, d), (d, hq * dh), (2 * inter, d), (d, inter)] * (args.layers or p["num_hidden_layers"])
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen) for n, k in shapes]
-    small = [SmallLinear(w) for w in weights]
-    onednn = [Linear(w, "packed") for w in weights]
-    nbytes = sum(w.numel() * w.element_size() for w in weights)
-    print(f"{args.preset}, {len(weights)} linears ({nbytes / 1e9:.2f} GB of float32 weights); the roofline's "
-          f"limits here: {describe(machine_limits(torch.float32))}")
+    dtype = getattr(torch, args.dtype)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise SystemExit("levers.py linear: --dtype float32 or bfloat16")
+    weights = [torch.randn(n, k, generator=gen).to(dtype) for n, k in shapes]
+    wide = [w.float() for w in weights]  # float32 values (the same ones for a bfloat16 model)
+    layers: dict[str, list] = {}
+    if dtype == torch.bfloat16:
+        layers["bf16 panels"] = [SmallLinear(w) for w in weights]
+    layers["prefetch"] = [SmallLinear(w) for w in wide]
+    layers["onednn"] = [Linear(w, "packed") for w in wide]
+    if dtype == torch.bfloat16 and fast_16bit_matmul(dtype, torch.device("cpu")):
+        layers["onednn bf16"] = [Linear(w, "packed") for w in weights]
+    held = {name: (2 if name.startswith(("bf16", "onednn bf16")) else 4) * sum(w.numel() for w in weights)
+            for name in (*layers, "no prefetch", "F.linear")}
+    print(f"{args.preset}, {len(weights)} linears ({held['prefetch'] / 1e9:.2f} GB as float32, "
+          f"{held['prefetch'] / 2e9:.2f} GB as bfloat16); the roofline's limits here: "
+          f"{describe(machine_limits(dtype))}")
     for rows in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(rows, w.shape[1], generator=gen) for w in weights]
         flops = sum(2 * rows * w.numel() for w in weights)
 
-        def run(layers, prefetch=True):
+        def run(fns, prefetch=True, inputs=xs):
             def f():
-                for lin, x in zip(layers, xs):
+                for lin, x in zip(fns, inputs):
                     if isinstance(lin, SmallLinear):
                         lin.prefetch = prefetch
                     lin(x)
             return f
 
         def plain():
-            for w, x in zip(weights, xs):
+            for w, x in zip(wide, xs):
                 F.linear(x, w)
-        res = interleaved({"prefetch": run(small), "no prefetch": run(small, False), "onednn": run(onednn),
-                           "F.linear": plain}, args.rounds)
+        variants = {name: run(fns, inputs=[x.to(dtype) for x in xs] if name == "onednn bf16" else xs)
+                    for name, fns in layers.items()}
+        variants["no prefetch"] = run(layers["prefetch"], False)
+        variants["F.linear"] = plain
+        res = interleaved(variants, args.rounds)
         print(f"{rows} rows, {torch.get_num_threads()} thread(s): "
-              + ", ".join(f"{k} {v} ms ({flops / v / 1e6:.0f} GFLOP/s, {nbytes / v / 1e6:.1f} GB/s)" for k, v in res.items()))
+              + ", ".join(f"{k} {v} ms ({flops / v / 1e6:.0f} GFLOP/s, {held[k] / v / 1e6:.1f} GB/s)"
+                          for k, v in res.items()))
 
 
 def elementwise(args) -> None:
