@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from engine.serve import EngineConfig, EngineCore, SamplingParams
-from engine.serve.registry import CPU_KERNEL_DTYPES, FASTEST_FLAT_MODEL, fastest_options
+from engine.serve.registry import FASTEST_FLAT_MODEL, fastest_options
 from engine.serve.slots import SlotEngine
 from course.workloads import (OPENINGS, ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload,
                               text_workload)
@@ -518,8 +518,10 @@ def default_fast_backend(device: torch.device, dtype: torch.dtype = torch.float3
     """The fastest attention backend here (``engine.serve.registry.fastest_options``: ``triton`` on
     a CUDA device with triton installed; ``cpu`` on a CPU whose compiler builds its kernel; else
     ``torch``), saying so when a CPU falls back to ``torch``."""
+    from engine.serve.backends.cpu_attention import DTYPES
+
     backend = fastest_options(device, dtype)["attention_backend"]
-    if device.type == "cpu" and backend == "torch" and dtype in CPU_KERNEL_DTYPES:
+    if device.type == "cpu" and backend == "torch" and dtype in DTYPES:
         print("the 'cpu' backend is unavailable (its C++ kernel does not build here: no compiler?); using 'torch'")
     return backend
 

@@ -48,7 +48,6 @@ def get_flat_model(name: str, model) -> Any:
     return _load(FLAT_MODELS, "flat model", name)(model)
 
 
-CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float64)  # what the "cpu" backend's kernels read
 FASTEST_FLAT_MODEL = "fused"  # on every device; see fastest_options
 
 
@@ -65,14 +64,15 @@ def fastest_options(device: torch.device | str, dtype: torch.dtype) -> dict[str,
     device = torch.device(device)
     if device.type == "cuda":
         backend = "triton" if find_spec("triton") is not None else "torch"
-    elif device.type == "cpu" and dtype in CPU_KERNEL_DTYPES:
-        from engine.serve.backends.cpu_attention import load_kernel
-
-        try:
-            load_kernel()
-            backend = "cpu"
-        except ValueError:  # no C++ compiler, or a failed build: the PyTorch backend needs none
-            backend = "torch"
     else:
         backend = "torch"
+        if device.type == "cpu":
+            from engine.serve.backends import cpu_attention
+
+            try:
+                if dtype in cpu_attention.DTYPES:
+                    cpu_attention.load_kernel()
+                    backend = "cpu"
+            except ValueError:  # no C++ compiler, or a failed build: the PyTorch backend needs none
+                pass
     return {"attention_backend": backend, "flat_model": FASTEST_FLAT_MODEL}

@@ -135,8 +135,9 @@ void one_row_panels(const float* x, const P* panel, int64_t k_dim, float* y, int
 
 constexpr int64_t kOneRowGroup = 4;  // panels read side by side for a one-row input
 // A bfloat16 panel is widened once into a float32 scratch when more than this many rows (three
-// 6-row blocks) meet it, and in each block's loop otherwise: at Qwen3-0.6B's shapes, one thread,
-// in-loop was 12% faster at 16 rows and widening once 2% faster at 64 (even at 24 and 32).
+// 6-row blocks) meet it, and in each block's loop otherwise: timed both ways at Qwen3-0.6B's
+// shapes on one thread, the in-loop widening was the faster at 8-16 rows, the two about even at
+// 24-32, and widening once the faster from 64.
 constexpr int64_t kWidenOnceAfter = 18;
 
 // prefetch = 0: no software prefetch (the hardware's alone; scripts/levers.py linear measures both).
