@@ -133,7 +133,9 @@ class LLM(VllmExtras):
             raise ValueError(f"tokenizer must be a Tokenizer or a directory, got {type(tokenizer).__name__}")
         self.tokenizer: Tokenizer | None = tokenizer
         self.generation_config = front.get("generation_config", "auto")
-        weight = next(self.model.parameters())
+        weight = next(self.model.parameters(), None)
+        if weight is None:
+            raise ValueError("LLM needs one of our models (engine.models.load_model), not a module without weights")
         fastest = {k: v for k, v in fastest_options(weight.device, weight.dtype).items() if k not in options}
         if fastest:  # the configuration not named: this machine's fastest for the model's device and dtype
             config = dataclasses.replace(config, **fastest)

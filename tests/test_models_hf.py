@@ -725,6 +725,10 @@ def test_llm_chat_and_model_object(ckpt, capsys):
         LLM(model, block_size=4, num_blocks=16).generate("text needs a tokenizer")
     with pytest.raises(ValueError, match="unknown LLM option"):
         LLM(model, tok, num_blockz=4)
+    bare = torch.nn.Module()
+    bare.cfg = model.cfg  # looks like one of ours, holds no weights
+    with pytest.raises(ValueError, match="without weights"):
+        LLM(bare, tok)
 
 
 def test_llm_without_tokenizer_files(ckpt, tmp_path):
