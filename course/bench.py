@@ -518,11 +518,14 @@ def default_fast_backend(device: torch.device, dtype: torch.dtype = torch.float3
     """The fastest attention backend here (``engine.serve.registry.fastest_options``: ``triton`` on
     a CUDA device with triton installed; ``cpu`` on a CPU whose compiler builds its kernel; else
     ``torch``), saying so when a CPU falls back to ``torch``."""
-    from engine.serve.backends.cpu_attention import DTYPES
+    from engine.serve.backends.cpu_attention import DTYPES, load_kernel
 
     backend = fastest_options(device, dtype)["attention_backend"]
     if device.type == "cpu" and backend == "torch" and dtype in DTYPES:
-        print("the 'cpu' backend is unavailable (its C++ kernel does not build here: no compiler?); using 'torch'")
+        try:
+            load_kernel()  # its failure is remembered: this only reads the reason
+        except ValueError as exc:
+            print(f"the 'cpu' backend is unavailable ({str(exc).splitlines()[0]}); using 'torch'")
     return backend
 
 

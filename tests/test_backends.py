@@ -462,6 +462,26 @@ def test_cpu_kernel_build_with_a_bad_compiler(tmp_path, monkeypatch):
     assert not [p for p in (tmp_path / "cache").iterdir() if p.suffix == ".tmp"], "a failed build left its temp file"
 
 
+def test_an_attention_kernel_that_cannot_be_built_is_tried_once(tmp_path, monkeypatch):
+    """Where the attention kernel does not build, load_kernel says why in a ValueError, the same
+    one each time without running the compiler again (every LLM asks, through fastest_options),
+    and fastest_options falls back to the "torch" backend."""
+    from engine.serve import registry
+    from engine.serve.backends import cpu_attention
+
+    monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setattr(cpu_attention, "_kernel", cpu_attention.OptionalKernels(cpu_attention.SOURCE, cpu_attention._declare))
+    builds = []
+    build = cpu_attention.build_library
+    monkeypatch.setattr(cpu_attention, "build_library", lambda source: builds.append(source) or build(source))
+    for _ in range(3):
+        with pytest.raises(ValueError, match="is not an executable file"):
+            cpu_attention.load_kernel()
+    assert registry.fastest_options("cpu", torch.float32)["attention_backend"] == "torch"
+    assert len(builds) == 1, f"the failed build ran {len(builds)} times"
+
+
 def test_cpu_kernel_builds_use_their_own_temporary_files(tmp_path):
     """Two builds of one library at once (two processes, or two threads of one) must never write
     the same temporary file: each compiler run gets a fresh name, renamed onto the library at the end."""

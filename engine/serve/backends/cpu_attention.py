@@ -54,7 +54,6 @@ DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float64: "
 MIN_ROWS_PER_THREAD = 4  # fewer decode rows than this per thread: one thread does them all
 MIN_WRITE_ROWS_PER_THREAD = 64  # a row's K/V copy is far less work than its attention: share big writes only
 COMPILE_TIMEOUT_S = 300  # a compiler that hangs (or a CXX that waits on input) fails the build after this
-_library: ctypes.CDLL | None = None
 
 
 def cache_dir() -> Path:
@@ -209,24 +208,31 @@ def _compile(compiler: list[str], source: Path, flags: tuple[str, ...], lib: Pat
             os.unlink(tmp)
 
 
-def load_kernel() -> ctypes.CDLL:
-    """The compiled attention kernel library (built once per source, compiler, flags and CPU)."""
-    global _library
-    if _library is not None:
-        return _library
-    _library = build_library(SOURCE)
+def _declare(lib: ctypes.CDLL) -> None:
     for name in DTYPES.values():
-        fn = getattr(_library, f"paged_decode_{name}")
+        fn = getattr(lib, f"paged_decode_{name}")
         fn.restype = ctypes.c_int64  # the number of rows whose keys lie outside the pool (then nothing is computed)
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 7 \
             + [ctypes.c_double, ctypes.c_int64]
-        fn = getattr(_library, f"write_kv_{name}")
+        fn = getattr(lib, f"write_kv_{name}")
         fn.restype = ctypes.c_int64  # the number of slots out of range (then nothing is written)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] \
             + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-    _library.paged_set_prefetch.restype = None  # on by default; off only to measure it (scripts/levers.py)
-    _library.paged_set_prefetch.argtypes = [ctypes.c_int64]
-    return _library
+    lib.paged_set_prefetch.restype = None  # on by default; off only to measure it (scripts/levers.py)
+    lib.paged_set_prefetch.argtypes = [ctypes.c_int64]
+
+
+_kernel = OptionalKernels(SOURCE, _declare)
+
+
+def load_kernel() -> ctypes.CDLL:
+    """The compiled attention kernel library (built once per source, compiler, flags and CPU);
+    ValueError saying why where it cannot be built here (tried once per process: asking again,
+    as every ``LLM`` does when it picks its backend, does not run the compiler again)."""
+    lib = _kernel.get()
+    if lib is None:
+        raise ValueError(_kernel.why)
+    return lib
 
 
 class CPUBackend(TorchBackend):

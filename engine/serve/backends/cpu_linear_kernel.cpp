@@ -145,7 +145,6 @@ constexpr int64_t kWidenOnceAfter = 18;
 // measured slower (256 rows) or even (64 rows): it is used at most up to there.
 constexpr int64_t kPrefetchMaxRows = 64;
 
-
 template <typename P>
 void linear(const float* x, const P* packed, float* y, int64_t m, int64_t k_dim, int64_t n, int64_t threads,
             int64_t prefetch) {
