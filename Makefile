@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	-@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
 	    apt-get install -y -q bubblewrap >/dev/null 2>&1; }; }; } || true
-	$(PY) -c "from course.sandbox import find_bwrap as f; print('grader sandbox:', f() or 'NONE (run.py grade will need --unsafe)')"
+	$(PY) -c "from course.grading.sandbox import find_bwrap as f; print('grader sandbox:', f() or 'NONE (run.py grade will need --unsafe)')"
 	touch $(STAMP)
 
 run: $(STAMP)                ## the chapter benchmark on the reference engine
@@ -44,36 +44,36 @@ test-learner: $(STAMP)       ## the chapter's tests and engine checks against YO
 	$(PYTEST) -q --impl engine --timeout 120 $(LEARNER_TESTS)
 
 solutions-branch: $(STAMP)   ## the local git branch `solutions`: every hole filled from solutions/ (your working tree is not touched)
-	$(PY) -m course.editions solutions-branch
+	$(PY) -m course.learner.editions solutions-branch
 
 handout: $(STAMP)            ## the learner edition, without solutions/: make handout DEST=dir
 	$(if $(DEST),,$(error give the directory: make handout DEST=dir))
-	$(PY) -m course.editions handout $(DEST)
+	$(PY) -m course.learner.editions handout $(DEST)
 
 grade: $(STAMP)              ## grade checkouts hole by hole: make grade [CHECKOUT="path ..."] [FOLDER=dir]
 	$(PY) run.py grade $(CHECKOUT) $(if $(FOLDER),--folder $(FOLDER),) $(if $(JOBS),--jobs $(JOBS),)
 
 gradescope: $(STAMP)         ## the Gradescope bundle: gradescope/setup.sh and gradescope/run_autograder
-	$(PY) -m course.gradescope write gradescope
+	$(PY) -m course.grading.gradescope write gradescope
 
 mutants: $(STAMP)            ## apply each named bug to the reference; the tests must kill every one
-	$(PY) -m course.mutants
+	$(PY) -m course.quality.mutants
 
 bug-corpus: $(STAMP)         ## the learner-bug corpus: each bug against its hole's tests, then the chapter file; writes docs/bug-corpus.md
-	$(PY) -m course.bug_corpus --table docs/bug-corpus.md
+	$(PY) -m course.quality.bug_corpus --table docs/bug-corpus.md
 
 SOAK_FAST_OPS ?= 5000
 soak: $(STAMP)               ## 20,000 random engine operations with invariant checks after each, then SOAK_FAST_OPS on each fast path
-	$(PY) scripts/soak.py --operations 20000 --impl solution
-	$(PY) scripts/soak.py --operations $(SOAK_FAST_OPS) --path torch --impl solution
-	$(PY) scripts/soak.py --operations $(SOAK_FAST_OPS) --path cpu --impl solution
-	$(PY) scripts/soak.py --operations $(SOAK_FAST_OPS) --path compiled --impl solution
+	$(PY) -m course.quality.soak --operations 20000 --impl solution
+	$(PY) -m course.quality.soak --operations $(SOAK_FAST_OPS) --path torch --impl solution
+	$(PY) -m course.quality.soak --operations $(SOAK_FAST_OPS) --path cpu --impl solution
+	$(PY) -m course.quality.soak --operations $(SOAK_FAST_OPS) --path compiled --impl solution
 
 notebooks: $(STAMP)          ## execute the chapter notebook: make notebooks [IMPL=engine] (default: the reference)
-	$(PY) -m course.notebooks --impl $(IMPL)
+	$(PY) -m course.figures.notebooks --impl $(IMPL)
 
 figures: $(STAMP)            ## the chapter README's pictures (chapters/31-engine-v2/figures/*.png): make figures [IMPL=engine]
-	$(PY) -m course.chapter_figures --impl $(IMPL)
+	$(PY) -m course.figures.chapter --impl $(IMPL)
 
 bench: $(STAMP)              ## engines side by side (chapter 24, core, fast backend, HF transformers)
 	$(PY) run.py bench
@@ -97,7 +97,7 @@ test-triton: $(STAMP)        ## the Triton backend's full tests under the CPU in
 	TRITON_INTERPRET=1 $(PYTEST) -q --impl solution tests/test_triton_backend.py --triton-full
 
 gpu-check: $(STAMP)          ## Triton backend tests and the bench on a CUDA device
-	$(PY) scripts/gpu_check.py
+	$(PY) -m course.bench.gpu_check
 
 # The shipped models/qwen3-kjv-tiny: the King James text comes from Debian's bible-kjv(-text) packages,
 # installed here when missing (as root, with apt-get); elsewhere the message says what to install.
@@ -109,7 +109,7 @@ train-tiny: $(STAMP)         ## retrain the shipped tiny real model (KJV text; ~
 	  else \
 	    echo "train-tiny needs Debian's King James text: sudo apt-get install bible-kjv bible-kjv-text" >&2; exit 2; \
 	  fi; }
-	$(PY) -m course.train_tiny --out $(TINY_OUT)
+	$(PY) -m course.train.tiny --out $(TINY_OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

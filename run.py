@@ -23,7 +23,7 @@ def _run_guarded(fn, argv: list[str]) -> int:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except NotImplementedError as exc:
-        from course.holes import unfilled_holes
+        from course.learner.holes import unfilled_holes
 
         left = unfilled_holes()
         lines = [f"Your engine is not finished yet: {exc}."]
@@ -39,9 +39,9 @@ def _run_guarded(fn, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"core": "course.bench_core:core_main", "generate": "course.cli_generate:generate_main",
-                "bench": "course.bench:bench_main",
-                "bench-peers": "course.bench_peers:peers_main", "grade": "course.grade:grade_main"}
+    commands = {"core": "course.bench.core:core_main", "generate": "course.learner.cli_generate:generate_main",
+                "bench": "course.bench.compare:bench_main",
+                "bench-peers": "course.bench.peers:peers_main", "grade": "course.grading.grade:grade_main"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):
@@ -51,14 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command != "grade":
         if apply_impl(rest, prog=f"run.py {command}") == "engine":
-            from course.holes import outside_hole_edits
+            from course.learner.holes import outside_hole_edits
 
             for edit in outside_hole_edits() or []:  # they run here as in the tests; no hole asks for them
                 print(f"note: your edit outside the holes: {edit}", file=sys.stderr)
     import importlib
 
     if command == "bench" and "--memory" in rest:  # one process per engine: its own options
-        commands[command] = "course.bench_memory:memory_main"
+        commands[command] = "course.bench.memory:memory_main"
     module_name, fn_name = commands[command].split(":")
     fn = getattr(importlib.import_module(module_name), fn_name)
     return _run_guarded(fn, rest)

@@ -1,6 +1,10 @@
-"""The course's tooling around the engine: benchmarks, workloads, baselines, visualisation, the
-invariant checker, fault injection, grading, the learner layer's tools (holes, editions) and the mutants.
+"""The course's tools around the engine, in rooms by purpose. Run from the repository root: only
+``engine`` is an installed package, and the engine never imports ``course`` (``tests/test_layout.py``).
 
-It imports the engine; the engine never imports it (``tests/test_layout.py`` checks). Run from the
-repository root: only ``engine`` is an installed package.
+- ``course.learner``: what a learner's commands stand on (holes on the syntax tree, editions, test runs, ``run.py generate``).
+- ``course.grading``: the instructor's grader (sandbox, scenarios, verdicts, copy check, Gradescope).
+- ``course.bench``: benchmarks and the race with vLLM (workloads, baselines, roofline, levers).
+- ``course.quality``: the tests' own quality (mutants, the bug corpus, invariants, faults, soak, the house plan).
+- ``course.figures``: pictures and the notebook runner; the chapter's back-of-envelope figures.
+- ``course.train``: training the shipped tiny model.
 """

@@ -73,7 +73,7 @@ class LLM(VllmExtras):
     vLLM's engine arguments, sorted by ``engine.llm_options``. An option not given (``seed``,
     ``gpu_memory_utilization`` ...) or given as None takes ``EngineConfig``'s default, its only one,
     except ``attention_backend`` and ``flat_model``: those default to the fastest configuration
-    for the model's device and dtype (``engine.serve.registry.fastest_options``: on a CPU with a
+    for the model's device and dtype (``engine.fast.choose.fastest_options``: on a CPU with a
     C++ compiler, the "cpu" backend and the "fused" flat model), as vLLM serves with its fastest.
     Name them to run the chapter's own pieces (``attention_backend="reference", flat_model="flat"``).
 
@@ -94,7 +94,7 @@ class LLM(VllmExtras):
         **engine_options: Any,
     ) -> None:
         from engine.serve import EngineConfig, EngineCore
-        from engine.serve.registry import fastest_options
+        from engine.fast.choose import fastest_options
         from engine.serve.sizing import num_blocks_for_memory
 
         known = set(EngineConfig.field_names())

@@ -17,7 +17,7 @@ Every command runs the 2-layer test model on a CPU in well under a minute. Commo
 matmuls are so small that more threads only add overhead), ``--model DIR`` and ``--device`` run a
 real checkpoint (for example Qwen3-0.6B on a GPU) where the model matters.
 
-The engine is never modified: statistics are read from the outside (``course.viz.StepTracer`` and
+The engine is never modified: statistics are read from the outside (``course.figures.viz.StepTracer`` and
 the BlockManager's counters), and the cache-aware policy is a Scheduler subclass defined here.
 """
 from __future__ import annotations
@@ -48,8 +48,8 @@ import torch  # noqa: E402
 from engine.models import load_model, tiny_model  # noqa: E402
 from engine.serve import (BlockManager, EngineConfig, EngineCore, Request, SamplingParams,  # noqa: E402
                           Scheduler)
-from course.viz import StepRecord, StepTracer  # noqa: E402
-from course.workloads import ChatTurn, chat_workload  # noqa: E402
+from course.figures.viz import StepRecord, StepTracer  # noqa: E402
+from course.bench.workloads import ChatTurn, chat_workload  # noqa: E402
 
 VOCAB = 512  # the test model's vocabulary; workloads draw token ids below this
 

@@ -128,7 +128,7 @@ def where_raised(exc: BaseException) -> tuple[str, str]:
 def run_checked(core, after_step=None, max_steps: int = 5000) -> dict[str, list[int]]:
     """Step ``core`` until idle, checking every engine invariant after each step (and calling
     ``after_step(core)`` if given); returns the finished requests' output tokens by id."""
-    from course.invariants import check_engine_invariants
+    from course.quality.invariants import check_engine_invariants
 
     out: dict[str, list[int]] = {}
     for _ in range(max_steps):

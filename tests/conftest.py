@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from course.holes import import_engine
+from course.learner.holes import import_engine
 from engine import _impl
 
 _ISOLATION_KEY = pytest.StashKey()
@@ -89,7 +89,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _warnings(config) -> list[str]:
-    from course.holes import outside_hole_edits
+    from course.learner.holes import outside_hole_edits
 
     lines = [f"NOT IMPORTED: {why}" for why in config.stash.get(_BROKEN_KEY, {}).values()]
     edits = outside_hole_edits()
@@ -106,7 +106,7 @@ def _warnings(config) -> list[str]:
 def pytest_report_header(config):
     if _impl.current_impl() == "solution":
         return ["chapter 31: the reference answers in every hole (--impl solution)"]
-    from course.holes import unfilled_holes
+    from course.learner.holes import unfilled_holes
 
     total, left = len(_impl.all_holes()), len(unfilled_holes())
     how = ("a hole's tests use the reference for the other holes" if _ISOLATION_KEY in config.stash else

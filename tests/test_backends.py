@@ -19,7 +19,7 @@ from engine.serve.attention import ReferenceBackend
 from engine.serve.registry import ATTENTION_BACKENDS as BACKENDS, get_backend
 from engine.serve.batch import build_batch
 from engine.serve.request import Request
-from engine.serve.backends.torch_attention import TorchBackend
+from engine.fast.torch_attention import TorchBackend
 
 pytestmark = pytest.mark.given  # the backends are complete code; the reference holes serve as oracle
 
@@ -95,7 +95,7 @@ def test_torch_backend_matches_reference(seed, block_size, hq, hkv, window):
 def test_torch_backend_pure_decode(window, threads, monkeypatch):
     """A batch of decodes only (the common step) takes the no-gather path; padded, the general one.
     The cpu backend's kernel serves it in one call, or split over two threads."""
-    from engine.serve.backends.cpu_attention import CPUBackend
+    from engine.fast.cpu_attention import CPUBackend
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the kernel splits rows by torch's setting
     for pad in (0, 3):
@@ -277,7 +277,7 @@ def test_engine_with_cascade_attention_matches_generate():
 @pytest.mark.parametrize("seed,block_size,hq,hkv,window", CASES)
 def test_cpu_backend_matches_reference(seed, block_size, hq, hkv, window):
     """Mixed batches: every row through the kernel (the default), or multi-row requests through the tile path."""
-    from engine.serve.backends.cpu_attention import CPUBackend
+    from engine.fast.cpu_attention import CPUBackend
 
     q, cache, meta = random_paged_batch(seed, block_size, hq, hkv)
     want = ReferenceBackend().forward(q, cache, meta, window=window)
@@ -292,7 +292,7 @@ def test_cpu_backend_matches_reference(seed, block_size, hq, hkv, window):
 
 def test_cpu_backend_dtypes():
     """bfloat16 pools are read as bfloat16 (output bfloat16, close to the reference); float64 exact."""
-    from engine.serve.backends.cpu_attention import CPUBackend
+    from engine.fast.cpu_attention import CPUBackend
 
     q, cache, meta = random_paged_batch(12, 16, 4, 2, dtype=torch.bfloat16, decode_only=True)
     got = CPUBackend().forward(q, cache, meta)
@@ -311,7 +311,7 @@ def test_cpu_backend_write_matches_write_kv(pool_dtype):
     as strided views of a merged projection, padding rows (slot -1) into the last slot, bfloat16
     pools rounded as torch rounds; a slot outside the pool is a ValueError that writes nothing."""
     from engine.serve.attention import write_kv
-    from engine.serve.backends.cpu_attention import CPUBackend
+    from engine.fast.cpu_attention import CPUBackend
 
     _, cache, meta = random_paged_batch(13, 4, 4, 2, head_dim=8)
     n = meta.slot_mapping.shape[0]
@@ -335,7 +335,7 @@ def test_cpu_backend_write_matches_write_kv(pool_dtype):
 
 def test_cpu_kernel_cache_key_names_the_cpu(monkeypatch):
     """The kernel is built with -march=native: another CPU (model or feature flags) gets its own build."""
-    from engine.serve.backends import cpu_attention
+    from engine.fast import cpu_attention
 
     here = cpu_attention.kernel_path("c++")
     assert here == cpu_attention.kernel_path("c++"), "the cache key must be stable on one machine"
@@ -347,8 +347,8 @@ def test_cpu_kernels_on_two_real_threads():
     """Both CPU kernels split their work over torch's OpenMP workers (``cpu_kernel_share.h``): on
     two real torch threads a mixed float64 batch still equals the reference, and the small-batch
     linear kernel equals ``F.linear``."""
-    from engine.serve.backends import cpu_linear
-    from engine.serve.backends.cpu_attention import CPUBackend
+    from engine.fast import cpu_linear
+    from engine.fast.cpu_attention import CPUBackend
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -373,7 +373,7 @@ def test_cpu_kernel_build_boundaries(tmp_path, monkeypatch):
     import shutil
     import stat
 
-    from engine.serve.backends import cpu_attention
+    from engine.fast import cpu_attention
 
     real = shutil.which("c++") or shutil.which("g++")
     open_cache = tmp_path / "shared-cache"
@@ -406,7 +406,7 @@ def test_cpu_backend_refuses_block_tables_outside_the_pool(in_place):
     """A block-table entry outside the pool (far past it, just past it, negative) or a context longer
     than the table is a ValueError before any key is read — never a crash or heap memory in the
     output — as the reference and torch backends refuse such a table too (they raise)."""
-    from engine.serve.backends.cpu_attention import CPUBackend
+    from engine.fast.cpu_attention import CPUBackend
 
     q, cache, meta = random_paged_batch(14, 4, 4, 2, decode_only=True)
     num_blocks = cache[0].shape[0]
@@ -437,7 +437,7 @@ def test_cpu_kernel_build_with_a_bad_compiler(tmp_path, monkeypatch):
     import shutil
     import stat
 
-    from engine.serve.backends import cpu_attention
+    from engine.fast import cpu_attention
 
     real = shutil.which("c++") or shutil.which("g++")
     monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(tmp_path / "cache"))
@@ -466,8 +466,8 @@ def test_an_attention_kernel_that_cannot_be_built_is_tried_once(tmp_path, monkey
     """Where the attention kernel does not build, load_kernel says why in a ValueError, the same
     one each time without running the compiler again (every LLM asks, through fastest_options),
     and fastest_options falls back to the "torch" backend."""
-    from engine.serve import registry
-    from engine.serve.backends import cpu_attention
+    from engine.fast import choose
+    from engine.fast import cpu_attention
 
     monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
@@ -478,7 +478,7 @@ def test_an_attention_kernel_that_cannot_be_built_is_tried_once(tmp_path, monkey
     for _ in range(3):
         with pytest.raises(ValueError, match="is not an executable file"):
             cpu_attention.load_kernel()
-    assert registry.fastest_options("cpu", torch.float32)["attention_backend"] == "torch"
+    assert choose.fastest_options("cpu", torch.float32)["attention_backend"] == "torch"
     assert len(builds) == 1, f"the failed build ran {len(builds)} times"
 
 
@@ -487,7 +487,7 @@ def test_cpu_kernel_builds_use_their_own_temporary_files(tmp_path):
     the same temporary file: each compiler run gets a fresh name, renamed onto the library at the end."""
     import stat
 
-    from engine.serve.backends import cpu_attention
+    from engine.fast import cpu_attention
 
     log = tmp_path / "outputs.log"
     fake = tmp_path / "fake-c++"
@@ -505,7 +505,7 @@ def test_cpu_kernel_cache_parents_must_be_private_too(tmp_path):
     """A private cache inside a folder others can write to (and not sticky) is refused: another user
     could rename the cache away and put their own in its place before the library is loaded. A
     sticky world-writable parent (as /tmp) is fine."""
-    from engine.serve.backends import cpu_attention
+    from engine.fast import cpu_attention
 
     for mode, refused in ((0o777, True), (0o1777, False), (0o755, False)):
         parent = tmp_path / f"parent-{mode:o}"
@@ -544,7 +544,7 @@ def test_fused_torch_engine_needs_no_compiler(tmp_path):
 def test_cpu_kernels_refuse_shapes_that_would_read_past_their_buffers():
     """The small-batch linear and the elementwise kernels read raw pointers: rows of the wrong width,
     or weights / tables of the wrong shape, are a ValueError, never a read past a buffer."""
-    from engine.serve.backends import cpu_elementwise, cpu_linear
+    from engine.fast import cpu_elementwise, cpu_linear
 
     if cpu_linear.library() is None or cpu_elementwise.library() is None:
         pytest.fail(f"the CPU kernels did not build here: {cpu_linear._kernels.why or cpu_elementwise._kernels.why}")

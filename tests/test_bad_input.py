@@ -14,7 +14,7 @@ import torch
 from ch31_helpers import model64, oracle, run_checked
 from engine.serve import BlockManager, EngineConfig, EngineCore, SamplingParams
 from engine.serve.blocks import encode_cache_key, hash_block
-from course.invariants import check_engine_invariants, check_idle
+from course.quality.invariants import check_engine_invariants, check_idle
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7]
 SP = SamplingParams

@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from course.bench import bench_main, longest_request, make_workload
-from course.workloads import ChatTurn, chat_workload, random_workload
+from course.bench.compare import bench_main, longest_request, make_workload
+from course.bench.workloads import ChatTurn, chat_workload, random_workload
 
 pytestmark = pytest.mark.given  # the bench drives the reference engine; no learner hole is graded here
 
@@ -58,7 +58,7 @@ def test_bench_runs_and_engines_agree(tmp_path, capsys):
 def test_scaling_point_keeps_every_request_running():
     """The scaling table must measure R requests decoding together, whatever the model's size:
     the point sizes its own pool, so a bigger model cannot turn R = 256 into a preempting run."""
-    from course.bench import MODEL_PRESETS, scaling_point
+    from course.bench.compare import MODEL_PRESETS, scaling_point
     from engine.models import tiny_model
 
     # Wide K/V per token (16 kv heads of 64), as a bigger model has: the memory-sized default pool
@@ -73,7 +73,7 @@ def test_scaling_point_keeps_every_request_running():
 def test_peer_runner_time_and_agreement(capsys):
     """A peer engine (another process) reports its own serve time, which the bench uses; the
     agreement column falls back to the fast core when core/reference does not run."""
-    from course.bench import compare_engines, make_workload
+    from course.bench.compare import compare_engines, make_workload
     from engine.models import tiny_model
 
     model = tiny_model(seed=0)
@@ -100,7 +100,7 @@ def test_peer_runner_time_and_agreement(capsys):
 
 def test_bench_peers_without_its_environment(tmp_path, monkeypatch, capsys):
     """bench-peers is optional: without .venv-peers it says how to make it and exits 2."""
-    import course.bench_peers as bp
+    import course.bench.peers as bp
 
     monkeypatch.setattr(bp, "PEERS_VENV", tmp_path / "missing")
     assert bp.peers_main(["--dtypes", "float32", "--threads", "1"]) == 2
@@ -113,9 +113,9 @@ def test_core_rounds_interleave_every_variant_between_chapter_24_runs(capsys):
     """``run.py core --rounds``: each core variant runs between two chapter-24 runs of the same
     round, every run gives chapter 24's tokens (or the command fails), and a ratio is printed for
     each of the four ingredients, by wall clock and by CPU time."""
-    from course.bench_core import RATIO_VARIANTS, core_main, ratio_rounds
+    from course.bench.core import RATIO_VARIANTS, core_main, ratio_rounds
     from engine.models import tiny_model
-    from course.workloads import shared_prefix_workload
+    from course.bench.workloads import shared_prefix_workload
 
     model = tiny_model(seed=0)
     ratios = ratio_rounds(model, shared_prefix_workload(3), rounds=2, log=lambda line: None)
@@ -134,7 +134,7 @@ def test_core_comparison_with_the_reference_names_what_differs():
     """``run.py core --impl engine`` compares each core run's exact figures with the reference's:
     the same figures say "same"; a higher hit rate and more steps are named, each with what it
     suggests; other tokens name the requests."""
-    from course.bench_core import compare_with_reference
+    from course.bench.core import compare_with_reference
 
     ref = {"engine": "ch31 core, ample pool", "output_tokens": 399, "steps": 115, "prefix_hit_rate": 0.827,
            "preemptions": 12, "outputs": {"r0": [1, 2], "r1": [3]}}
@@ -165,13 +165,13 @@ def test_run_py_core_says_which_code_ran(impl, backend):
     assert out.returncode in ((0, 2) if impl == "engine" else (0,)), out.stderr  # 2: holes left to fill
 
 
-# ----- the limit: course.roofline ---------------------------------------------------------------
+# ----- the limit: course.bench.roofline ---------------------------------------------------------------
 def test_decode_step_cost_matches_a_hand_count():
     """FLOPs and bytes of a decode step, counted by hand for a tiny config: hidden 8, SwiGLU 12,
     2 layers, 2 query / 1 kv heads of 4, vocab 10; 3 requests of 5 tokens of context, float32."""
     from types import SimpleNamespace
 
-    from course.roofline import decode_step_cost, roofline
+    from course.bench.roofline import decode_step_cost, roofline
 
     cfg = SimpleNamespace(hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
                           num_key_value_heads=1, head_dim=4, vocab_size=10, num_experts=0)
@@ -193,8 +193,8 @@ def test_decode_step_cost_matches_a_hand_count():
 def test_decode_step_cost_counts_every_weight_of_a_real_model():
     """The weights counted are the model's own matrices (each linear and the LM head, the tied
     embedding counted once as the head), counted from its parameters."""
-    from course.bench import MODEL_PRESETS
-    from course.roofline import decode_step_cost
+    from course.bench.compare import MODEL_PRESETS
+    from course.bench.roofline import decode_step_cost
     from engine.models import tiny_model
 
     for overrides in (MODEL_PRESETS["test"], dict(tie_word_embeddings=True, num_hidden_layers=1)):
@@ -209,7 +209,7 @@ def test_decode_step_cost_counts_every_weight_of_a_real_model():
 
 
 def test_machine_limits_are_measured_and_cached():
-    from course.roofline import machine_limits
+    from course.bench.roofline import machine_limits
 
     a = machine_limits(size=128, copy_mib=8, tries=1)
     assert a["peak_flops"] > 0 and a["bandwidth"] == max(a["copy_bandwidth"], a["read_bandwidth"]) > 0
@@ -220,8 +220,8 @@ def test_a_16bit_peak_is_the_fastest_arithmetic_for_its_values():
     """A bfloat16 model's peak is that of bfloat16 GEMMs or of float32 ones on its exactly widened
     values, whichever is faster; on a CPU without bf16 units (emulated bfloat16 GEMMs, several
     times slower) the float32 one."""
-    from course.roofline import describe, machine_limits
-    from engine.serve.backends.fused import fast_16bit_matmul
+    from course.bench.roofline import describe, machine_limits
+    from engine.fast.fused import fast_16bit_matmul
 
     b = machine_limits(torch.bfloat16, size=256, copy_mib=8, tries=3)
     assert b["dtype"] == "bfloat16" and b["peak_dtype"] in ("bfloat16", "float32")
@@ -247,7 +247,7 @@ def test_bench_prints_the_roofline_per_decode_point(capsys):
 
 def test_cpu_flags_come_from_cpuinfo(tmp_path):
     """One /proc/cpuinfo reader: the model and the matrix-unit flags, AMX included."""
-    from course.machine import cpu_model_and_flags, machine_info
+    from course.bench.machine import cpu_model_and_flags, machine_info
 
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
@@ -302,7 +302,7 @@ def test_lm_head_runs_only_on_the_rows_that_sample(flat_model):
 
 # ----- bench-peers with a fake peer ---------------------------------------------------------------
 FAKE_WORKER = '''
-"""A stand-in for scripts/vllm_worker.py: the same protocol, every token 0, 1 ms a decode step.
+"""A stand-in for course/bench/vllm_worker.py: the same protocol, every token 0, 1 ms a decode step.
 It appends each serve's "reset" flag to $FAKE_PEER_LOG."""
 import json, os, sys, time
 log = open(os.environ["FAKE_PEER_LOG"], "a")
@@ -331,7 +331,7 @@ def test_bench_peers_end_to_end_with_a_fake_peer(tmp_path, monkeypatch, capsys):
 
     import torch
 
-    import course.bench_peers as bp
+    import course.bench.peers as bp
 
     worker, log = tmp_path / "fake_worker.py", tmp_path / "resets.log"
     worker.write_text(FAKE_WORKER)
@@ -377,7 +377,7 @@ def test_bench_peers_drops_a_failing_configuration_and_goes_on(tmp_path, monkeyp
 
     import torch
 
-    import course.bench_peers as bp
+    import course.bench.peers as bp
 
     worker = tmp_path / "fake_worker.py"
     worker.write_text(FAKE_WORKER)

@@ -1,4 +1,4 @@
-"""Do the chapter's tests catch what a learner gets wrong? The learner-bug corpus (course/bug_corpus.py).
+"""Do the chapter's tests catch what a learner gets wrong? The learner-bug corpus (course/quality/bug_corpus.py).
 
 Every bug of the corpus is applied to the reference in a workspace (a temporary copy of the
 repository; never the working tree) and run against its hole's own tests, then, if those pass,
@@ -9,9 +9,9 @@ its claim is wrong); no bug may be stale (its text must still occur exactly once
 """
 from __future__ import annotations
 
-from course.bug_corpus import BUGS, FILE_OF, KINDS, MIN_BY_CHAPTER, MIN_BY_HOLE, run_all, summarize, summary_lines
-from course.holes import all_holes
-from course.mutants import MUTANTS
+from course.quality.bug_corpus import BUGS, FILE_OF, KINDS, MIN_BY_CHAPTER, MIN_BY_HOLE, run_all, summarize, summary_lines
+from course.learner.holes import all_holes
+from course.quality.mutants import MUTANTS
 
 
 def test_the_corpus_covers_every_hole_and_repeats_no_mutant():

@@ -1,4 +1,4 @@
-"""Chapter 24's slot engine (``engine/serve/slots.py``), the baseline of chapter 31's benchmark.
+"""Chapter 24's slot engine (``engine/slots.py``), the baseline of chapter 31's benchmark.
 
 Every greedy output is compared with ``generate()`` on the same prompt alone. The models are in
 float64 so that a batched pass and the one-prompt oracle cannot disagree on a near-tie.
@@ -10,7 +10,7 @@ import torch
 
 from engine.generate import generate
 from engine.models.tiny import tiny_model
-from engine.serve.slots import SlotEngine, SlotOutput
+from engine.slots import SlotEngine, SlotOutput
 
 PROMPT_LENS = (1, 5, 13, 17, 30, 2, 9)
 MAX_TOKENS = (12, 7, 15, 3, 10, 20, 1)

@@ -31,7 +31,7 @@ from engine.serve import (BlockManager, EngineConfig, EngineCore, FlatModel, Ref
                           write_kv)
 from engine.serve.scheduler import SchedulerOutput
 from engine.serve.batch import PAD_SLOT
-from course.invariants import InvariantError, check_idle
+from course.quality.invariants import InvariantError, check_idle
 
 hole = pytest.mark.hole
 ROOT = Path(__file__).resolve().parent.parent
@@ -1579,7 +1579,7 @@ def test_record_lookup_counts_each_admission_once():
     assert not bm.pending_lookups, 'free() drops the pending lookup of a request that was never admitted'
 
 
-# ===== gaps found by the bug corpus (course/bug_corpus.py, docs/bug-corpus.md): bugs a learner made
+# ===== gaps found by the bug corpus (course/quality/bug_corpus.py, docs/bug-corpus.md): bugs a learner made
 # that once passed their hole's tests. Each test pins only what its hole's docstring states.
 @hole("build_batch")
 def test_build_batch_reads_a_mapping_of_any_type_and_order_by_request_id():

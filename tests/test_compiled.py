@@ -26,7 +26,7 @@ def test_compiled_engine_matches_generate(dtype, layout, monkeypatch):
     holds no weights, so the second float32 layout reuses the first one's graph. bfloat16: the
     graph rounds where generate()'s eager ops round (emulate_precision_casts; without it a kept
     float32 intermediate flipped request r2's 19th token), so the tokens are generate()'s exactly."""
-    from engine.serve.backends.compiled import CompiledFlatModel
+    from engine.fast.compiled import CompiledFlatModel
 
     monkeypatch.setenv("ENGINE_LINEAR_LAYOUT", layout)
     model = tiny_model(seed=3, dtype=dtype)
@@ -51,7 +51,7 @@ def test_compiled_engine_matches_generate(dtype, layout, monkeypatch):
 
 
 def test_compile_refusals(monkeypatch):
-    from engine.serve.backends import compiled
+    from engine.fast import compiled
 
     with pytest.raises(ValueError, match="unknown flat model 'compile'"):
         EngineConfig(flat_model="compile")
@@ -71,7 +71,7 @@ def test_two_compiled_engines_in_two_threads():
     each must get exactly generate()'s tokens, so neither may write K/V into the other's pool nor
     run its attention on the other's step (the step context is the calling thread's)."""
     from ch31_helpers import run_in_threads
-    from engine.serve.backends.compiled import CompiledFlatModel
+    from engine.fast.compiled import CompiledFlatModel
 
     model = tiny_model(seed=3, dtype=torch.float64)
     gen = torch.Generator().manual_seed(11)
@@ -97,7 +97,7 @@ def test_compiler_failure_mid_run_falls_back_to_eager(monkeypatch, capsys):
     one run eagerly, with generate()'s tokens, and stderr says so. An error of the engine's own code
     inside the graph is not the compiler's and still propagates. No compilation: the graph is
     marked ready and its call replaced."""
-    from engine.serve.backends import compiled
+    from engine.fast import compiled
 
     model = tiny_model(seed=3, dtype=torch.float64)
     gen = torch.Generator().manual_seed(13)

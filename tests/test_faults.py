@@ -2,7 +2,7 @@
 
 The scheduler publishes a step's full blocks in the prefix cache before the forward pass fills
 them (so a request admitted later in the same plan can share them). If the forward pass raises
-part-way (``course.faults.forward_fault``: at a seeded random layer, before or after that
+part-way (``course.quality.faults.forward_fault``: at a seeded random layer, before or after that
 layer writes its K/V), those blocks hold nothing valid: the engine must take back their
 publication, and a request that adopted them must compute them itself. Every later output is
 compared with ``generate()``; the whole engine is checked after every step, the failed one included.
@@ -15,8 +15,8 @@ import pytest
 
 from ch31_helpers import model64, oracle, prompts, run_checked
 from engine.serve import EngineConfig, EngineCore, SamplingParams
-from course.faults import PLACES, InjectedFault, backend_fault, forward_fault
-from course.invariants import check_engine_invariants, check_idle, engine_violations
+from course.quality.faults import PLACES, InjectedFault, backend_fault, forward_fault
+from course.quality.invariants import check_engine_invariants, check_idle, engine_violations
 
 SHARED = prompts([16], seed=41)[0]  # four blocks of 4: the prefix two requests share
 TAILS = prompts([3, 5, 2], seed=42)

@@ -13,7 +13,7 @@ import torch
 from engine.generate import generate
 from engine.models.tiny import tiny_model
 from engine.serve import EngineConfig, EngineCore, FlatModel, SamplingParams
-from engine.serve.backends.fused import FusedFlatModel, fast_16bit_matmul
+from engine.fast.fused import FusedFlatModel, fast_16bit_matmul
 
 pytestmark = pytest.mark.given  # complete code the chapter gives; the reference holes serve as oracle
 
@@ -145,7 +145,7 @@ def test_each_linear_layout_matches_generate(layout, tied, monkeypatch):
     load-time measurement would pick one): every linear in it, the engine gives generate()'s greedy
     tokens on the test model's well-separated logits. Tied: the head keeps that layout too, and the
     embedding's lookups read the panels (small) or the embedding beside the packed head."""
-    from engine.serve.backends.cpu_linear import library
+    from engine.fast.cpu_linear import library
 
     if layout == "packed" and not torch.backends.mkldnn.is_available():
         pytest.fail("this test needs oneDNN (torch.backends.mkldnn) for the packed layout")
@@ -167,7 +167,7 @@ def test_layout_choice_is_measured_and_decided_by_rule(monkeypatch):
     """The load-time choice: the smallest geometric mean over the probed row counts, the reference
     (first) layout kept unless another beats it by MARGIN; measured once per shape (cached), and a
     forced layout that is not a name is refused."""
-    from engine.serve.backends import linear_layout as ll
+    from engine.fast import linear_layout as ll
 
     assert ll.decide({"packed": (1.0, 4.0, 16.0), "small": (0.5, 5.0, 18.0)}) == "small"  # geo 0.82x
     assert ll.decide({"packed": (1.0, 4.0, 16.0), "small": (0.9, 4.0, 17.0)}) == "packed"  # geo 0.98x: a tie
@@ -191,7 +191,7 @@ def test_layout_choice_is_measured_and_decided_by_rule(monkeypatch):
 def test_small_linear_matches_f_linear(threads, monkeypatch):
     """The small-batch float32 kernel (decode steps' linears): F.linear's result up to summation
     order, for row counts around its 6-row blocks and a column count that is not a multiple of 16."""
-    from engine.serve.backends.cpu_linear import SmallLinear, library
+    from engine.fast.cpu_linear import SmallLinear, library
 
     assert library() is not None, "the small-batch linear kernel did not build (is there a C++ compiler?)"
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the kernel splits panels by torch's setting
@@ -212,7 +212,7 @@ def test_bfloat16_panels_compute_what_float32_panels_of_the_same_values_do(threa
     them exactly: the output equals, bit for bit, that of float32 panels of the same values (the
     same products in the same order), at one row, within one 6-row block, over several blocks
     and past ROW_CHUNK, with a ragged last panel; a tied head's lookups read the weight's rows."""
-    from engine.serve.backends.cpu_linear import ROW_CHUNK, SmallLinear
+    from engine.fast.cpu_linear import ROW_CHUNK, SmallLinear
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen = torch.Generator().manual_seed(1)
@@ -237,7 +237,7 @@ def test_elementwise_kernels_match_torch(threads, monkeypatch):
     import torch.nn.functional as F
 
     from engine.rope import rope_cos_sin
-    from engine.serve.backends import cpu_elementwise as ew
+    from engine.fast import cpu_elementwise as ew
 
     assert ew.library() is not None, "the elementwise kernels did not build (is there a C++ compiler?)"
     monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", 1)  # share even these small calls
@@ -289,7 +289,7 @@ def test_bfloat16_elementwise_kernels_round_as_torch_does(threads, monkeypatch):
 
     from engine.models.layers import RMSNorm
     from engine.rope import apply_rope, rope_cos_sin
-    from engine.serve.backends import cpu_elementwise as ew
+    from engine.fast import cpu_elementwise as ew
 
     assert ew.library() is not None, "the elementwise kernels did not build (is there a C++ compiler?)"
     monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", 1)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import course.grade as g
+import course.grading.grade as g
 
 
 def fake_doc(checkout: Path, score: float, trial: str | None = None, unsafe: bool = False) -> dict:
@@ -84,13 +84,13 @@ def test_a_roster_names_the_folders(tmp_path, stubbed):
 
 
 def test_no_sandbox_means_no_grading_unless_unsafe(monkeypatch):
-    monkeypatch.setattr("course.sandbox.find_bwrap", lambda: None)
+    monkeypatch.setattr("course.grading.sandbox.find_bwrap", lambda: None)
     with pytest.raises(ValueError, match="--unsafe"):
         g.Session(g.Options())
 
 
 def test_results_json_has_gradescopes_fields_and_hides_raw_output(tmp_path):
-    from course.gradescope import check_results
+    from course.grading.gradescope import check_results
 
     doc = g.gradescope(fake_doc(tmp_path, 0.5))
     check_results(doc)

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from course.gradescope import check_results, write
-from course.testrun import reference_files, workspace
+from course.grading.gradescope import check_results, write
+from course.learner.testrun import reference_files, workspace
 
 ROOT = Path(__file__).resolve().parent.parent
 

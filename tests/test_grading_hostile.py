@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from course.grade import Options, Session, grade, gradescope
-from course.sandbox import find_bwrap
-from course.scenarios import MILESTONE as MILESTONE_CONFIGS
-from course.testrun import reference_files, skeleton_files, workspace
+from course.grading.grade import Options, Session, grade, gradescope
+from course.grading.sandbox import find_bwrap
+from course.grading.scenarios import MILESTONE as MILESTONE_CONFIGS
+from course.learner.testrun import reference_files, skeleton_files, workspace
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = {"build_batch": 3, "write_kv": 1, "hash_block": 1, "EngineCore.check_stop": 1}
@@ -192,7 +192,7 @@ def test_honest_checkouts_before_and_after_get_full_points(graded):
 def test_attacks_on_the_grader_change_nothing(graded, case):
     docs, _, out = graded
     assert points(docs[case]) == ROWS, (points(docs[case]), docs[case]["flags"])
-    assert not (ROOT / "course/pytest_plugins/sitecustomize.py").exists(), "planted in the instructor's tree"
+    assert not (ROOT / "course/learner/pytest_plugins/sitecustomize.py").exists(), "planted in the instructor's tree"
     if case == "outlive":
         time.sleep(9)  # longer than the outliver's sleep: had it survived, it would have run by now
         survivors = [p for p in os.listdir("/proc") if p.isdigit() and MARK in _cmdline(p)]

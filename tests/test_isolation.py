@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from ch31_helpers import model64, oracle, run_checked
 from engine.serve import BlockManager, EngineConfig, EngineCore, Request, SamplingParams, hash_block
-from course.invariants import check_idle
+from course.quality.invariants import check_idle
 
 PROMPT = [(37 * i + 11) % 512 for i in range(21)]  # five full blocks of 4, and one token more
 HSETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=200)

@@ -6,7 +6,7 @@ import ast
 import tomllib
 from pathlib import Path
 
-from course import layout
+from course.quality import layout
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,14 +41,14 @@ def test_the_checks_can_fail(tmp_path):
     for rel, text in {
         "engine/__init__.py": '"""pkg."""\n',
         "engine/a.py": '"""a."""\nfrom engine import b\n',
-        "engine/b.py": '"""b."""\ndef f():\n    import engine.a\n    from course.bench import run\n',
+        "engine/b.py": '"""b."""\ndef f():\n    import engine.a\n    from course.bench.compare import run\n',
         "course/__init__.py": '"""tools."""\n',
-        "course/bench.py": '"""bench."""\nimport json\n',
+        "course/bench/compare.py": '"""bench."""\nimport json\n',
     }.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     (tmp_path / "solutions").mkdir()
     graph = layout.import_graph(tmp_path)
-    assert graph["engine.a"] == {"engine.b"} and graph["course.bench"] == set()
-    assert layout.engine_to_course(graph) == [("engine.b", "course.bench")]
+    assert graph["engine.a"] == {"engine.b"} and graph["course.bench.compare"] == set()
+    assert layout.engine_to_course(graph) == [("engine.b", "course.bench.compare")]
     assert layout.cycles(graph) == [["engine.a", "engine.b"]]

@@ -8,7 +8,7 @@ work. Under CI (``CI=true``, as .ci/run runs) a filled engine/ is an error inste
 (b) EngineCore and the chapter's files import nothing from backends/ or course/; engine/ never
     imports solutions/.
 Checks that never depend on the learner's files (they use a workspace: a temporary copy of this
-repository with chosen chapter files, ``course.testrun.workspace``):
+repository with chosen chapter files, ``course.learner.testrun.workspace``):
 (d) on the course's stubs every hole's tests fail with THAT hole's NotImplementedError (no false
     pass on a fresh clone), every hole has tests, every test is of one hole, the milestone or given,
     and ``--hole NAME`` selects exactly that hole's tests;
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from course.holes import all_holes, answers, edits_in, fill, outside_hole_edits, unfilled_holes
-from course.testrun import CHAPTER_TESTS, reference_files, run_pytest, skeleton_files, workspace
+from course.learner.holes import all_holes, answers, edits_in, fill, outside_hole_edits, unfilled_holes
+from course.learner.testrun import CHAPTER_TESTS, reference_files, run_pytest, skeleton_files, workspace
 from engine._impl import CHAPTER_FILES, HOLE_MARKER, holes_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +102,7 @@ def _imports(path: Path) -> list[str]:
 def test_engine_core_and_the_chapter_files_import_no_fast_path_and_no_course_tooling():
     offenders = [f"{d}/{rel} imports {name}" for d in ("engine", "solutions") for rel in CHAPTER_FILES
                  for name in _imports(ROOT / d / rel)
-                 if name.startswith(("engine.serve.backends", "course", "solutions"))]
+                 if name.startswith(("engine.fast", "course", "solutions"))]
     assert not offenders, "the chapter's files must name no fast path and no tooling: " + "; ".join(offenders)
     engine_py = (ROOT / "engine/serve/engine.py").read_text()
     assert "backends" not in engine_py and "fuse" not in engine_py, "EngineCore finds its flat model by name"
@@ -180,7 +180,7 @@ def test_solutions_branch_passes_with_the_default_impl_and_the_handout_has_no_an
     _git(repo, "init", "-q", "-b", "main")
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "the course")
-    tool = [sys.executable, "-m", "course.editions"]
+    tool = [sys.executable, "-m", "course.learner.editions"]
     made = subprocess.run([*tool, "solutions-branch"], cwd=repo, capture_output=True, text=True)
     assert made.returncode == 0 and "branch solutions" in made.stdout, made.stdout + made.stderr
     assert _git(repo, "status", "--porcelain") == "", "the working tree is not touched"
@@ -249,7 +249,7 @@ def test_an_edit_outside_the_holes_is_reported_and_runs_everywhere(tmp_path):
 
 
 @pytest.mark.parametrize("line", ["torch.manual_seed = lambda *a: None", "build_batch = print",
-                                  "import course.grade", "EXTRA = open('../solutions/serve/batch.py').read()",
+                                  "import course.grading.grade", "EXTRA = open('../solutions/serve/batch.py').read()",
                                   "Batch.num_sample_rows = 0"])
 def test_an_added_line_that_reaches_out_is_an_edit(line):
     text = (ROOT / "engine/serve/batch.py").read_text()
@@ -307,7 +307,7 @@ def test_holes_written_from_their_docstrings_pass(tmp_path):
 def test_grading_ignores_the_checkouts_tests_and_survives_a_hung_hole_and_a_broken_file(tmp_path):
     import shutil
 
-    from course.grade import Options, grade
+    from course.grading.grade import Options, grade
 
     files = reference_files()
     body = "        p = request.params\n        num_output = request.num_output_tokens\n"

@@ -358,17 +358,17 @@ def test_constructor_takes_vllms_names(model, tok):
 
 def test_the_default_configuration_is_the_fastest_and_a_named_one_wins(model, tok, monkeypatch):
     """Without attention_backend/flat_model, LLM serves with the fastest configuration
-    (registry.fastest_options: the "cpu" backend and the "fused" flat model on a CPU with a C++
+    (choose.fastest_options: the "cpu" backend and the "fused" flat model on a CPU with a C++
     compiler, as the fast tests here need) and its tokens equal generate()'s; a named piece wins
     over the default; where the cpu kernel cannot be built, the "torch" backend serves instead."""
-    from engine.serve import registry
-    from engine.serve.backends import cpu_attention
+    from engine.fast import choose
+    from engine.fast import cpu_attention
 
     prompt = _prompt(41, tok)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
     fast = LLM(model, tok, block_size=4, num_blocks=64)
     assert (fast.engine.config.attention_backend, fast.engine.config.flat_model) == ("cpu", "fused"), \
-        "LLM's default should be registry.fastest_options() for the model's device and dtype"
+        "LLM's default should be choose.fastest_options() for the model's device and dtype"
     assert type(fast.engine.flat).__name__ == "FusedFlatModel"
     assert list(fast.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids) == _oracle(model, prompt)
     plain = LLM(model, tok, block_size=4, num_blocks=64, attention_backend="reference", flat_model="flat")
@@ -380,8 +380,8 @@ def test_the_default_configuration_is_the_fastest_and_a_named_one_wins(model, to
         raise ValueError("no C++ compiler")
 
     monkeypatch.setattr(cpu_attention, "load_kernel", no_compiler)
-    assert registry.fastest_options("cpu", torch.float64) == {"attention_backend": "torch", "flat_model": "fused"}
-    assert registry.fastest_options("cpu", torch.float16)["attention_backend"] == "torch"  # no float16 kernel
+    assert choose.fastest_options("cpu", torch.float64) == {"attention_backend": "torch", "flat_model": "fused"}
+    assert choose.fastest_options("cpu", torch.float16)["attention_backend"] == "torch"  # no float16 kernel
 
 def test_methods(llm, model, tok):
     prompt = _prompt(12, tok, n=9)

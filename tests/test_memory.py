@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course.checkpoints import write_checkpoint
+from course.bench.checkpoints import write_checkpoint
 from engine.generate import generate
 from engine.models import load_model
 from engine.models.mapped import PAGE, mapped_file
 from engine.models.tiny import tiny_model
 from engine.serve import EngineConfig, EngineCore, SamplingParams
-from engine.serve.backends.fused import FusedFlatModel
+from engine.fast.fused import FusedFlatModel
 from engine.serve.sizing import DEFAULT_KV_CACHE_SHARE, DEFAULT_KV_CACHE_TOKENS, default_kv_cache_bytes, kv_bytes_per_block
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -759,7 +759,7 @@ def test_llm_stream_pieces_join_to_text(ckpt):
 
 
 def test_cli_generate(ckpt, capsys):
-    from course.cli_generate import generate_main
+    from course.learner.cli_generate import generate_main
     from engine.llm import LLM
     from engine.serve import SamplingParams
 
@@ -795,7 +795,7 @@ def test_cli_user_errors_are_one_line(ckpt, capsys, monkeypatch, case):
     """A user error ends `run.py generate` with exit status 2 and one line saying what to change,
     before any model memory is sized (load_model is never reached)."""
     import engine.models.loader
-    from course.cli_generate import generate_main
+    from course.learner.cli_generate import generate_main
 
     def no_load(*args, **kwargs):
         raise AssertionError("load_model was called before the arguments were checked")
@@ -810,7 +810,7 @@ def test_cli_user_errors_are_one_line(ckpt, capsys, monkeypatch, case):
 
 @pytest.mark.parametrize("bad", ["config_binary", "tokenizer_binary"])
 def test_cli_bad_checkpoint_files_are_one_line(ckpt, tmp_path, capsys, bad):
-    from course.cli_generate import generate_main
+    from course.learner.cli_generate import generate_main
 
     d = tmp_path / "ckpt"
     shutil.copytree(ckpt["dense"], d)

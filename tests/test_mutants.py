@@ -1,4 +1,4 @@
-"""Can the chapter's tests grade? Every named mutant (course/mutants.py) must be killed.
+"""Can the chapter's tests grade? Every named mutant (course/quality/mutants.py) must be killed.
 
 Each mutant is a realistic bug applied to the reference in a workspace's engine/ (a temporary copy
 of the repository; never the working tree), as a learner who made exactly that bug, and run against
@@ -8,8 +8,8 @@ tests cannot see that bug: strengthen tests/test_ch31_engine_v2.py (keep the mar
 """
 from __future__ import annotations
 
-from course.holes import all_holes
-from course.mutants import MILESTONE_MUST_CATCH, MUTANTS, format_table, run_all
+from course.learner.holes import all_holes
+from course.quality.mutants import MILESTONE_MUST_CATCH, MUTANTS, format_table, run_all
 
 
 # Bugs that once passed every chapter test (issues 11 and 23): each must stay a named mutant.

@@ -14,13 +14,13 @@ pytestmark = pytest.mark.given  # the notebook runs the reference in its own ker
 
 
 def notebooks_tool():
-    """course/notebooks.py, loaded by path (the repository root need not be on sys.path)."""
-    return load_by_path("_ch31_notebooks_tool", "course/notebooks.py")
+    """course/figures/notebooks.py, loaded by path (the repository root need not be on sys.path)."""
+    return load_by_path("_ch31_notebooks_tool", "course/figures/notebooks.py")
 
 
 def test_notebook_is_stored_without_outputs():
     assert notebooks_tool().strip([NOTEBOOK], verify=True) == 0, \
-        "the stored notebook carries outputs (nbstripout would strip it): `python -m course.notebooks --clean`"
+        "the stored notebook carries outputs (nbstripout would strip it): `python -m course.figures.notebooks --clean`"
 
 
 def test_notebook_runs_top_to_bottom():
@@ -40,8 +40,8 @@ def test_notebook_runs_top_to_bottom():
 
 
 def test_chapter_figures_are_saved_small(tmp_path):
-    """The README's pictures come from `python -m course.chapter_figures`: two PNGs, tens of KB."""
-    tool = load_by_path("_ch31_chapter_figures", "course/chapter_figures.py")
+    """The README's pictures come from `python -m course.figures.chapter`: two PNGs, tens of KB."""
+    tool = load_by_path("_ch31_chapter_figures", "course/figures/chapter.py")
     written = tool.save(tmp_path)
     assert sorted(p.name for p in written) == ["pool-trace.png", "worked-batch.png"]
     for path in written:
@@ -49,4 +49,4 @@ def test_chapter_figures_are_saved_small(tmp_path):
         assert head == b"\x89PNG\r\n\x1a\n" and 5_000 < path.stat().st_size < 100_000, path.name
     for name in ("worked-batch.png", "pool-trace.png"):
         assert (ROOT / "chapters" / "31-engine-v2" / "figures" / name).is_file(), \
-            f"the README shows figures/{name}: regenerate it with `python -m course.chapter_figures`"
+            f"the README shows figures/{name}: regenerate it with `python -m course.figures.chapter`"

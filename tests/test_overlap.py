@@ -1,9 +1,9 @@
-"""``course.overlap``, the own-words check: it finds a shared run, and only a real one."""
+"""``course.quality.overlap``, the own-words check: it finds a shared run, and only a real one."""
 from __future__ import annotations
 
 import pytest
 
-from course.overlap import main, python_prose, shared_runs, words
+from course.quality.overlap import main, python_prose, shared_runs, words
 
 pytestmark = pytest.mark.given  # a tool of the course; no learner hole involved
 

@@ -6,11 +6,11 @@ Two property-based state machines (hypothesis, derandomized so every run is the 
 - over ``EngineCore``, on random configurations (block size, pool down to barely enough, budget,
   chunking and threshold, fcfs/priority, recompute/swap, caching on/off): add requests with shared
   prefixes, n > 1, priorities, seeds and tenants' cache keys; abort at random moments; step; run a
-  step whose forward pass fails at a layer (``course.faults``), perhaps aborting after it. The
-  whole engine is checked after every rule (``course.invariants``); every greedy request that
+  step whose forward pass fails at a layer (``course.quality.faults``), perhaps aborting after it. The
+  whole engine is checked after every rule (``course.quality.invariants``); every greedy request that
   finishes normally must equal ``generate()`` and every seeded sampled one an independent sampler;
   at idle nothing may be left over.
-``scripts/soak.py`` (``make soak``) runs the same kind of workload for 20,000 operations.
+``course/quality/soak.py`` (``make soak``) runs the same kind of workload for 20,000 operations.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from ch31_helpers import model64, oracle, run_checked
 from engine.sampling import sample_token
 from engine.serve import BlockManager, EngineConfig, EngineCore, Request, SamplingParams, Status
-from course.faults import PLACES, InjectedFault, forward_fault
-from course.invariants import (block_violations, check_engine_invariants, check_idle, engine_violations,
+from course.quality.faults import PLACES, InjectedFault, forward_fault
+from course.quality.invariants import (block_violations, check_engine_invariants, check_idle, engine_violations,
                                      idle_violations)
 
 MAX_NEW = 8  # the longest output a random request asks for

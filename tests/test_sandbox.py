@@ -1,4 +1,4 @@
-"""The grader's sandbox (course/sandbox.py) on a small script: what it can see, write and reach, its
+"""The grader's sandbox (course/grading/sandbox.py) on a small script: what it can see, write and reach, its
 limits, and that nothing it starts outlives it."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from course.sandbox import GIB, Limits, Sandbox, find_bwrap, prepare_dirs, run_watched
+from course.grading.sandbox import GIB, Limits, Sandbox, find_bwrap, prepare_dirs, run_watched
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = r'''

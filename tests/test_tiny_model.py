@@ -67,7 +67,7 @@ def test_model_card_quotes_what_the_checkpoint_generates(model64, tok):
     card = (KJV / "README.md").read_text()
     figures = json.loads((KJV / "training.json").read_text())
     assert f"**{figures['held_out_loss_float32']:.4f}**" in card
-    from course import train_tiny
+    from course.train import tiny as train_tiny
 
     assert list(figures["generations"]) == list(train_tiny.CARD_PROMPTS)
     for prompt, quoted in figures["generations"].items():
@@ -161,7 +161,7 @@ def test_offline_script_equals_vllms_recorded_outputs():
 
 
 def test_run_py_generate_needs_no_flags(capsys):
-    from course.cli_generate import generate_main
+    from course.learner.cli_generate import generate_main
 
     assert generate_main(["--prompt", "And God said", "--max-tokens", "40"]) == 0
     captured = capsys.readouterr()
@@ -170,7 +170,7 @@ def test_run_py_generate_needs_no_flags(capsys):
 
 
 def test_bench_text_workload_runs_on_this_model(capsys):
-    from course.bench import bench_main, make_workload
+    from course.bench.compare import bench_main, make_workload
 
     threads = torch.get_num_threads()
     try:

@@ -5,7 +5,7 @@ kernel module is imported. So, unless this process already runs under the interp
 ``make test-triton``), the kernel checks run in a subprocess with that variable set. ``make test``
 runs a few small cases (a few seconds); ``make test-triton`` (``--triton-full`` or
 ``TRITON_FULL=1``) runs every case of ``test_backends.CASES`` plus the engine end to end.
-On a GPU, ``scripts/gpu_check.py`` runs the compiled kernel.
+On a GPU, ``course/bench/gpu_check.py`` runs the compiled kernel.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from test_backends import random_paged_batch
 from engine.serve.attention import ReferenceBackend
-from engine.serve.backends.triton_attention import TritonBackend
+from engine.fast.triton_attention import TritonBackend
 cases, block_ns = json.loads(sys.argv[2]), json.loads(sys.argv[3])
 results = []
 for seed, block_size, hq, hkv, window, dtype in cases:
@@ -88,10 +88,10 @@ def test_triton_kernel_matches_reference(kernel_results):
 
 def test_missing_triton_says_how_to_install(monkeypatch):
     """Without triton, building the backend names the extra to install."""
-    from engine.serve.backends.triton_attention import TritonBackend
+    from engine.fast.triton_attention import TritonBackend
 
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
-    monkeypatch.delitem(sys.modules, "engine.serve.backends.triton_paged_kernel", raising=False)
+    monkeypatch.delitem(sys.modules, "engine.fast.triton_paged_kernel", raising=False)
     with pytest.raises(ImportError, match=r"pip install -e \.\[triton\]"):
         TritonBackend()
 
@@ -100,7 +100,7 @@ def test_refuses_what_it_cannot_run():
     """Compiled Triton needs a GPU: CPU tensors without the interpreter, and float64, are refused."""
     import torch
 
-    from engine.serve.backends.triton_attention import TritonBackend
+    from engine.fast.triton_attention import TritonBackend
 
     backend = TritonBackend()
     backend.interpreted = False  # as when TRITON_INTERPRET was not set before the kernel was imported

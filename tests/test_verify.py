@@ -1,10 +1,10 @@
-"""The grader's comparison of scenario answers (course/verify.py), on hand-made answers: blame goes to
+"""The grader's comparison of scenario answers (course/grading/verify.py), on hand-made answers: blame goes to
 the first call that differs, a failure behind a failing dependency is "unverified", and nothing the
 learner's process returned reaches a message unless it is a plain number."""
 from __future__ import annotations
 
-from course.scenarios import make_scenarios
-from course.verify import compare, verdicts
+from course.grading.scenarios import make_scenarios
+from course.grading.verify import compare, verdicts
 
 SPEC = {"id": "hash_block/0", "kind": "hash_block", "holes": ["hash_block"], "deps": [], "group": "hash_block"}
 WANT = {"result": {"digests": ["00ff", "11ee"]}}
@@ -40,7 +40,7 @@ def test_a_failure_behind_a_failing_dependency_is_unverified():
 
 
 def test_scenarios_are_drawn_from_the_seed_and_cover_every_hole():
-    from course.holes import all_holes
+    from course.learner.holes import all_holes
 
     a, b = make_scenarios(1), make_scenarios(2)
     assert a == make_scenarios(1) and a != b
@@ -55,15 +55,15 @@ def _learner_answers(files: dict[str, str], specs: list[dict], tmp) -> dict[str,
     import subprocess
     import sys
 
-    from course.testrun import workspace
-    from course.verify import read_results
+    from course.learner.testrun import workspace
+    from course.grading.verify import read_results
 
     bed = workspace(tmp / "repo", files)
     spec_file, out = tmp / "specs.json", tmp / "answers.jsonl"
     spec_file.write_text(json.dumps(specs))
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
            "ENGINE_IMPL": "engine", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(bed)}
-    subprocess.run([sys.executable, "-m", "course.scenarios", str(spec_file), str(out)], cwd=bed, env=env,
+    subprocess.run([sys.executable, "-m", "course.grading.scenarios", str(spec_file), str(out)], cwd=bed, env=env,
                    timeout=600, check=True, capture_output=True)
     return read_results(out)
 
@@ -74,9 +74,9 @@ def test_a_bug_in_one_rule_costs_only_the_scenarios_of_that_rule(tmp_path):
     rules), and of the engine checks only the configurations that preempt by recompute (which are
     then unverified, preemption having failed its own). With one scenario per row (the grader
     before) both rows were all or nothing: 2 of 4 and 0 of 1."""
-    from course.mutants import MUTANTS
-    from course.testrun import reference_files
-    from course.verify import reference_results
+    from course.quality.mutants import MUTANTS
+    from course.learner.testrun import reference_files
+    from course.grading.verify import reference_results
 
     specs = [s for s in make_scenarios(11) if s["group"] in ("Scheduler._preempt", "engine checks")]
     mutant = next(m for m in MUTANTS if m.name == "recompute-keeps-stale-num-computed")
@@ -98,7 +98,7 @@ def test_an_unverified_row_keeps_its_test_points_unless_a_hole_it_runs_lied():
     """A row whose scenarios failed behind a failing dependency keeps its tests' points (an honest buggy
     checkout), unless that dependency's tests reported a pass its scenarios contradict (a forged report):
     then those tests are not believed either."""
-    from course.grade import Row, apply_verdict
+    from course.grading.grade import Row, apply_verdict
 
     verdict = {"verified": "unverified", "matched": 1, "total": 4, "messages": [],
                "unverified_because": ["build_batch"]}

@@ -11,7 +11,21 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from engine.serve.params import SEED_MAX, SEED_MIN
+SEED_MIN, SEED_MAX = 0, 2**64 - 1  # what torch.Generator.manual_seed takes
+
+# Names the engine's options choose from, mapped to "module:Class"; ``engine.serve.registry`` imports
+# them only when one is chosen, so the chapter's files never import a fast path.
+ATTENTION_BACKENDS: dict[str, str] = {
+    "reference": "engine.serve.attention:ReferenceBackend",  # the chapter's loop: the oracle
+    "torch": "engine.fast.torch_attention:TorchBackend",  # vectorized, the default
+    "cpu": "engine.fast.cpu_attention:CPUBackend",  # a C++ kernel reads the pool in place
+    "triton": "engine.fast.triton_attention:TritonBackend",  # chapter 32, GPU
+}
+FLAT_MODELS: dict[str, str] = {
+    "flat": "engine.serve.flat:FlatModel",  # the chapter's: the model's own modules, one by one
+    "fused": "engine.fast.fused:FusedFlatModel",  # merged projections, fused elementwise ops
+    "compiled": "engine.fast.compiled:CompiledFlatModel",  # fused layers as one Inductor graph
+}
 
 POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -119,8 +133,6 @@ class EngineConfig:
         self._check()
 
     def _check(self) -> None:
-        from engine.serve.registry import ATTENTION_BACKENDS, FLAT_MODELS
-
         if self.max_model_len is not None:
             _positive_int("EngineConfig.max_model_len", self.max_model_len)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX:

@@ -23,6 +23,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from engine.serve.config import SEED_MAX, SEED_MIN
+
 # temperature: 0 is greedy. A positive temperature below MIN_TEMPERATURE divides the logits into
 # values softmax cannot hold (1e-40 turns a logit of 30 into inf, and inf - inf is nan), so it is
 # raised to MIN_TEMPERATURE with a warning, as vLLM does; at 0.01 a logit lead of 1 already makes the
@@ -30,7 +32,6 @@ from typing import Any
 MIN_TEMPERATURE = 1e-2
 # torch.Generator seeds are 64-bit unsigned (manual_seed maps a negative s to 2^64 + s, so two
 # different seeds would share one stream): [0, 2^64 - 1]. Child i of an n > 1 request uses seed + i.
-SEED_MIN, SEED_MAX = 0, 2**64 - 1
 MAX_N = 4096  # completions per prompt: past this, one call would queue more requests than any pool serves
 
 # field -> its neutral value: anything else needs chapter 34's full sampler.

@@ -2,33 +2,18 @@
 
 The chapter's files name none of the fast paths: ``EngineCore`` asks for
 ``get_flat_model(config.flat_model)`` and ``get_backend(config.attention_backend)``, and this file
-maps those names to classes ("module:Class"), so ``engine/serve/backends/`` is imported only when
+maps those names to classes ("module:Class"), so ``engine/fast/`` is imported only when
 one of its entries is chosen. The chapter's own pieces are the entries "reference" (attention) and
 "flat" (the model).
 
-``fastest_options`` names the configuration that serves a model fastest on this machine: the
-default of ``LLM`` and of ``run.py bench``'s fast core (``EngineConfig``'s own defaults stay the
-plain, readable ones).
+Which fast configuration to pick on a machine is not the chapter's business: ``engine.fast.choose``.
 """
 from __future__ import annotations
 
 import importlib
-from importlib.util import find_spec
 from typing import Any
 
-import torch
-
-ATTENTION_BACKENDS: dict[str, str] = {
-    "reference": "engine.serve.attention:ReferenceBackend",  # the chapter's loop: the oracle
-    "torch": "engine.serve.backends.torch_attention:TorchBackend",  # vectorized, the default
-    "cpu": "engine.serve.backends.cpu_attention:CPUBackend",  # a C++ kernel reads the pool in place
-    "triton": "engine.serve.backends.triton_attention:TritonBackend",  # chapter 32, GPU
-}
-FLAT_MODELS: dict[str, str] = {
-    "flat": "engine.serve.flat:FlatModel",  # the chapter's: the model's own modules, one by one
-    "fused": "engine.serve.backends.fused:FusedFlatModel",  # merged projections, fused elementwise ops
-    "compiled": "engine.serve.backends.compiled:CompiledFlatModel",  # fused layers as one Inductor graph
-}
+from engine.serve.config import ATTENTION_BACKENDS, FLAT_MODELS  # the name tables live with the options that name them
 
 
 def _load(registry: dict[str, str], kind: str, name: str) -> Any:
@@ -46,33 +31,3 @@ def get_backend(name: str, **options: Any):
 def get_flat_model(name: str, model) -> Any:
     """The flat model called ``name`` (see ``FLAT_MODELS``) around the loaded ``model``."""
     return _load(FLAT_MODELS, "flat model", name)(model)
-
-
-FASTEST_FLAT_MODEL = "fused"  # on every device; see fastest_options
-
-
-def fastest_options(device: torch.device | str, dtype: torch.dtype) -> dict[str, str]:
-    """The ``attention_backend`` and ``flat_model`` that serve a model of ``dtype`` on ``device``
-    fastest here: always ``flat_model="fused"``, and "triton" on a CUDA device with Triton
-    installed; "cpu" on a CPU whose C++ compiler builds its kernel, for the dtypes it reads
-    (float32, bfloat16, float64); else "torch".
-
-    Measured, not assumed (``docs/performance.md``): the compiled layer graph ("compiled") was
-    slower than the fused eager path on every CPU measured, once the fused elementwise kernels
-    existed, and it costs a compile at start-up, so it is opt-in.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        backend = "triton" if find_spec("triton") is not None else "torch"
-    else:
-        backend = "torch"
-        if device.type == "cpu":
-            from engine.serve.backends import cpu_attention
-
-            try:
-                if dtype in cpu_attention.DTYPES:
-                    cpu_attention.load_kernel()
-                    backend = "cpu"
-            except ValueError:  # no C++ compiler, or a failed build: the PyTorch backend needs none
-                pass
-    return {"attention_backend": backend, "flat_model": FASTEST_FLAT_MODEL}

@@ -1,0 +1,373 @@
+"""A/B measurements behind docs/performance.md's "levers" list (interleaved rounds, medians).
+
+    python -m course.bench.levers attention [--requests 64] [--context 200]   decode attention, one layer
+    python -m course.bench.levers step [--requests 64] [--dtype float32]      one engine decode step
+    python -m course.bench.levers step --prefill [--requests 8]               one prefill step (a fresh engine's first)
+    python -m course.bench.levers parts [--requests 64] [--context 64]        the fast core's decode step: linears / attention / write / rest
+    python -m course.bench.levers linear [--threads 1]                          one step's linears: the kernel, prefetch on/off, oneDNN
+    python -m course.bench.levers elementwise                                  eager vs compiled norms/RoPE/SiLU
+
+``attention`` times one layer's decode attention on the bench's small-model shapes (8 query / 4
+kv heads of 64, blocks of 16): TorchBackend (gather, then bmm), CPUBackend (the C++ kernel reading
+the pool in place) and the same gather-free attention written as tensor indexing and compiled by
+TorchInductor (the lever measured first and not kept). ``step`` times the core's decode step with
+R requests of ~200-token contexts (``--prefill``: a fresh engine's first step over R prompts), for
+the torch backend, the cpu backend, the cpu backend with the fused flat model, and with the compiled one and
+``compile`` (``--variants`` picks). ``elementwise`` times one layer's residual adds, norms, RoPE and SiLU-mul, eager
+against TorchInductor-compiled, at 16, 64 and 600 rows.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import os  # noqa: E402
+
+os.environ.setdefault("ENGINE_IMPL", "solution")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def interleaved(fns: dict, rounds: int) -> dict[str, float]:
+    """Median ms of each callable, called in turn ``rounds`` times (after one warm-up call each)."""
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            start = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - start)
+    return {k: round(statistics.median(v) * 1000, 3) for k, v in times.items()}
+
+
+def inductor_decode(q, k_pool, v_pool, tables, q_pos, scale):
+    """Gather-free decode attention as indexing + reductions, for TorchInductor to fuse."""
+    g, hq, d = q.shape
+    bs, hkv = k_pool.shape[1], k_pool.shape[2]
+    pos = torch.arange(tables.shape[1] * bs)
+    block, within = tables[:, pos // bs], pos % bs
+    k, v = k_pool[block, within], v_pool[block, within]  # [G, L, Hkv, D], fused loads
+    scores = (q.view(g, 1, hkv, hq // hkv, d) * k[:, :, :, None, :]).sum(-1) * scale
+    scores = scores.masked_fill((pos[None, :] > q_pos[:, None])[:, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1)
+    return (probs[..., None] * v[:, :, :, None, :]).sum(1).reshape(g, hq, d)
+
+
+def attention(args) -> None:
+    from engine.serve.attention import ReferenceBackend
+    from engine.serve.batch import build_batch
+    from engine.fast.cpu_attention import CPUBackend
+    from engine.serve.request import Request
+    from engine.fast.torch_attention import TorchBackend
+
+    r, bs, hq, hkv, d = args.requests, 16, 8, 4, 64
+    width = -(-(args.context + 10) // bs)
+    gen = torch.Generator().manual_seed(0)
+    perm = torch.randperm(r * width + 2, generator=gen).tolist()
+    scheduled, tables = [], []
+    for i in range(r):
+        n = args.context + i % 10
+        req = Request(f"r{i}", [1] * (n + 1))
+        req.num_computed_tokens = n - 1
+        scheduled.append((req, 1))
+        tables.append(perm[i * width:i * width + -(-n // bs)])
+    meta = build_batch(scheduled, tables, bs).meta
+    caches = [(torch.randn(r * width + 3, bs, hkv, d, generator=gen), torch.randn(r * width + 3, bs, hkv, d, generator=gen))
+              for _ in range(4)]  # a step's four layers: together they do not stay in cache between calls
+    cache = caches[0]
+    with torch.inference_mode():
+        q = torch.randn(r, hq, d, generator=gen)
+        torch_b, cpu_b = TorchBackend(cascade_min_reqs=0), CPUBackend()
+        compiled = torch.compile(inductor_decode, dynamic=True)
+        w = -(-meta.max_seq_len // bs)
+        tab, q_pos = meta.block_table[:, :w].long(), meta.seq_lens.long() - 1
+        want = ReferenceBackend().forward(q, cache, meta)
+        for name, got in (("cpu", cpu_b.forward(q, cache, meta)),
+                          ("inductor", compiled(q, *cache, tab, q_pos, d ** -0.5))):
+            assert (got - want).abs().max().item() < 1e-5, name
+        lib = cpu_b._lib
+
+        def cpu(prefetch: bool):  # the kernel with / without its prefetch of each next block
+            def run():
+                lib.paged_set_prefetch(int(prefetch))
+                for c in caches:
+                    cpu_b.forward(q, c, meta)
+                lib.paged_set_prefetch(1)
+            return run
+        res = interleaved({"torch (gather + bmm)": lambda: torch_b.forward(q, cache, meta),
+                           "cpu (C++ kernel, in place)": lambda: cpu_b.forward(q, cache, meta),
+                           f"cpu, {len(caches)} layers' pools": cpu(True),
+                           f"cpu, {len(caches)} layers' pools, no prefetch": cpu(False),
+                           "inductor (compiled, gather-free)": lambda: compiled(q, *cache, tab, q_pos, d ** -0.5)},
+                          args.rounds)
+    print(f"decode attention, one layer, R={r}, context ~{args.context}, {torch.get_num_threads()} thread(s): {res}")
+
+
+def step(args) -> None:
+    from course.bench.compare import MODEL_PRESETS
+    from engine.models import tiny_model
+    from engine.serve import EngineConfig, EngineCore, FlatModel, SamplingParams
+    from engine.fast.torch_attention import TorchBackend
+
+    from engine.fast.linear_layout import LAYOUTS
+
+    dtype = getattr(torch, args.dtype)
+    shape = dict(MODEL_PRESETS[args.preset], **({"num_hidden_layers": args.layers} if args.layers else {}))
+    model = tiny_model(seed=0, **shape).to(dtype)
+    variants = args.variants.split(",")
+
+    def engine(name: str, prefill: bool) -> EngineCore:
+        rng = random.Random(0)
+        backend, _, fuse = name.partition("+")
+        variant = fuse.partition("/")[2]
+        if variant in LAYOUTS:  # every linear in that layout (by default each shape's measured fastest)
+            os.environ["ENGINE_LINEAR_LAYOUT"] = variant
+        try:
+            core = EngineCore(model, EngineConfig(attention_backend=backend.removesuffix("/tiles"),
+                                                  flat_model=fuse.partition("/")[0] or "flat",
+                                                  num_blocks=args.requests * 20 + 1, max_num_seqs=max(256, args.requests)))
+        finally:
+            os.environ.pop("ENGINE_LINEAR_LAYOUT", None)
+        if backend == "cpu/tiles":  # the cpu backend's previous design: only decode rows in the kernel
+            core.runner.backend.prefill_in_place = False
+        if fuse.startswith("compiled"):
+            core.flat.wait_compiled()  # the graph compiles in the background; measure it, not the eager path
+        if fuse == "compiled/all":  # every step through the graph (by default decodes take the eager path)
+            core.flat.eager_rows = 1
+        if fuse.endswith("/torch-ew"):  # the PyTorch elementwise ops and the reference's write_kv
+            core.flat.elementwise = False
+            core.runner.backend.write = functools.partial(TorchBackend.write, core.runner.backend)
+        if fuse.endswith("/all-rows"):  # the last layer on every row, not only the logits rows
+            core.flat.logits = functools.partial(FlatModel.logits, core.flat)
+        if fuse.endswith("/no-prefetch"):  # the small-batch linear kernel without its software prefetch
+            for entry in core.flat.layers:
+                for linear in entry.values():
+                    if getattr(linear, "small", None) is not None:
+                        linear.small.prefetch = False
+        for i in range(args.requests):
+            core.add_request(f"s{i}", [rng.randrange(512) for _ in range(args.context)],
+                             SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0))
+        if not prefill:
+            while any(r.num_computed_tokens < r.num_prompt_tokens - 1 for r in core.scheduler.requests.values()):
+                core.step()
+        return core
+
+    if args.prefill:  # the first step of a fresh engine: every prompt's first chunk
+        pending = {name: engine(name, True) for name in variants}
+
+        def first_step(name):
+            def run():
+                core = pending.pop(name)
+                start = time.perf_counter()
+                core.step()
+                took = time.perf_counter() - start
+                pending[name] = engine(name, True)  # built outside the timed part
+                return took
+            return run
+        fns = {name: first_step(name) for name in variants}
+        times = {k: [] for k in fns}
+        for f in fns.values():
+            f()
+        for _ in range(args.rounds):
+            for k, f in fns.items():
+                times[k].append(f())
+        res = {k: round(statistics.median(v) * 1000, 3) for k, v in times.items()}
+        what = f"prefill step ({min(args.requests * args.context, 2048)} rows)"
+    else:
+        cores = {name: engine(name, False) for name in variants}
+        res = interleaved({k: c.step for k, c in cores.items()}, args.rounds)
+        what = "decode step"
+    from course.bench.machine import machine_line
+
+    layers = f", {args.layers} of its layers" if args.layers else ""
+    print(machine_line(torch.get_num_threads()))
+    print(f"{what}, {args.preset} preset{layers}, R={args.requests}, context ~{args.context}, {args.dtype}, "
+          f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f}, ms: {res}")
+
+
+def parts(args) -> None:
+    """Where the fast core's decode step goes: timers around the small-batch linears, the cpu
+    backend's attention and its K/V write (the rest: the elementwise work, embedding, LM head's
+    Python, schedule, build, sample, bookkeeping). Median of ``--rounds`` steps after 5 settled."""
+    from course.bench.compare import MODEL_PRESETS
+    from engine.models import tiny_model
+    from engine.serve import EngineConfig, EngineCore, SamplingParams
+    from engine.fast import cpu_attention, cpu_linear
+
+    spent = {"linears": 0.0, "attention": 0.0, "write": 0.0}
+
+    def timed(cls, name, part):
+        inner = getattr(cls, name)
+
+        def call(self, *a, **k):
+            start = time.perf_counter()
+            try:
+                return inner(self, *a, **k)
+            finally:
+                spent[part] += time.perf_counter() - start
+        setattr(cls, name, call)
+    timed(cpu_linear.SmallLinear, "__call__", "linears")
+    timed(cpu_attention.CPUBackend, "forward", "attention")
+    timed(cpu_attention.CPUBackend, "write", "write")
+    model = tiny_model(seed=0, **MODEL_PRESETS["small"]).to(getattr(torch, args.dtype))
+    core = EngineCore(model, EngineConfig(attention_backend="cpu", flat_model="compiled", max_num_seqs=256,
+                                          num_blocks=args.requests * (-(-(args.context + 80) // 16) + 1) + 1))
+    rng = random.Random(0)
+    for i in range(args.requests):
+        core.add_request(f"s{i}", [rng.randrange(512) for _ in range(args.context)],
+                         SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0))
+    while any(r.num_computed_tokens < r.num_prompt_tokens - 1 for r in core.scheduler.requests.values()):
+        core.step()
+    for _ in range(5):
+        core.step()
+    rows = []
+    for _ in range(args.rounds):
+        for k in spent:
+            spent[k] = 0.0
+        start = time.perf_counter()
+        core.step()
+        rows.append({"step": time.perf_counter() - start, **spent})
+    med = {k: statistics.median(r[k] for r in rows) * 1000 for k in rows[0]}
+    med["rest"] = med["step"] - med["linears"] - med["attention"] - med["write"]
+    print(f"decode step, R={args.requests}, context ~{args.context}, {args.dtype}, {torch.get_num_threads()} "
+          f"thread(s), ms: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()))
+
+
+def linear(args) -> None:
+    """The small-batch kernel on one step's linears (every layer's weights: they do not fit in
+    the caches together), with and without its software prefetch, oneDNN's prepacked matmul and
+    the plain weight through F.linear; ``--preset`` the model's shapes (``--layers`` of them),
+    ``--rows`` the row counts. Beside each time: GFLOP/s, and the GB of weights each variant
+    holds read per second (at one row a linear streams its weight once: compare with the memory
+    bandwidth that ``course.bench.roofline.machine_limits`` measures, the one the bench's roofline uses).
+    ``--dtype bfloat16``: bfloat16 weights with float32 inputs, as a bfloat16 model runs on a CPU
+    without bf16 units: the kernel on the weights' own bfloat16 panels, on float32 panels of the
+    same values, oneDNN and F.linear on float32 copies (and oneDNN's bfloat16 matmul where the CPU
+    has bf16 units)."""
+    from course.bench.compare import MODEL_PRESETS
+    from course.bench.roofline import describe, machine_limits
+    from engine.fast.cpu_linear import SmallLinear
+    from engine.fast.fused import Linear, fast_16bit_matmul
+
+    p = MODEL_PRESETS[args.preset]
+    d, inter, hq, hkv, dh = p["hidden_size"], p["intermediate_size"], p["num_attention_heads"], \
+        p["num_key_value_heads"], p["head_dim"]
+    shapes = [((hq + 2 * hkv) * dh, d), (d, hq * dh), (2 * inter, d), (d, inter)] * (args.layers or p["num_hidden_layers"])
+    gen = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise SystemExit("levers.py linear: --dtype float32 or bfloat16")
+    weights = [torch.randn(n, k, generator=gen).to(dtype) for n, k in shapes]
+    wide = [w.float() for w in weights]  # float32 values (the same ones for a bfloat16 model)
+    layers: dict[str, list] = {}
+    if dtype == torch.bfloat16:
+        layers["bf16 panels"] = [SmallLinear(w) for w in weights]
+    layers["prefetch"] = [SmallLinear(w) for w in wide]
+    layers["onednn"] = [Linear(w, "packed") for w in wide]
+    if dtype == torch.bfloat16 and fast_16bit_matmul(dtype, torch.device("cpu")):
+        layers["onednn bf16"] = [Linear(w, "packed") for w in weights]
+    held = {name: (2 if name.startswith(("bf16", "onednn bf16")) else 4) * sum(w.numel() for w in weights)
+            for name in (*layers, "no prefetch", "F.linear")}
+    print(f"{args.preset}, {len(weights)} linears ({held['prefetch'] / 1e9:.2f} GB as float32, "
+          f"{held['prefetch'] / 2e9:.2f} GB as bfloat16); the roofline's limits here: "
+          f"{describe(machine_limits(dtype))}")
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = [torch.randn(rows, w.shape[1], generator=gen) for w in weights]
+        flops = sum(2 * rows * w.numel() for w in weights)
+
+        def run(fns, prefetch=True, inputs=xs):
+            def f():
+                for lin, x in zip(fns, inputs):
+                    if isinstance(lin, SmallLinear):
+                        lin.prefetch = prefetch
+                    lin(x)
+            return f
+
+        def plain():
+            for w, x in zip(wide, xs):
+                F.linear(x, w)
+        variants = {name: run(fns, inputs=[x.to(dtype) for x in xs] if name == "onednn bf16" else xs)
+                    for name, fns in layers.items()}
+        variants["no prefetch"] = run(layers["prefetch"], False)
+        variants["F.linear"] = plain
+        res = interleaved(variants, args.rounds)
+        print(f"{rows} rows, {torch.get_num_threads()} thread(s): "
+              + ", ".join(f"{k} {v} ms ({flops / v / 1e6:.0f} GFLOP/s, {held[k] / v / 1e6:.1f} GB/s)"
+                          for k, v in res.items()))
+
+
+def elementwise(args) -> None:
+    from torch.fx.experimental import _config as fx_config
+
+    dim, hq, hkv, dh, inter = 512, 8, 4, 64, 1536
+
+    def add_norm(h, r, w):
+        h = h + r
+        return F.rms_norm(h, (dim,), w, 1e-6), h
+
+    def qk_rope(qkv, w, cos, sin):
+        n = qkv.shape[0]
+        x = F.rms_norm(qkv[:, :(hq + hkv) * dh].view(n, hq + hkv, dh), (dh,), None, 1e-6) * w
+        x = x * cos + torch.cat([-x[..., dh // 2:], x[..., :dh // 2]], -1) * sin
+        return x[:, :hq].contiguous(), x[:, hq:]
+
+    def silu_mul(gu):
+        g, u = gu.chunk(2, -1)
+        return F.silu(g) * u
+
+    compiled = [torch.compile(f, dynamic=True) for f in (add_norm, qk_rope, silu_mul)]
+
+    def layer(fns, a):
+        with fx_config.patch(use_duck_shape=False):
+            fns[0](a[0], a[1], a[2]), fns[1](a[3], a[4], a[5], a[6]), fns[2](a[7]), fns[0](a[0], a[1], a[2])
+
+    with torch.inference_mode():
+        start = time.perf_counter()
+        for n in (16, 600):
+            a = (torch.randn(n, dim), torch.randn(n, dim), torch.randn(dim), torch.randn(n, (hq + 2 * hkv) * dh),
+                 torch.randn(hq + hkv, dh), torch.randn(n, 1, dh), torch.randn(n, 1, dh), torch.randn(n, 2 * inter))
+            layer(compiled, a)
+        print(f"compile: {time.perf_counter() - start:.1f} s")
+        for n in (16, 64, 600):
+            a = (torch.randn(n, dim), torch.randn(n, dim), torch.randn(dim), torch.randn(n, (hq + 2 * hkv) * dh),
+                 torch.randn(hq + hkv, dh), torch.randn(n, 1, dh), torch.randn(n, 1, dh), torch.randn(n, 2 * inter))
+            res = interleaved({"eager": lambda: layer((add_norm, qk_rope, silu_mul), a),
+                               "compiled": lambda: layer(compiled, a)}, args.rounds)
+            print(f"norms + RoPE + SiLU-mul of one layer, {n} rows (ms): {res}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("attention", "step", "parts", "linear", "elementwise"))
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--variants", default="torch,cpu,cpu+fused,cpu+compiled",
+                    help="step: engines to compare (backend, +fused: flat_model='fused', +compiled: flat_model='compiled'; "
+                         "cpu/tiles: the cpu backend with prefill tiles gathered for SDPA; +fused/packed, "
+                         "+fused/small (or +compiled/...): every linear in that layout (default: each shape's measured "
+                         "fastest); +fused/torch-ew: PyTorch elementwise ops and write_kv; "
+                         "+fused/no-prefetch: the linear kernel without software prefetch; +compiled/all-rows: the last "
+                         "layer on every row)")
+    ap.add_argument("--prefill", action="store_true", help="step: time a fresh engine's first (prefill) step")
+    ap.add_argument("--preset", default="small", help="step, linear: the bench's model preset (small, qwen3-0.6b, test)")
+    ap.add_argument("--layers", type=int, default=0, help="step, linear: this many of the preset's layers (0: all)")
+    ap.add_argument("--rows", default="16,64,256", help="linear: the row counts, comma-separated")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    {"attention": attention, "step": step, "parts": parts, "linear": linear, "elementwise": elementwise}[args.what](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

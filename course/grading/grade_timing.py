@@ -1,0 +1,140 @@
+"""How much ``run.py grade --jobs N`` saves: N complete checkouts graded serially, then with --jobs.
+
+    python -m course.grading.grade_timing [--checkouts 20] [--jobs 2] [--scenarios 2]
+    python -m course.grading.grade_timing --hang      # what a hung hole costs with the defaults
+    python -m course.grading.grade_timing --threads   # the milestone's scenarios on the reference, 1 vs 2 torch threads
+    python -m course.grading.grade_timing --phases    # where one complete checkout's time goes
+
+Both sittings share one seed; prints each wall time, the ratio, and the CPU it ran on. The machine's
+load matters (a shared machine gives a noisy ratio): the load average is printed beside the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from course.bench.machine import machine_line  # noqa: E402
+from course.learner.testrun import reference_files, workspace  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkouts", type=int, default=20)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--scenarios", type=int, default=2)
+    ap.add_argument("-k", dest="keyword", default="")
+    ap.add_argument("--hang", action="store_true", help="grade a complete checkout and one whose check_stop hangs")
+    ap.add_argument("--threads", action="store_true", help="time the milestone's scenarios with 1 and 2 threads")
+    ap.add_argument("--phases", action="store_true", help="the session's set-up, then one complete checkout by phase")
+    args = ap.parse_args()
+    if args.hang:
+        return hang_cost()
+    if args.phases:
+        return phase_cost()
+    if args.threads:
+        return thread_cost()
+    with tempfile.TemporaryDirectory(prefix="grade-timing-") as tmp:
+        paths = [str(workspace(Path(tmp) / f"learner{i}" / "ch31", reference_files())) for i in range(args.checkouts)]
+        print(f"machine: {machine_line()} (before)")
+        walls = {}
+        for jobs in (1, args.jobs):
+            cmd = [sys.executable, "run.py", "grade", *paths, "--out", str(Path(tmp) / f"out{jobs}"), "--jobs", str(jobs),
+                   "--seed", "11", "--scenarios", str(args.scenarios), *(["-k", args.keyword] if args.keyword else [])]
+            start = time.monotonic()
+            subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+            walls[jobs] = time.monotonic() - start
+            print(f"--jobs {jobs}: {walls[jobs]:.0f} s for {args.checkouts} checkouts; load {os.getloadavg()}", flush=True)
+        print(f"--jobs {args.jobs} / serial: {walls[args.jobs] / walls[1]:.2f}")
+    return 0
+
+
+def hang_cost() -> int:
+    """One session, the grader's defaults: a complete checkout, then the same with check_stop hung."""
+    from course.grading.grade import Options, Session, grade
+
+    with tempfile.TemporaryDirectory(prefix="grade-hang-") as tmp:
+        files = reference_files()
+        done = workspace(Path(tmp) / "complete" / "ch31", files)
+        body = "        p = request.params\n        num_output = request.num_output_tokens\n"
+        files["serve/engine.py"] = files["serve/engine.py"].replace(body, "        while True:\n            pass\n")
+        hung = workspace(Path(tmp) / "hung" / "ch31", files)
+        session = Session(Options(seed=11))
+        print(f"load before: {os.getloadavg()}")
+        walls = {}
+        for name, path in (("complete", done), ("hung check_stop", hung)):
+            start = time.monotonic()
+            doc = grade(path, session)
+            walls[name] = time.monotonic() - start
+            print(f"{name}: {walls[name]:.0f} s, {doc['score']:g}/{doc['max_score']:g}; load {os.getloadavg()}", flush=True)
+        print(f"the hung hole cost {walls['hung check_stop'] - walls['complete']:.0f} s more")
+    return 0
+
+
+def phase_cost() -> int:
+    """The grader's defaults, seed 11: the session's set-up (scenario results on the reference, the
+    test collection), then one complete checkout, its sandboxed runs timed one by one."""
+    from course.grading import grade as grading, watchdog
+
+    spent: dict[str, float] = {}
+
+    def timed(module, name: str) -> None:
+        fn = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.monotonic() - start
+        setattr(module, name, wrapper)
+
+    for name in ("run_tests", "run_scenarios"):
+        timed(watchdog, name)
+    print(f"machine: {machine_line()}")
+    start = time.monotonic()
+    session = grading.Session(grading.Options(seed=11))
+    print(f"session set-up: {time.monotonic() - start:.1f} s")
+    with tempfile.TemporaryDirectory(prefix="grade-phases-") as tmp:
+        path = workspace(Path(tmp) / "complete" / "ch31", reference_files())
+        start = time.monotonic()
+        doc = grading.grade(path, session)
+        whole = time.monotonic() - start
+    print(f"one complete checkout: {whole:.1f} s ({doc['score']:g}/{doc['max_score']:g}): the tests in the sandbox "
+          f"{spent['run_tests']:.1f} s, the scenarios {spent['run_scenarios']:.1f} s, the rest "
+          f"{whole - sum(spent.values()):.1f} s; load {os.getloadavg()}")
+    return 0
+
+
+def thread_cost(rounds: int = 3) -> int:
+    """The four milestone scenarios on the reference, each sitting a fresh process, 1 and 2 torch
+    threads interleaved: why the grader's children run one thread (Options.threads)."""
+    import json
+    import statistics
+
+    code = ("import json, sys, time; from course.grading.scenarios import make_scenarios, run_scenario; "
+            "specs = [s for s in make_scenarios(11) if s['group'] == 'milestone']; run_scenario(specs[0]); "
+            "t = time.monotonic(); [run_scenario(s) for s in specs]; print(json.dumps(time.monotonic() - t))")
+    print(f"machine: {machine_line()}")
+    walls: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(rounds):
+        for n in walls:
+            env = {**os.environ, "ENGINE_IMPL": "solution", "OMP_NUM_THREADS": str(n), "PYTHONPATH": str(ROOT)}
+            out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                                 check=True).stdout
+            walls[n].append(json.loads(out.strip().splitlines()[-1]))
+    for n, w in walls.items():
+        print(f"{n} thread(s): median {statistics.median(w):.2f} s over {rounds} sittings ({', '.join(f'{x:.2f}' for x in w)})")
+    print(f"load after: {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

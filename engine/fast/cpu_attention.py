@@ -1,0 +1,387 @@
+"""CPUBackend: attention that reads K/V where they lie in the pool (a small C++ kernel).
+
+``TorchBackend`` copies every decode request's whole context out of the pool (``index_select``)
+in every layer of every step, then multiplies the copy; at a few hundred tokens of context that
+copy is the largest part of a CPU decode step. This backend's rows go through
+``cpu_paged_kernel.cpp`` instead: for each row and kv head it walks the request's block table,
+reads each key's K and V row from the pool in place (in the pool's own dtype: bfloat16 stays
+bfloat16 in memory and is widened in registers) and computes softmax(q k^T * scale) v in float
+(double for float64 pools). Every row takes the kernel, prefill rows included, each with its own
+causal limit (``prefill_in_place=False``: requests with several query rows keep ``TorchBackend``'s
+tile path of one gather per 32-row tile and ``scaled_dot_product_attention``, measured slower).
+``write`` stores the step's K/V rows with one kernel call too, and ``forward_rows`` attends only
+the rows asked for (the fast flat models' last layer).
+
+Measured before writing a kernel (docs/performance.md): the same gather-free decode attention
+written as tensor indexing and compiled by TorchInductor (dynamic shapes) ran no faster than the
+gather plus ``bmm`` it replaces; the copy's cost moved into poorly vectorised indirect loads.
+
+The kernel is compiled on first use with the host's C++ compiler (``$CXX``, else ``c++``; the
+same compiler TorchInductor needs) into a cache directory, and loaded with ctypes: no extension
+build, no torch headers, about a second. With ``torch.get_num_threads()`` > 1 the step's rows
+are shared by that many threads in small chunks: OpenMP's, and the same workers torch's own ops
+run on, since the library links the OpenMP runtime torch has already loaded
+(``cpu_kernel_share.h``; a compiler without OpenMP builds it single-threaded). ctypes releases the
+GIL during the call.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import platform
+import shlex
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.serve.attention import KVCache
+from engine.serve.batch import BatchMeta
+from engine.fast.torch_attention import TorchBackend, _TileGroup
+
+SOURCE = Path(__file__).with_name("cpu_paged_kernel.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # -fopenmp: cpu_kernel_share.h
+SERIAL_FLAGS = tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in FLAGS)  # a compiler without OpenMP
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float64: "float64"}
+MIN_ROWS_PER_THREAD = 4  # fewer decode rows than this per thread: one thread does them all
+MIN_WRITE_ROWS_PER_THREAD = 64  # a row's K/V copy is far less work than its attention: share big writes only
+COMPILE_TIMEOUT_S = 300  # a compiler that hangs (or a CXX that waits on input) fails the build after this
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$ENGINE_KERNEL_CACHE``, else a per-user temp directory."""
+    root = os.environ.get("ENGINE_KERNEL_CACHE")
+    return Path(root) if root else Path(tempfile.gettempdir()) / f"engine-kernels-{os.getuid()}"
+
+
+def cpu_signature() -> str:
+    """What ``-march=native`` compiles for: the machine, and on Linux the CPU's model name and
+    feature flags (a cache shared by several machines must not hand one a kernel built for another)."""
+    parts = [platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            seen = set()
+            for line in f:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name in ("model name", "flags", "Features", "CPU part") and name not in seen:
+                    seen.add(name)
+                    parts.append(f"{name}={value.strip()}")
+    except OSError:
+        pass
+    return "|".join(parts)
+
+
+def kernel_path(compiler: str, source: Path = SOURCE, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The cached library for this source, compiler, flags and CPU."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("cpu_*.h")))  # what the sources include
+    key = hashlib.sha256(source.read_bytes() + headers + "\0".join((compiler, *flags, cpu_signature())).encode())
+    return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+
+
+def find_compiler() -> list[str]:
+    """The C++ compiler's command line: ``$CXX`` split as a shell would ("ccache g++" is a launcher
+    and its compiler), else ``c++`` or ``g++`` on the PATH; ValueError when none is an executable file."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        try:
+            command = shlex.split(cxx)
+        except ValueError as e:
+            raise ValueError(f"CXX={cxx!r} is not a command line ({e})") from None
+        found = shutil.which(command[0]) if command else None
+        if found is None or not os.path.isfile(found):
+            raise ValueError(f"CXX={cxx!r}: {command[0] if command else cxx!r} is not an executable file "
+                             "(set CXX to a C++ compiler, or unset it); attention_backend='torch' needs none")
+        return [found, *command[1:]]
+    found = shutil.which("c++") or shutil.which("g++")
+    if not found:
+        raise ValueError("the 'cpu' attention backend compiles a small C++ kernel and found no C++ compiler "
+                         "(set CXX, or install g++); attention_backend='torch' needs none")
+    return [found]
+
+
+def check_private(directory: Path) -> None:
+    """ValueError unless nobody but you (and root) can change what ``directory`` holds: it must be
+    yours and writable by you alone, and each folder above it yours or root's and not writable by
+    others, unless sticky (as /tmp is: others may add entries there but not rename or remove yours).
+    Otherwise another user could swap the folder, or a kernel in it, before the library is loaded."""
+    why = None
+    info = directory.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        why = f"{directory} is not a directory only you can write to"
+    for parent in directory.parents:
+        if why:
+            break
+        info = parent.stat()
+        if info.st_uid not in (0, os.getuid()):
+            why = f"{parent}, a folder above {directory}, belongs to another user"
+        elif info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            why = f"{parent}, a folder above {directory}, can be written by others and is not sticky"
+    if why:
+        raise ValueError(f"{why}: the 'cpu' backend will not load a kernel from it (set ENGINE_KERNEL_CACHE "
+                         "to a private directory)")
+
+
+def build_library(source: Path) -> ctypes.CDLL:
+    """``source`` compiled with the host's C++ compiler (once per source, compiler, flags and CPU;
+    then reused from ``cache_dir()``) and loaded; ValueError when there is no compiler, it fails or
+    takes longer than ``COMPILE_TIMEOUT_S``, or the cache is not private."""
+    compiler = find_compiler()
+    try:
+        directory = cache_dir()
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        directory = directory.resolve(strict=True)  # a symlink's target is what gets checked and used
+        check_private(directory)
+    except OSError as e:
+        raise ValueError(f"the kernel cache {str(cache_dir())!r} is not usable ({e.strerror or e}); set "
+                         "ENGINE_KERNEL_CACHE to a private directory") from None
+    failed = None
+    name = " ".join(compiler)
+    for flags in (FLAGS, SERIAL_FLAGS):  # a compiler without OpenMP: the same kernel on one thread
+        lib = directory / kernel_path(name, source, flags).name
+        if not lib.exists():
+            failed = _compile(compiler, source, flags, lib)
+            if failed is not None:
+                continue
+        try:
+            return ctypes.CDLL(str(lib))
+        except OSError as e:
+            raise ValueError(f"{lib} is not a loadable library ({e}); delete it to rebuild") from None
+    raise ValueError(f"building {source.name} failed ({name}):\n{failed[-2000:]}")
+
+
+class OptionalKernels:
+    """A kernel library that the code around it can do without: built and declared on the first
+    ``get()`` (``declare(lib)`` sets its functions' ctypes signatures), None from then on where it
+    cannot be built here (``why`` says what failed)."""
+
+    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None]) -> None:
+        self.source, self.declare = source, declare
+        self.lib: ctypes.CDLL | None = None
+        self.why: str | None = None
+
+    def get(self) -> ctypes.CDLL | None:
+        if self.lib is None and self.why is None:
+            try:
+                lib = build_library(self.source)
+            except (ValueError, OSError) as exc:  # build_library says why in a ValueError; OSError: belt and braces
+                self.why = str(exc)
+                return None
+            self.declare(lib)
+            self.lib = lib
+        return self.lib
+
+
+def _compile(compiler: list[str], source: Path, flags: tuple[str, ...], lib: Path) -> str | None:
+    """Build ``lib``; None on success, else what went wrong (the compiler's error output). The
+    compiler writes a temporary file of a name no other build (thread or process) uses, renamed
+    onto ``lib`` when complete."""
+    fd, tmp = tempfile.mkstemp(dir=lib.parent, prefix=f".{lib.stem}-", suffix=".tmp")
+    os.close(fd)
+    try:
+        try:  # its own process group, so a timeout ends the compiler's children too
+            proc = subprocess.Popen([*compiler, *flags, str(source), "-o", tmp], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+        except OSError as e:
+            return f"the compiler could not be run: {e}"
+        try:
+            _, err = proc.communicate(timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return f"the compiler took longer than {COMPILE_TIMEOUT_S} s"
+        if proc.returncode != 0:
+            return err or f"exit status {proc.returncode}"
+        os.replace(tmp, lib)  # atomic: a concurrent build never loads a half-written file
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    for name in DTYPES.values():
+        fn = getattr(lib, f"paged_decode_{name}")
+        fn.restype = ctypes.c_int64  # the number of rows whose keys lie outside the pool (then nothing is computed)
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 7 \
+            + [ctypes.c_double, ctypes.c_int64]
+        fn = getattr(lib, f"write_kv_{name}")
+        fn.restype = ctypes.c_int64  # the number of slots out of range (then nothing is written)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] \
+            + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    lib.paged_set_prefetch.restype = None  # on by default; off only to measure it (course/bench/levers.py)
+    lib.paged_set_prefetch.argtypes = [ctypes.c_int64]
+
+
+_kernel = OptionalKernels(SOURCE, _declare)
+
+
+def load_kernel() -> ctypes.CDLL:
+    """The compiled attention kernel library (built once per source, compiler, flags and CPU);
+    ValueError saying why where it cannot be built here (tried once per process: asking again,
+    as every ``LLM`` does when it picks its backend, does not run the compiler again)."""
+    lib = _kernel.get()
+    if lib is None:
+        raise ValueError(_kernel.why)
+    return lib
+
+
+class CPUBackend(TorchBackend):
+    """TorchBackend whose rows read the pool in place through a C++ kernel (name "cpu"); same
+    contract and results as the reference. Cascade attention is off: with no per-request copy
+    there is nothing for a shared prefix to save.
+
+    ``prefill_in_place=True`` (the default): every row of the batch — decodes and prefill chunks
+    alike — goes through the kernel, each with its request's block table and its own position
+    (the causal limit), so no K/V is ever copied out of the pool. ``False``: only decode tiles
+    take the kernel; tiles of several rows take ``TorchBackend``'s gather-and-SDPA path (the
+    previous design, kept to measure against).
+
+    Invariant: ``_rows`` caches the per-row plan of exactly one BatchMeta (``_rows_key``); every
+    layer of a step reuses it.
+    """
+
+    name = "cpu"
+
+    def __init__(self, prefill_in_place: bool = True, **options) -> None:
+        options.setdefault("cascade_min_reqs", 0)
+        super().__init__(**options)
+        self.prefill_in_place = prefill_in_place
+        self._lib = load_kernel()
+        self._rows_key: tuple[BatchMeta, int] | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
+        if torch.device(device).type != "cpu" or dtype not in DTYPES:
+            raise ValueError(f"the 'cpu' attention backend serves CPU pools of {sorted(map(str, DTYPES))}, "
+                             f"not {dtype} on {device}; use attention_backend='torch'")
+        return super().allocate(shape, dtype, device)
+
+    def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
+        """The reference's ``write_kv`` (padding rows into the last slot) in one kernel call, k and v
+        read where they lie (e.g. views of a merged qkv projection). Rows of another dtype than the
+        pool's (float32 rows into a bfloat16 pool are the exception: rounded on the way) take the
+        reference's path."""
+        k_pool, v_pool, slots = *cache, meta.slot_mapping
+        source = torch.float32 if k_pool.dtype == torch.bfloat16 else k_pool.dtype
+        n, hkv, d = k.shape
+        if v.shape != k.shape or k_pool.shape[2:] != (hkv, d) or v_pool.shape != k_pool.shape:
+            raise ValueError(f"write: rows k {tuple(k.shape)}, v {tuple(v.shape)} do not fit pools "
+                             f"{tuple(k_pool.shape)}, {tuple(v_pool.shape)} ([blocks, bs, Hkv, D] each)")
+        rows_ok = all(t.dtype == source and t.stride(2) == 1 and t.stride(1) == d for t in (k, v))
+        slots_ok = slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == n
+        if not (rows_ok and slots_ok and k_pool.is_contiguous() and v_pool.is_contiguous()):
+            return super().write(cache, k, v, meta)
+        fn = getattr(self._lib, f"write_kv_{DTYPES[k_pool.dtype]}")
+        num_slots = k_pool.shape[0] * k_pool.shape[1]
+        threads = max(1, min(torch.get_num_threads(), n // MIN_WRITE_ROWS_PER_THREAD))
+        bad = fn(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), n, hkv * d,
+                 k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
+        if bad:
+            raise ValueError(f"write: {bad} slot(s) of the slot mapping lie outside the pool's {num_slots} slots")
+
+    def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
+                window: int = 0) -> torch.Tensor:
+        """q: [N, Hq, D] -> [N, Hq, D]; the same contract as ``ReferenceBackend.forward``."""
+        if not self.prefill_in_place:
+            return super().forward(q, cache, meta, scale=scale, window=window)
+        return self._in_place(q, cache, meta, None, scale, window)
+
+    def forward_rows(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, rows: torch.Tensor,
+                     scale: float | None = None, window: int = 0) -> torch.Tensor:
+        """``forward(q, cache, meta)[rows]`` without computing the other rows: q [N, Hq, D], rows
+        int64 [M] -> [M, Hq, D]."""
+        if not self.prefill_in_place:
+            return self.forward(q, cache, meta, scale=scale, window=window).index_select(0, rows)
+        return self._in_place(q, cache, meta, rows, scale, window)
+
+    def _in_place(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, rows: torch.Tensor | None,
+                scale: float | None, window: int) -> torch.Tensor:
+        """Every row through the kernel (``rows``: only those rows of the batch)."""
+        n, hq, d = q.shape
+        if hq % cache[0].shape[2] != 0:
+            raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({cache[0].shape[2]})")
+        tables, q_pos = self._row_plan(meta, n)
+        if rows is not None:
+            q, tables, q_pos = (t.index_select(0, rows) for t in (q, tables, q_pos))
+        return self._run(q, cache, tables, q_pos, 1.0 / math.sqrt(d) if scale is None else scale, window)
+
+    def _row_plan(self, meta: BatchMeta, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row: its request's block table (int32 [N, W]) and position (int64 [N]; -1 for a
+        padding row)."""
+        if self._rows_key is not None and self._rows_key[0] is meta and self._rows_key[1] == n:
+            return self._rows
+        qsl = meta.query_start_loc_cpu.numpy().astype(np.int64)  # [R + 1]
+        seq_lens = meta.seq_lens_cpu.numpy().astype(np.int64)  # [R]
+        num_rows = np.diff(qsl)  # [R]
+        req = np.repeat(np.arange(num_rows.size), num_rows)  # [rows] the request of each row
+        q_pos = np.full(n, -1, dtype=np.int64)
+        first_row = qsl[:-1][req]
+        # A request's t rows end its context: row j of them is position seq_len - t + j.
+        pos = seq_lens[req] - num_rows[req] + (np.arange(req.size) - first_row)
+        q_pos[:req.size] = np.where(seq_lens[req] > 0, pos, -1)
+        width = max(1, -(-meta.max_seq_len // meta.block_size))
+        if req.size == meta.num_reqs and (num_rows == 1).all():
+            tables = meta.block_table[:, :width]  # pure decode: row r is request r
+        else:
+            tables = meta.block_table[:, :width].index_select(0, torch.from_numpy(req))
+        if tables.shape[0] < n:  # padding rows past the requests' rows: any table, no keys read
+            tables = torch.cat([tables, tables.new_zeros((n - tables.shape[0], width))])
+        tables = tables.to(torch.int32).contiguous()
+        self._rows_key, self._rows = (meta, n), (tables, torch.from_numpy(q_pos))
+        return self._rows
+
+    def _forward_identity(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float,
+                          window: int) -> torch.Tensor:
+        return self._decode(q, cache, group, scale, window)  # no chunking: nothing is gathered
+
+    def _forward_group(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float, window: int,
+                       out: torch.Tensor) -> None:
+        if group.q_rows.shape[1] > 1:  # tiles of several rows: gather and SDPA
+            return super()._forward_group(q, cache, group, scale, window, out)
+        out.index_copy_(0, group.out_rows[:, 0], self._decode(q.index_select(0, group.q_rows[:, 0]), cache, group,
+                                                               scale, window))
+
+    def _decode(self, q: torch.Tensor, cache: KVCache, group: _TileGroup, scale: float, window: int) -> torch.Tensor:
+        """One query row per tile: q [G, Hq, D] -> [G, Hq, D], keys read through ``group.tables``."""
+        return self._run(q, cache, group.tables, group.q_pos[:, 0], scale, window)
+
+    def _run(self, q: torch.Tensor, cache: KVCache, tables: torch.Tensor, q_pos: torch.Tensor, scale: float,
+             window: int) -> torch.Tensor:
+        """The kernel on rows q [G, Hq, D] with their tables [G, W] and positions [G] -> [G, Hq, D]."""
+        k_pool, v_pool = cache
+        if q.dtype != k_pool.dtype or v_pool.dtype != k_pool.dtype:
+            raise ValueError(f"queries ({q.dtype}) and pools ({k_pool.dtype}, {v_pool.dtype}) must share a dtype")
+        g, hq, d = q.shape
+        num_blocks, bs, hkv, pool_d = k_pool.shape
+        if pool_d != d or bs < 1 or v_pool.shape != k_pool.shape or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+            raise ValueError(f"the 'cpu' backend reads contiguous K and V pools of one shape [blocks, bs, Hkv, {d}], "
+                             f"got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+        if hkv < 1 or hq % hkv != 0:
+            raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+        if tables.dim() != 2 or tables.shape[0] < g or q_pos.shape != (g,):
+            raise ValueError(f"{g} query rows need a block table of >= {g} rows and {g} positions, got "
+                             f"{tuple(tables.shape)} and {tuple(q_pos.shape)}")
+        q = q.contiguous()
+        if tables.stride(1) != 1 or tables.dtype != torch.int32:
+            tables = tables.to(torch.int32).contiguous()
+        q_pos = q_pos.to(torch.int64).contiguous()  # int64 [G]
+        out = torch.empty_like(q)
+        fn = getattr(self._lib, f"paged_decode_{DTYPES[q.dtype]}")
+        head = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(),
+                tables.stride(0), tables.shape[1], q_pos.data_ptr(), g)
+        tail = (hq, hkv, d, bs, num_blocks, float(scale), int(window))
+        bad = fn(*head, max(1, min(torch.get_num_threads(), g // MIN_ROWS_PER_THREAD)), *tail)
+        if bad:
+            raise ValueError(f"attention: {bad} row(s) would read keys outside the K/V pool's {num_blocks} blocks "
+                             f"or past their block table's {tables.shape[1]} columns (a corrupt block table)")
+        return out

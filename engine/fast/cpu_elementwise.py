@@ -1,0 +1,115 @@
+"""The elementwise work between a layer's matmuls in three C++ calls (``cpu_elementwise_kernel.cpp``), float32 or bfloat16.
+
+``FusedFlatModel``'s eager path (decode-sized steps) runs its residual adds, norms, RoPE and SiLU
+as ~25 small PyTorch operations per layer, each a pass over memory and a few microseconds of
+dispatch. On a float32 or bfloat16 CPU model it calls these instead, one per seam:
+
+- ``add_rms_norm(hidden, residual, weight, eps)``: ``residual += hidden``, then RMSNorm of it;
+- ``qk_norm_rope(qkv, ...)``: the per-head q/k norm and RoPE, q to its own buffer, k in place;
+- ``silu_mul(gate_up)``: SiLU(gate) * up.
+
+Results equal the PyTorch expressions up to float32 summation order (tests check both, and the
+engine against ``generate()``); in bfloat16 each value is computed in float32 and rounded to
+bfloat16 where the PyTorch ops (and so ``generate()``) round, so a bfloat16 engine still gives
+``generate()``'s greedy tokens. Built with the host's C++ compiler like the attention kernel;
+``library()`` is None where it cannot be built, and the model keeps its PyTorch code there.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from engine.fast.cpu_attention import OptionalKernels
+
+SOURCE = Path(__file__).with_name("cpu_elementwise_kernel.cpp")
+MIN_ELEMENTS_PER_THREAD = 32768  # less work than this per thread: one thread does it all
+MAX_HEAD_DIM = 1024  # the kernel's per-head scratch buffer
+
+
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # each kernel's variants
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+    for name in DTYPES.values():
+        getattr(lib, f"add_rms_norm_{name}").argtypes = [ptr] * 4 + [i64] * 2 + [f64] + [i64] * 2
+        getattr(lib, f"qk_norm_rope_{name}").argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f64, i64]
+        getattr(lib, f"silu_mul_{name}").argtypes = [ptr, ptr, i64, i64, i64]
+        for kernel in ("add_rms_norm", "qk_norm_rope", "silu_mul"):
+            getattr(lib, f"{kernel}_{name}").restype = None
+
+
+_kernels = OptionalKernels(SOURCE, _declare)
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None when they cannot be built here (no C++ compiler, a failed build)."""
+    return _kernels.get()
+
+
+def _threads(elements: int) -> int:
+    return max(1, min(torch.get_num_threads(), elements // MIN_ELEMENTS_PER_THREAD))
+
+
+def _kernel(name: str, *tensors: torch.Tensor):
+    """The ``name`` kernel for the tensors' one dtype (contiguous CPU float32 or bfloat16 tensors)."""
+    dtype = tensors[0].dtype
+    for t in tensors:
+        if t.dtype != dtype or dtype not in DTYPES or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"the elementwise kernels take contiguous CPU tensors of one dtype, float32 or "
+                             f"bfloat16, not {t.dtype} {tuple(t.shape)} on {t.device} (with {dtype})")
+    return getattr(library(), f"{name}_{DTYPES[dtype]}")
+
+
+def add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden, residual [N, D] -> (normed [N, D], the new residual [N, D]).
+
+    With a residual: ``residual += hidden`` in place, normed = RMSNorm(residual) * weight. Without
+    (the first layer): the residual is ``hidden`` itself and only the norm is computed."""
+    if residual is None:
+        residual, add = hidden, 0
+    else:
+        add = 1
+    kernel = _kernel("add_rms_norm", hidden, residual, weight)
+    if residual.dim() != 2 or hidden.shape != residual.shape or weight.shape != residual.shape[1:]:
+        raise ValueError(f"add_rms_norm takes hidden and residual [N, D] and weight [D], got {tuple(hidden.shape)}, "
+                         f"{tuple(residual.shape)}, {tuple(weight.shape)}")
+    n, d = residual.shape
+    out = torch.empty_like(residual)
+    kernel(hidden.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                   n, d, eps, add, _threads(n * d))
+    return out, residual
+
+
+def qk_norm_rope(qkv: torch.Tensor, hq: int, hkv: int, dh: int, weight: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """qkv [N, (Hq + 2 Hkv) Dh] (q, k, v heads side by side); weight [Hq + Hkv, Dh] (each head's
+    norm weight); cos, sin [N, Dh] -> q [N, Hq, Dh] normed and rotated. The k heads are normed
+    and rotated in place in ``qkv``; the v heads are not touched."""
+    if dh > MAX_HEAD_DIM or dh % 2:
+        raise ValueError(f"qk_norm_rope takes an even head size of at most {MAX_HEAD_DIM}, not {dh}")
+    kernel = _kernel("qk_norm_rope", qkv, weight, cos, sin)
+    n = qkv.shape[0]
+    if (qkv.dim() != 2 or qkv.shape[1] != (hq + 2 * hkv) * dh or weight.shape != (hq + hkv, dh)
+            or cos.shape != (n, dh) or sin.shape != (n, dh) or min(hq, hkv) < 1):
+        raise ValueError(f"qk_norm_rope(hq={hq}, hkv={hkv}, dh={dh}) takes qkv [N, {(hq + 2 * hkv) * dh}], weight "
+                         f"[{hq + hkv}, {dh}], cos and sin [N, {dh}]; got {tuple(qkv.shape)}, {tuple(weight.shape)}, "
+                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+    q = qkv.new_empty((n, hq, dh))
+    kernel(qkv.data_ptr(), qkv.shape[1], n, hq, hkv, dh, weight.data_ptr(), cos.data_ptr(),
+                                   sin.data_ptr(), q.data_ptr(), eps, _threads(n * (hq + hkv) * dh))
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [N, 2I] (gate, then up) -> SiLU(gate) * up [N, I]."""
+    kernel = _kernel("silu_mul", gate_up)
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul takes gate_up [N, 2I], got {tuple(gate_up.shape)}")
+    n, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty((n, width))
+    kernel(gate_up.data_ptr(), out.data_ptr(), n, width, _threads(n * width))
+    return out

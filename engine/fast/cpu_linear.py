@@ -1,0 +1,88 @@
+"""Linear layers for the few rows of a CPU decode step (``cpu_linear_kernel.cpp``), in float32.
+
+At up to a few hundred rows oneDNN's and MKL's matmuls leave part of the CPU's FMA throughput unused (they are
+blocked for many rows); a decode step of the bench's small model at 16 requests spends ~70% of
+its time in them. ``SmallLinear`` packs a weight once into 16-column panels that a small C++
+kernel streams once per call, every row of the input meeting each panel while it is in cache.
+Results equal ``F.linear``'s up to summation order (float32). The panels hold float32, or a
+bfloat16 weight's own 16-bit values (``PANEL_DTYPES``): the kernel widens them exactly on the way
+into the same float32 arithmetic, so a bfloat16 model on a CPU without bf16 matmul units keeps
+one 16-bit copy of its weights and streams half the bytes a float32 copy would. Built with the
+host's C++ compiler like the attention kernel; ``library()`` is None where it cannot be built here.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from engine.fast.cpu_attention import OptionalKernels
+
+SOURCE = Path(__file__).with_name("cpu_linear_kernel.cpp")
+PANEL = 16  # output columns per packed panel (two 8-float vectors)
+MIN_PANELS_PER_THREAD = 8  # fewer panels than this per thread: one thread does them all
+ROW_CHUNK = 256  # longer inputs go through in chunks of this many rows, each small enough to stay in cache
+
+
+PANEL_DTYPES = {torch.float32: "linear_float32", torch.bfloat16: "linear_bfloat16"}  # the panels' dtype -> kernel
+# Where a bfloat16 panel row keeps column c: columns 4-7 and 8-11 swapped, so that the kernel's
+# in-lane unpacks widen one 32-byte load into columns 0-7 and 8-15 (the order is its own inverse).
+BF16_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    for name in PANEL_DTYPES.values():
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
+
+
+_kernels = OptionalKernels(SOURCE, _declare)
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None when it cannot be built here (no C++ compiler, a failed build)."""
+    return _kernels.get()
+
+
+class SmallLinear:
+    """A weight [N, K] packed into ceil(N / 16) panels [P, K, 16] (zero rows past N), in the
+    weight's dtype (float32 or bfloat16, ``PANEL_DTYPES``); inputs and outputs are float32.
+    ``prefetch``: the kernel prefetches each next panel while it reads one (off: to measure it)."""
+
+    prefetch = True
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if weight.dtype not in PANEL_DTYPES or weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(f"SmallLinear packs 2-D float32 or bfloat16 CPU weights, not {weight.dtype} "
+                             f"{tuple(weight.shape)} on {weight.device}")
+        self.n, self.k = weight.shape
+        panels = -(-self.n // PANEL)
+        padded = weight.new_zeros((panels * PANEL, self.k))
+        padded[:self.n] = weight.detach()
+        self.order = torch.tensor(BF16_ORDER if weight.dtype == torch.bfloat16 else range(PANEL))
+        by_panel = padded.view(panels, PANEL, self.k)  # [P, 16, K]
+        if weight.dtype == torch.bfloat16:  # the kernel's column order: swap columns 4-7 and 8-11 in place
+            by_panel[:, 4:12] = by_panel[:, self.order[4:12]]
+        self.panels = by_panel.transpose(1, 2).contiguous()  # [P, K, 16]
+        self.fn = getattr(library(), PANEL_DTYPES[weight.dtype])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 -> [M, N] float32 (any M: the panels are this weight's only copy)."""
+        if x.dim() != 2 or x.shape[1] != self.k or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"SmallLinear of K={self.k} takes float32 CPU rows [M, {self.k}], not {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
+        x = x.contiguous()
+        m = x.shape[0]
+        y = x.new_empty((m, self.n))
+        threads = max(1, min(torch.get_num_threads(), self.panels.shape[0] // MIN_PANELS_PER_THREAD))
+        for at in range(0, m, ROW_CHUNK):
+            rows = min(ROW_CHUNK, m - at)
+            self.fn(x[at].data_ptr(), self.panels.data_ptr(), y[at].data_ptr(), rows, self.k, self.n, threads,
+                    int(self.prefetch))
+        return y
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [N] of the weight, [N, K] in the panels' dtype (a tied head's embedding
+        lookup): row r is column r % 16 of panel r // 16, at its place in the panel's order."""
+        return self.panels[ids // PANEL, :, self.order[ids % PANEL]]

@@ -1,0 +1,313 @@
+"""FusedFlatModel: the flat forward pass in fewer, larger operations (``EngineConfig(flat_model="fused")``).
+
+``FlatModel`` drives the model's own modules one by one: three projections for q, k and v, two
+for gate and up, a norm and a RoPE for q and another for k. Each is a separate pass over memory
+and, on a CPU, a few microseconds of dispatch. This class serves the same computation with:
+
+- one ``[D, (Hq + 2 Hkv) Dh]`` matmul for q, k and v, and one for gate and up (merged weights,
+  built once at start-up);
+- q and k normalised and rotated together, as one ``[N, Hq + Hkv, Dh]`` tensor;
+- SiLU and the gate product done in place on the merged output;
+- on a CPU, each weight shape in the layout measured fastest for it at load time
+  (``linear_layout.choose``): prepacked for oneDNN's matmul (float32, or bfloat16 with bf16 units)
+  or, in float32, in ``cpu_linear``'s small-batch kernel's panels;
+- ONE resident copy of every weight: each linear keeps only the layout its kernel reads
+  (``Linear``), built once here, and every row count goes through it. The merged q/k/v and
+  gate/up tensors are temporaries on the way to that layout (or, where the layout is the plain
+  tensor, the model's own parameters become views of them); the model's originals,
+  memory-mapped from the checkpoint by ``load_model``, hand their resident pages back once read
+  (``engine.models.mapped``) and stay valid for ``generate()``. A tied LM head keeps the
+  embedding's own plain tensor or, measured faster, a layout of its own (``embed`` then reads the
+  lookups from its panels, or from the embedding's pages of the tokens looked up);
+- on a CPU in float32 or bfloat16, each seam's elementwise work (residual add + norm, q/k norm +
+  RoPE, SiLU-mul) as one call of ``cpu_elementwise``'s kernels instead of ~25 PyTorch operations a
+  layer (in bfloat16 rounding where those operations round);
+- the last layer past its K/V write only on the rows whose logits are needed (``keep_rows``: the
+  batch's ``logits_indices``). Nothing reads the other rows' last hidden state, so a prefill step
+  skips a quarter of the attention and ~20% of the matmuls of a 4-layer model with the same results.
+
+Float64 results are those of ``FlatModel`` up to summation order (tests check the engine against
+``generate()`` token for token); float32 ones differ from it by summation order too (oneDNN's
+blocking, or the small kernel's), which the bench's agreement column checks on every workload.
+Its ``linear_dtype`` is the dtype the matmuls run in:
+the model's own, except for a 16-bit model on a CPU without bfloat16/float16 matmul units (no
+AVX512-BF16 / AMX), where PyTorch's 16-bit matmul is several times slower than float32's: there
+the matmuls run in float32 and activations stay float32 between them, while the K/V pool keeps
+the model's dtype. A bfloat16 model's weights then stay bfloat16 where the small kernel's panels
+hold them (``linear_layout.held_dtype``: widened exactly in registers, so the products are those
+of float32 copies, from half the bytes; at Qwen3-0.6B's shape a lone request's decode step
+reads them at the memory roofline, ``docs/performance.md``); a layout of oneDNN's holds a
+float32 copy. That path computes more precisely than a native 16-bit one (so its greedy tokens
+drift less from float32).
+MoE layers run their own block unchanged.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.layers import Qwen3MLP
+from engine.models.mapped import drop_pages, releasable, release_pages, trim_heap
+from engine.precision import work_dtype
+from engine.rope import rope_cos_sin
+from engine.serve.attention import AttentionBackend, KVCache
+from engine.fast import cpu_elementwise, cpu_linear, linear_layout
+from engine.fast.linear_layout import Linear
+from engine.serve.batch import Batch, BatchMeta
+from engine.serve.flat import FlatModel
+
+
+
+
+def packable(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether oneDNN can prepack a linear weight of this dtype here (CPU float32, or bfloat16 on
+    a CPU with bf16 units): the layout vLLM's CPU backend also uses."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and fast_16bit_matmul(dtype, device))
+
+
+def merged(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The row-wise concatenation of ``parts`` (2-D, same width and dtype): a view when they
+    already lie one after the other in one storage (a model merged before), else a new tensor."""
+    first = parts[0]
+    rows, width = sum(p.shape[0] for p in parts), first.shape[1]
+    at = first.storage_offset()
+    adjacent = all(p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                   for p in parts)
+    for p in parts:
+        adjacent = adjacent and p.storage_offset() == at
+        at += p.numel()
+    if adjacent:
+        return first.as_strided((rows, width), (width, 1))
+    return torch.cat(parts)
+
+
+def share_rows(whole: torch.Tensor, params: list[nn.Parameter]) -> None:
+    """Point each parameter of ``params`` at its rows of ``whole`` (their concatenation), so the
+    model and the fused path share one copy; values are unchanged, the Parameter objects too."""
+    at = 0
+    for p in params:
+        rows = p.shape[0]
+        if p.data_ptr() != whole[at:at + rows].data_ptr():
+            p.data = whole[at:at + rows]
+        at += rows
+
+
+def attend_rows(backend: AttentionBackend, q: torch.Tensor, cache: KVCache, meta: BatchMeta, rows: torch.Tensor,
+                scale: float, window: int) -> torch.Tensor:
+    """Attention of the batch's rows ``rows`` only: q [N, Hq, Dh] -> [M, Hq, Dh]. Through the
+    backend's ``forward_rows`` where it has one, else every row and then the selection."""
+    forward_rows = getattr(backend, "forward_rows", None)
+    if forward_rows is not None:
+        return forward_rows(q, cache, meta, rows, scale=scale, window=window)
+    return backend.forward(q, cache, meta, scale=scale, window=window).index_select(0, rows)
+
+
+def fast_16bit_matmul(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether 16-bit matmuls in ``dtype`` run on native units here (any CUDA device; on a CPU,
+    oneDNN's bfloat16 / float16 support, i.e. AVX512-BF16, AVX512-FP16 or AMX)."""
+    if device.type != "cpu":
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
+
+
+class FusedFlatModel(FlatModel):
+    """FlatModel with merged projections and fused elementwise work; same contract, plus
+    ``forward(..., keep_rows=rows)``, which returns only those rows' final hidden states.
+
+    Invariant: ``layers[i]`` holds layer i's merged weights, built from the model's modules at
+    construction, each in one layout (weights changed later are not seen, except by a plain
+    layout, which IS the model's storage). The model's values are not modified; where the layout
+    is plain its q/k/v and gate/up parameters become views of the merged tensors (one copy), and
+    file-backed originals hand their pages back (``release_pages``).
+    """
+
+    def __init__(self, model: nn.Module, linear_dtype: torch.dtype | None = None, pack: bool | None = None,
+                 layout: str | None = None, elementwise: bool | None = None) -> None:
+        super().__init__(model)
+        dtype, device = self.dtype, self.device
+        if linear_dtype is None:
+            linear_dtype = dtype if fast_16bit_matmul(dtype, device) else torch.float32
+        self.linear_dtype = linear_dtype
+        self.pack = packable(linear_dtype, device) if pack is None else pack
+        linear_layout.forced_layout(layout)  # a bad name: ValueError before anything is built
+        # The small-batch kernel's panels: float32 arithmetic on CPU, where the kernel builds (a
+        # bfloat16 model's panels keep its 16-bit values: linear_layout.held_dtype).
+        small = linear_dtype == torch.float32 and device.type == "cpu" and cpu_linear.library() is not None
+        # Each linear's candidate layouts, the reference (kept on a near-tie) first.
+        candidates = (("packed",) if self.pack else ()) + (("small",) if small else ()) or ("plain",)
+        if elementwise is None:  # float32 or bfloat16 on a CPU where the elementwise kernels build
+            elementwise = (linear_dtype in cpu_elementwise.DTYPES and device.type == "cpu"
+                           and cpu_elementwise.library() is not None)
+        self.elementwise = elementwise
+        cast = linear_dtype != dtype
+        self.choices: dict[tuple[int, int], linear_layout.Choice] = {}  # per weight shape [out, in]
+
+        def choose(n: int, k: int, among: tuple[str, ...]) -> linear_layout.Choice:
+            choice = linear_layout.choose(n, k, linear_dtype, among, layout, weight_dtype=dtype)
+            self.choices[(n, k)] = choice
+            return choice
+
+        def linear(params: list[nn.Parameter], among: tuple[str, ...] = candidates) -> Linear:
+            """One Linear over ``params``' rows in the layout chosen for its shape, made without
+            keeping a second copy: plain, the model's parameters become views of the merged
+            tensor; otherwise the merged tensor is a temporary, and the model's file-backed
+            originals hand their pages back."""
+            n, k = sum(p.shape[0] for p in params), params[0].shape[1]
+            choice = choose(n, k, among)
+            with torch.no_grad():
+                whole = merged([p.detach() for p in params]) if len(params) > 1 else params[0].detach()
+                if choice.layout == "plain" and not cast:
+                    share_rows(whole, params)
+                    return Linear(whole, "plain", choice)
+                out = Linear(whole.to(linear_layout.held_dtype(choice.layout, linear_dtype, dtype)), choice.layout,
+                             choice)
+            release_pages([p.detach() for p in params])
+            return out
+
+        self.layers = []
+        for layer in model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            entry = {
+                "qkv": linear([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                "o": linear([a.o_proj.weight]),
+                # One norm weight per head of the joint [Hq + Hkv] q/k tensor.
+                "qk_norm": torch.cat([a.q_norm.weight.expand(a.num_heads, -1),
+                                      a.k_norm.weight.expand(a.num_kv_heads, -1)]).detach().to(linear_dtype),
+            }
+            if isinstance(mlp, Qwen3MLP):
+                entry["gate_up"] = linear([mlp.gate_proj.weight, mlp.up_proj.weight])
+                entry["down"] = linear([mlp.down_proj.weight])
+            self.layers.append(entry)
+        head = model.lm_head.weight
+        # A head tied to the embedding: the embedding's own plain tensor (the reference) or, if
+        # measured faster, its own layout, the embedding's originals then handing their pages
+        # back like any linear's. Lookups (``embed``) read the panels, or the embedding's pages
+        # beside a packed head (those of the tokens looked up come back: 2 KiB a token in bf16).
+        self.tied = head is model.model.embed_tokens.weight
+        if self.tied:
+            self.lm_head = linear([head], ("plain",) + tuple(c for c in candidates if c != "plain"))
+        else:
+            self.lm_head = linear([head])
+        # Lookups through the embedding module (no tied head holds its rows): its file-backed
+        # pages are handed back after each one (``embed``), not left to accumulate.
+        own_rows = self.tied and self.lm_head.layout != "packed"
+        self._embedding_pages = None if own_rows else releasable(model.model.embed_tokens.weight.detach())
+        self._norm_weights: dict[int, torch.Tensor] = {}
+        trim_heap()  # the merged temporaries' heap memory back to the OS
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [N] -> their embeddings [N, D] in ``linear_dtype``: read from a tied head's
+        plain tensor or panels (so the embedding's own pages are not needed), else the module."""
+        if self.tied and self.lm_head.layout != "packed":
+            return self.lm_head.rows(input_ids).to(self.linear_dtype)
+        rows = self.model.model.embed_tokens(input_ids).to(self.linear_dtype)  # a new tensor
+        if self._embedding_pages is not None:
+            drop_pages(self._embedding_pages)
+        return rows
+
+    def layout_report(self) -> str:
+        """One line per weight shape: the layout it keeps and the measured times behind it."""
+        return "\n".join(choice.describe(n, k) for (n, k), choice in self.choices.items())
+
+    def _norm_weight(self, norm: nn.Module) -> torch.Tensor:
+        """``norm``'s weight in ``linear_dtype`` (a copy of a 16-bit one, made once)."""
+        key = id(norm)
+        if key not in self._norm_weights:
+            self._norm_weights[key] = norm.weight.detach().to(self.linear_dtype).contiguous()
+        return self._norm_weights[key]
+
+    def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """RMSNorm of ``x`` (in ``linear_dtype``): the module itself when that is the model's dtype."""
+        if x.dtype == self.dtype:
+            return norm(x)
+        return F.rms_norm(x, (x.shape[-1],), self._norm_weight(norm), norm.eps)
+
+    def logits(self, batch: Batch, kv_caches: list[KVCache], backend: AttentionBackend) -> torch.Tensor:
+        """FlatModel's ``logits``, with the last layer past its K/V write run on the batch's
+        ``logits_indices`` rows alone when those are not all the rows."""
+        rows = batch.logits_indices
+        if rows.numel() == batch.input_ids.shape[0]:
+            return super().logits(batch, kv_caches, backend)
+        hidden = self.forward(batch.input_ids, batch.positions, kv_caches, batch.meta, backend, keep_rows=rows)
+        if rows.numel() == 0:
+            return hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
+        return self.compute_logits(hidden)  # [M, D] -> [M, V]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: BatchMeta, backend: AttentionBackend, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [N] -> final hidden [N, D] in ``linear_dtype``; with ``keep_rows``
+        (int64 [M] row numbers) only those rows' [M, D]: every layer writes all N rows' K/V, the
+        last one attends and runs its MLP on the M rows alone."""
+        m, cfg = self.model.model, self.cfg
+        work = self.linear_dtype
+        hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        hidden = self.embed(input_ids)  # [N, D]
+        n = hidden.shape[0]
+        cos, sin = rope_cos_sin(positions, dh, cfg.rope_theta, work)  # [N, Dh]
+        residual = None
+        last = len(self.layers) - 1
+        for i, (layer, weights, kv_cache) in enumerate(zip(m.layers, self.layers, kv_caches)):
+            x, residual = self._add_norm(hidden, residual, layer.input_layernorm)
+            qkv = weights["qkv"](x)  # [N, (Hq + 2 Hkv) Dh]
+            q, k = self._qk_norm_rope(qkv, weights["qk_norm"], cos, sin, layer.self_attn.q_norm.eps)
+            q = q.to(kv_cache[0].dtype).contiguous()  # [N, Hq, Dh]
+            v = qkv[:, (hq + hkv) * dh:].view(n, hkv, dh)
+            backend.write(kv_cache, k, v, meta)
+            scale, window = layer.self_attn.scale, cfg.sliding_window
+            if i == last and keep_rows is not None:  # from here on only the kept rows: [M, ...]
+                o = attend_rows(backend, q, kv_cache, meta, keep_rows, scale, window)
+                residual, n = residual.index_select(0, keep_rows), keep_rows.shape[0]
+            else:
+                o = backend.forward(q, kv_cache, meta, scale=scale, window=window)
+            hidden = weights["o"](o.reshape(n, hq * dh).to(work))  # [N, D]
+            x, residual = self._add_norm(hidden, residual, layer.post_attention_layernorm)
+            if "gate_up" in weights:
+                hidden = weights["down"](self._silu_mul(weights["gate_up"](x)))  # [N, 2I] -> [N, D]
+            else:
+                hidden = layer.mlp(x.to(self.dtype)).to(work)  # MoE: the block itself
+        return self._add_norm(hidden, residual, m.norm)[0]
+
+    def _add_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(hidden + residual), hidden + residual), [N, D] each; residual None: no add."""
+        if self.elementwise:
+            return cpu_elementwise.add_rms_norm(hidden, residual, self._norm_weight(norm), norm.eps)
+        if residual is not None:
+            hidden = hidden + residual
+        return self._norm(hidden, norm), hidden
+
+    def _qk_norm_rope(self, qkv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv [N, (Hq + 2 Hkv) Dh], cos / sin [N, Dh] -> q [N, Hq, Dh], k [N, Hkv, Dh]: each head
+        normed (its weight row of [Hq + Hkv, Dh]) and rotated."""
+        cfg = self.cfg
+        n, hq, hkv, dh = qkv.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if self.elementwise:  # q to a buffer of its own, k in place in qkv
+            q = cpu_elementwise.qk_norm_rope(qkv, hq, hkv, dh, weight, cos, sin, eps)
+            return q, qkv[:, hq * dh:(hq + hkv) * dh].view(n, hkv, dh)
+        half = dh // 2
+        qk = qkv[:, :(hq + hkv) * dh].view(n, hq + hkv, dh)
+        qk = F.rms_norm(qk, (dh,), None, eps) * weight  # [N, Hq + Hkv, Dh]
+        rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+        qk = qk * cos[:, None, :] + rotated * sin[:, None, :]  # RoPE on q and k at once
+        return qk[:, :hq], qk[:, hq:]
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [N, 2I] -> SiLU(gate) * up [N, I]."""
+        if self.elementwise:
+            return cpu_elementwise.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate, inplace=True).mul_(up)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, D] -> logits [M, V] in float32 (float64 for float64 models): the LM head in
+        ``linear_dtype``, only the logits widened."""
+        work = work_dtype(hidden.dtype)
+        return self.lm_head(hidden.to(self.linear_dtype)).to(work)

@@ -1,0 +1,205 @@
+"""A CPU linear in ONE layout (``Linear``), and which one: measured for each weight shape at load time.
+
+A float32 weight on a CPU can be served by two kernels, each reading its own layout of the weight:
+oneDNN's matmul on its prepacked (blocked) copy, or ``cpu_linear``'s small-batch kernel on its
+16-column panels. Which is faster depends on the shape, the row count, the CPU and its caches:
+on one machine the small kernel won at 16 rows and lost at 64 and 256 (issue 27's Intel CPU); on
+another (an AMD EPYC without AMX) oneDNN won almost everywhere on a weight in cache, and lost at
+16 rows on weights streamed from memory. So it is measured, not assumed.
+
+Holding both layouts would route each row count to its winner but doubles the weights' memory;
+the engine keeps ONE resident copy of each weight (issue 28), so a shape keeps the layout that is
+faster over the row counts a step sees (``PROBE_ROWS``: decode steps of 16 to 256 requests; longer
+prefill steps behave like 256), and every row count goes through it. Neither layout costs more
+than the weight's own bytes (panels pad the out features to a multiple of 16).
+
+The measurement (``choose``, a fraction of a second per shape): random weights of the shape (at
+most ``PROBE_MAX_OUT`` of its out features: the time is linear in them), each candidate layout
+timed at each of ``PROBE_ROWS`` rows in interleaved rounds, the fastest round of each (a busy
+machine only ever adds time); at 16 rows through copies as large as the last-level cache together
+(``PROBE_BYTES``: in the engine each layer's weights come from memory too). The layout with the smallest geometric mean of its times wins; one that is not the
+reference (the first candidate: oneDNN's, or the plain tensor a tied head shares with the
+embedding) must win by ``MARGIN``, so that a near-tie does not flip from one start to the next.
+Results are cached per (shape, dtype, threads, candidates) for the process. The choice is
+deterministic given the measurement; ``ENGINE_LINEAR_LAYOUT=small|packed|plain`` (or the flat
+model's ``layout=`` argument) forces one where it is available (elsewhere the reference), for
+tests and A/B runs.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.fast import cpu_linear
+
+LAYOUTS = ("packed", "small", "plain")  # oneDNN-prepacked, cpu_linear panels, the plain tensor
+PROBE_ROWS = (16, 64, 256)  # the row counts each layout is timed at
+PROBE_BYTES = 32 << 20  # the probe's copies of a weight together (fewest rows): as much as the last-level cache
+PROBE_MAX_COPIES = 8
+PROBE_MAX_OUT = 2048  # wider weights (an LM head) are timed on this many of their rows: time is linear in them
+PROBE_ROUNDS = 3  # timed rounds; the fastest counts (other processes only ever add time)
+MARGIN = 0.03  # a layout other than the reference wins only when it is this much faster
+ENV = "ENGINE_LINEAR_LAYOUT"
+PACK_BATCH = 256  # the row count oneDNN lays packed weights out for (a hint; any row count works)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The layout a shape keeps, and why: ``ms[layout]`` = its ms at each of ``PROBE_ROWS``
+    rows (empty when not measured: one candidate, or ``forced``)."""
+
+    layout: str
+    ms: dict[str, tuple[float, ...]]
+    forced: bool = False
+
+    def describe(self, n: int, k: int) -> str:
+        if not self.ms:
+            return f"[{n}, {k}] {self.layout}" + (" (forced)" if self.forced else "")
+        times = "; ".join(f"{name} " + "/".join(f"{t:.2f}" for t in ms) for name, ms in self.ms.items())
+        return f"[{n}, {k}] {self.layout} (ms at {'/'.join(map(str, PROBE_ROWS))} rows: {times})"
+
+
+_chosen: dict[tuple, Choice] = {}
+
+
+def forced_layout(layout: str | None) -> str | None:
+    """The layout asked for (``layout``, else ``$ENGINE_LINEAR_LAYOUT``), None for "measure"."""
+    asked = layout if layout is not None else os.environ.get(ENV) or None
+    if asked in (None, "auto"):
+        return None
+    if asked not in LAYOUTS:
+        raise ValueError(f"linear layout must be one of {', '.join(LAYOUTS)} or 'auto', not {asked!r}")
+    return asked
+
+
+def held_dtype(layout: str, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype a linear computing in ``dtype`` holds its weight in, for a model whose weights
+    are ``weight_dtype``: the compute dtype, except that the small kernel's panels keep a bfloat16
+    model's own values when it computes in float32 (widened in registers: the same float32
+    products, from half the bytes)."""
+    if (layout == "small" and dtype == torch.float32 and weight_dtype is not None
+            and weight_dtype in cpu_linear.PANEL_DTYPES):
+        return weight_dtype
+    return dtype
+
+
+def measure(n: int, k: int, dtype: torch.dtype, candidates: tuple[str, ...],
+            weight_dtype: torch.dtype | None = None) -> dict[str, tuple[float, ...]]:
+    """Ms of each candidate layout at each of ``PROBE_ROWS`` rows (its fastest round), on seeded
+    random [n, k] weights (at most ``PROBE_MAX_OUT`` rows of them), each held as it would be
+    (``held_dtype``), inputs in ``dtype``. At the fewest rows, where a
+    step's time is the weight's trip from memory, the probe cycles through copies that do not fit
+    in the caches together; at more rows the arithmetic decides and one copy is timed."""
+    n = min(n, PROBE_MAX_OUT)
+    gen = torch.Generator().manual_seed(0)
+    size = n * k * torch.empty((), dtype=dtype).element_size()
+    copies = max(2, min(PROBE_MAX_COPIES, PROBE_BYTES // max(size, 1)))
+    weights = [torch.randn(n, k, generator=gen).to(weight_dtype or dtype) for _ in range(copies)]
+    layouts = {name: [Linear(w.to(held_dtype(name, dtype, weight_dtype)), name) for w in weights]
+               for name in candidates}
+    out: dict[str, list[float]] = {name: [] for name in candidates}
+    with torch.inference_mode():
+        for rows in PROBE_ROWS:
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            used = copies if rows == PROBE_ROWS[0] else 1
+            times: dict[str, list[float]] = {name: [] for name in candidates}
+            for round_ in range(PROBE_ROUNDS + 1):  # round 0 warms up
+                for name, fns in layouts.items():
+                    start = time.perf_counter()
+                    for f in fns[:used]:
+                        f(x)
+                    if round_:
+                        times[name].append((time.perf_counter() - start) * 1000 / used)
+            for name in candidates:
+                out[name].append(min(times[name]))
+    return {name: tuple(ms) for name, ms in out.items()}
+
+
+def decide(ms: dict[str, tuple[float, ...]]) -> str:
+    """The measured winner: the smallest geometric mean over the row counts; the reference (the
+    first key) unless another is at least ``MARGIN`` faster."""
+    geo = {name: math.exp(statistics.fmean(math.log(max(t, 1e-9)) for t in times)) for name, times in ms.items()}
+    reference = next(iter(ms))
+    best = min(geo, key=geo.get)
+    return best if geo[best] < (1 - MARGIN) * geo[reference] else reference
+
+
+def choose(n: int, k: int, dtype: torch.dtype, candidates: tuple[str, ...], layout: str | None = None,
+           weight_dtype: torch.dtype | None = None) -> Choice:
+    """The layout an [n, k] weight computing in ``dtype`` keeps among ``candidates`` (available
+    here, the reference first), for a model whose weights are ``weight_dtype`` (default ``dtype``):
+    when one is forced, that one (the reference if it is not a candidate); else the only one,
+    else measured (cached per shape, dtypes, thread count and candidates)."""
+    forced = forced_layout(layout)
+    if forced is not None:  # where it is not a candidate: the reference
+        return Choice(forced if forced in candidates else candidates[0], {}, forced=True)
+    if len(candidates) == 1:
+        return Choice(candidates[0], {})
+    key = (min(n, PROBE_MAX_OUT), k, dtype, weight_dtype, torch.get_num_threads(), candidates)
+    if key not in _chosen:
+        ms = measure(n, k, dtype, candidates, weight_dtype)
+        _chosen[key] = Choice(decide(ms), ms)
+    return _chosen[key]
+
+
+class Linear:
+    """A weight [out, in] held in ONE layout, the one its kernel reads, and applied through it:
+    oneDNN's prepacked matmul (``packed``: the weight reordered once into the blocked layout the
+    matmul kernel reads, instead of on every call), or ``cpu_linear.SmallLinear``'s panels
+    (``small``), or the plain tensor through ``F.linear`` (``weight``). Exactly one of the three is
+    set; the others are None. ``layout`` names it; ``choice`` says how it was chosen
+    (``linear_layout.choose``: measured per shape at load time, or forced).
+    """
+
+    def __init__(self, weight: torch.Tensor, layout: str, choice: Choice | None = None) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+        self.n, self.k = weight.shape
+        self.weight = self.packed = self.small = None
+        if layout == "small":
+            self.small = cpu_linear.SmallLinear(weight)
+        elif layout == "packed":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=PACK_BATCH)
+        else:
+            self.weight = weight
+        self.layout = layout
+        self.choice = choice
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None:
+            return self.small(x)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [N] of the weight, [N, in] (an embedding lookup in a tied head's layout);
+        plain or panels only (oneDNN's packed layout is opaque)."""
+        if self.small is not None:
+            return self.small.rows(ids)
+        if self.weight is None:
+            raise ValueError("a packed linear cannot look up rows")
+        return F.embedding(ids, self.weight)
+
+    @property
+    def held(self) -> torch.Tensor:
+        """The one tensor this linear holds (panels, oneDNN's packed weight or the plain one)."""
+        return self.small.panels if self.small is not None else self.packed if self.packed is not None else self.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.held.dtype
+
+    def nbytes(self) -> int:
+        """Bytes this linear holds of its own (0 for a plain weight shared with the model)."""
+        if self.small is not None:
+            return self.small.panels.numel() * self.small.panels.element_size()
+        if self.packed is not None:  # an opaque oneDNN tensor: at least the weight's own size
+            return self.n * self.k * self.packed.element_size()
+        return 0
