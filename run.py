@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"core": "course.bench.core:core_main", "generate": "course.learner.cli_generate:generate_main",
                 "bench": "course.bench.compare:bench_main",
-                "bench-peers": "course.bench.peers:peers_main", "grade": "course.grading.grade:grade_main"}
+                "bench-peers": "course.peers.race:peers_main", "grade": "course.grading.grade:grade_main"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):

