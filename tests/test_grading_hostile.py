@@ -44,7 +44,7 @@ _ax.register(_forge)
     # a sitecustomize.py planted in the instructor's plugin folder (real tree and workspace)
     "plant": ("serve/batch.py", '''
 import os as _os
-for _d in ({root!r} + "/course/pytest_plugins", _os.getcwd() + "/course/pytest_plugins"):
+for _d in ({root!r} + "/course/learner/pytest_plugins", _os.getcwd() + "/course/learner/pytest_plugins"):
     try:
         open(_d + "/sitecustomize.py", "w").write("PLANTED = 1\\n")
     except OSError:

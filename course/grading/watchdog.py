@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course.grading.sandbox import Finished, Limits, Sandbox, prepare_dirs, run_watched
-from course.learner.testrun import LEAN
+from course.learner.testrun import LEAN, PLUGIN_DIR
+
+PLUGIN_REL = PLUGIN_DIR.relative_to(Path(__file__).resolve().parents[2])  # course/learner/pytest_plugins
 
 
 @dataclass
@@ -88,7 +90,7 @@ def run_tests(bed: Path, top: Path, bwrap: str | None, nodeids: list[str], group
                 return "hung"
             return ""
 
-        fin = _launch(sandbox, cmd, bed, child_env(scratch, bed / "course" / "pytest_plugins", threads, bed / COURSE_COPY_DIR), limits,
+        fin = _launch(sandbox, cmd, bed, child_env(scratch, bed / PLUGIN_REL, threads, bed / COURSE_COPY_DIR), limits,
                       watch, max(1.0, deadline - time.monotonic()))
         w.seconds += fin.seconds
         w.output += f"\n--- run {w.runs} (exit {fin.returncode}{', killed: ' + fin.killed if fin.killed else ''})\n" \

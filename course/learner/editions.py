@@ -33,7 +33,7 @@ BRANCH = "solutions"
 # catalogues hold reference lines as the text each bug replaces, and their tests and tools import them.
 ANSWERS = ("solutions", "tests/learner_fill.py", "course/quality/mutants.py", "course/quality/bug_corpus.py",
            "tests/test_mutants.py", "tests/test_bug_corpus.py", "course/grading/grade_table.py")
-HANDOUT_README = ROOT / "course" / "HANDOUT.md"
+HANDOUT_README = Path("course") / "learner" / "HANDOUT.md"
 
 
 def _git(*args: str, env: dict | None = None, data: str | None = None, cwd: Path = ROOT) -> str:
@@ -73,7 +73,7 @@ def handout(dest: Path, repo: Path = ROOT) -> Path:
     for rel in ANSWERS:
         path = dest / rel
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-    shutil.copy(dest / "course" / "HANDOUT.md", dest / "README.md")
+    shutil.copy(dest / HANDOUT_README, dest / "README.md")
     return dest
 
 
