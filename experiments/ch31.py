@@ -46,6 +46,7 @@ if __name__ == "__main__":  # the switch acts when ``engine.serve`` is first imp
 import torch  # noqa: E402
 
 from engine.models import load_model, tiny_model  # noqa: E402
+from engine.serve.config import DEFAULT_BLOCK_SIZE  # noqa: E402
 from engine.serve import (BlockManager, EngineConfig, EngineCore, Request, SamplingParams,  # noqa: E402
                           Scheduler)
 from course.figures.viz import StepRecord, StepTracer  # noqa: E402
@@ -233,7 +234,7 @@ def run_chat(core: EngineCore, system: list[int], rounds: list[list[ChatTurn]],
 
 
 def cache_stats(pool_sizes: Sequence[int] = (14, 20, 24, 32, 40, 48, 64, 96), num_convs: int = 8,
-                turns: int = 4, block_size: int = 16, seed: int = 0, show_pool: int | None = 20,
+                turns: int = 4, block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0, show_pool: int | None = 20,
                 show_steps: int = 30, model=None, plot: str | None = None, quiet: bool = False) -> dict:
     """Exercise 3: per-step cache statistics for one pool size, and the hit rate across sizes."""
     model = model if model is not None else make_model()
@@ -352,7 +353,7 @@ def timed_run(core: EngineCore, work: list[tuple[str, list[int], int]]) -> tuple
     }, outputs
 
 
-def recompute_vs_swap(num_requests: int = 8, num_blocks: int = 20, block_size: int = 16,
+def recompute_vs_swap(num_requests: int = 8, num_blocks: int = 20, block_size: int = DEFAULT_BLOCK_SIZE,
                       output_len: tuple[int, int] = (64, 96), seed: int = 0, repeats: int = 2, model=None,
                       backend: str | None = None, plot: str | None = None, quiet: bool = False) -> dict:
     """Exercise 5: the same over-full workload under both preemption modes, caching on and off."""
@@ -492,7 +493,7 @@ def run_arrivals(core: EngineCore, work: list[tuple[str, int, list[int], int]], 
             "max_wait_cold": max(cold, default=0), "worst_request": f"{worst} (prompt {prompt_of[worst]})"}
 
 
-def cache_aware(num_requests: int = 48, num_prompts: int = 6, num_blocks: int = 40, block_size: int = 16,
+def cache_aware(num_requests: int = 48, num_prompts: int = 6, num_blocks: int = 40, block_size: int = DEFAULT_BLOCK_SIZE,
                 max_num_seqs: int = 4, rate: float = 0.5, max_wait_steps: int = 20, seed: int = 0,
                 model=None, plot: str | None = None, quiet: bool = False) -> dict:
     """Exercise 4: FCFS vs longest-prefix-match admission (and LPM with aging) on several prompts."""
@@ -727,7 +728,7 @@ def simulate(cache, work: list[tuple[str, list[int], list[int]]], concurrency: i
     return cache.hit_rate
 
 
-def radix(pool_sizes: Sequence[int] = (96, 112, 128, 160, 192, 256, 384), block_size: int = 16,
+def radix(pool_sizes: Sequence[int] = (96, 112, 128, 160, 192, 256, 384), block_size: int = DEFAULT_BLOCK_SIZE,
           concurrency: int = 4, seed: int = 0, work=None, plot: str | None = None, quiet: bool = False) -> dict:
     """Exercise 2: hit rates of the flat hash map and the radix tree (with and without partial
     matches) on a tree-shaped workload, across pool sizes."""
@@ -819,7 +820,7 @@ def skewed_prompt_workload(num_requests: int = 60, popularity: Sequence[int] = (
 
 
 def free_order(extra_blocks: Sequence[int] = (0, 12, 24, 36, 48, 72, 96), concurrency: int = 1,
-               block_size: int = 16, seed: int = 0, work=None, plot: str | None = None,
+               block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0, work=None, plot: str | None = None,
                quiet: bool = False) -> dict:
     """Exercise 1: hit rate of tail-first freeing (the chapter's rule) against head-first, on
     requests sharing a few system prompts of unequal popularity, served ``concurrency`` at a time,

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from engine._impl import add_impl_argument
+
 ROOT = Path(__file__).resolve().parents[2]
 ENGINES = ("torch", "eager", "compiled", "vllm")
 KINDS = {"torch": dict(attention_backend="torch"),
@@ -251,7 +253,7 @@ def memory_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-kv-gib", type=int, default=1, help="vLLM's pool in GiB (default 1)")
     ap.add_argument("--repeat", type=int, default=1, help="round-robin rounds; medians are printed (default 1)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
-    ap.add_argument("--impl", choices=("solution", "engine"), default="solution")
+    add_impl_argument(ap)
     args = ap.parse_args(argv)
     if args.repeat < 1 or args.threads < 1 or args.requests < 0:
         ap.error("--repeat and --threads must be >= 1, --requests >= 0")

@@ -19,6 +19,7 @@ import sys
 import time
 
 from course.train.tiny import DEFAULT_MODEL
+from engine._impl import add_impl_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,9 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None,
                    help="float32 | bfloat16 | float16 | float64 (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available, else cpu)")
-    p.add_argument("--block-size", type=int, default=16, help="KV-cache block size (default 16)")
-    p.add_argument("--impl", choices=("solution", "engine"), default="solution",
-                   help="which chapter-31 engine core runs (run.py applies it before importing engine)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV-cache block size (default: the engine's, engine.serve.config.DEFAULT_BLOCK_SIZE)")
+    add_impl_argument(p)  # run.py applies it (engine._impl.apply_impl) before importing engine
     return p
 
 
@@ -89,6 +90,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     from engine.models.hf_config import checkpoint_dir, read_config
     from engine.models.loader import load_model
     from engine.serve import SamplingParams
+    from engine.serve.config import DEFAULT_BLOCK_SIZE
     from engine.tokenizer import Tokenizer
 
     streaming = False
@@ -96,8 +98,9 @@ def generate_main(argv: list[str] | None = None) -> int:
         if not args.prompt:
             raise ValueError("--prompt is empty; give at least one character")
         device = _device(args.device)
-        if not 1 <= args.block_size <= MAX_BLOCK_SIZE:
-            raise ValueError(f"--block-size must be in [1, {MAX_BLOCK_SIZE}], got {args.block_size}")
+        block_size = DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"--block-size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         t0 = time.perf_counter()
@@ -116,10 +119,10 @@ def generate_main(argv: list[str] | None = None) -> int:
             raise ValueError(f"the prompt ({len(prompt_ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the "
                              f"model's {cfg.max_position_embeddings} positions; lower --max-tokens")
         model = load_model(args.model, dtype=args.dtype, device=device)
-        options: dict = {"block_size": args.block_size}
+        options: dict = {"block_size": block_size}
         if device == "cpu":
             # One request: size the pool to it instead of the default CPU memory budget.
-            options["num_blocks"] = math.ceil((len(prompt_ids) + args.max_tokens) / args.block_size) + 1
+            options["num_blocks"] = math.ceil((len(prompt_ids) + args.max_tokens) / block_size) + 1
         llm = LLM(model, tok, **options)
         print(f"[loaded {args.model} ({next(model.parameters()).dtype}) in "
               f"{time.perf_counter() - t0:.1f}s on {device}; prompt {len(prompt_ids)} tokens]",

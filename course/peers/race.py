@@ -58,6 +58,7 @@ from course.bench.compare import (MODEL_PRESETS, SIZED_WORKLOADS, WORKLOADS, Cor
 from course.bench.machine import machine_info, machine_line
 from course.bench.workloads import WorkItem
 from engine.fast.choose import FASTEST_FLAT_MODEL
+from engine._impl import add_impl_argument
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS_VENV = ROOT / ".venv-peers"
@@ -498,7 +499,7 @@ def peers_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-tries", type=int, default=3, help="single-prompt runs per engine, the median kept (default 3)")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink the workloads' request counts")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
-    ap.add_argument("--impl", choices=("solution", "engine"), default="solution")
+    add_impl_argument(ap)
     args = ap.parse_args(argv)
     plan = PRESET_PLAN.get(args.preset, DEFAULT_PLAN)
     workloads = [w for w in (args.workloads if args.workloads is not None else ",".join(plan[0])).split(",") if w]

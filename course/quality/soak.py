@@ -357,12 +357,15 @@ class Soak:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from engine._impl import add_impl_argument, apply_impl
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--operations", "--ops", dest="ops", type=int, default=20_000,
                     help="random operations to run (default 20,000)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random workload")
-    ap.add_argument("--impl", choices=("engine", "solution"), default="solution",
-                    help="which code fills the holes (engine/_impl.py's switch; default solution)")
+    add_impl_argument(ap)
     ap.add_argument("--faults", type=float, default=0.05,
                     help="share of operations that are a step whose forward pass fails (default 0.05)")
     ap.add_argument("--path", choices=sorted(PATHS), default="reference",
@@ -374,10 +377,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--operations must be >= 1")
     if not 0.0 <= args.faults <= 0.5:
         ap.error("--faults must be in [0, 0.5]")
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from engine._impl import apply_impl
-
     apply_impl(["--impl", args.impl])  # before anything imports engine.serve
     start = time.monotonic()
     soak = Soak(args.seed, args.verbose, args.faults, args.path)

@@ -42,6 +42,9 @@ def _flag(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block: the one default every command and experiment takes
+
+
 @dataclass
 class CacheConfig:
     """How the block pool is laid out and sized.
@@ -51,7 +54,7 @@ class CacheConfig:
     profiling plus ``gpu_memory_utilization`` on CUDA.
     """
 
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None  # None: the model's K/V for sizing.DEFAULT_KV_CACHE_TOKENS tokens (capped)
     gpu_memory_utilization: float = 0.9
