@@ -39,14 +39,47 @@ def test_notebook_runs_top_to_bottom():
     assert images == 5, f"expected the notebook's 5 pictures, got {images}"
 
 
-def test_chapter_figures_are_saved_small(tmp_path):
-    """The README's pictures come from `python -m course.figures.chapter`: two PNGs, tens of KB."""
+def test_chapter_figures_are_saved_small_and_match_what_the_code_draws(tmp_path):
+    """The README's pictures come from `python -m course.figures.chapter`: two PNGs, tens of KB, and
+    the committed ones show what the code draws today (their content digest, not their bytes or size:
+    a stale title or trace fails, a different font rendering does not)."""
     tool = load_by_path("_ch31_chapter_figures", "course/figures/chapter.py")
     written = tool.save(tmp_path)
     assert sorted(p.name for p in written) == ["pool-trace.png", "worked-batch.png"]
     for path in written:
         head = path.read_bytes()[:8]
         assert head == b"\x89PNG\r\n\x1a\n" and 5_000 < path.stat().st_size < 100_000, path.name
-    for name in ("worked-batch.png", "pool-trace.png"):
-        assert (ROOT / "chapters" / "31-engine-v2" / "figures" / name).is_file(), \
-            f"the README shows figures/{name}: regenerate it with `python -m course.figures.chapter`"
+    for path in written:
+        committed = ROOT / "chapters" / "31-engine-v2" / "figures" / path.name
+        assert committed.is_file(), \
+            f"the README shows figures/{path.name}: regenerate it with `make figures`"
+        fresh = tool.stored_digest(path)
+        assert fresh is not None and len(fresh) == 64, path.name
+        assert tool.stored_digest(committed) == fresh, \
+            f"figures/{path.name} no longer shows what the code draws: regenerate it with `make figures`"
+
+
+def test_content_digest_sees_a_changed_picture():
+    """The digest the picture test compares changes with a title, a bar's height or a text, and not
+    with the resolution a picture is saved at."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tool = load_by_path("_ch31_chapter_figures", "course/figures/chapter.py")
+
+    def drawn(title="pool of 1024 blocks", height=3.0, note="603 tokens"):
+        fig, ax = plt.subplots(figsize=(3, 2))
+        ax.bar([0, 1, 2], [1.0, 2.0, height])
+        ax.set_title(title)
+        ax.text(0.5, 0.5, note)
+        digest = tool.content_digest(fig)
+        plt.close(fig)
+        return digest
+
+    base = drawn()
+    assert drawn() == base
+    assert drawn(title="pool of 8192 blocks") != base
+    assert drawn(height=3.5) != base
+    assert drawn(note="333 tokens") != base
