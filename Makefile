@@ -69,8 +69,11 @@ soak: $(STAMP)               ## 20,000 random engine operations with invariant c
 	$(PY) -m course.quality.soak --operations $(SOAK_FAST_OPS) --path cpu --impl solution
 	$(PY) -m course.quality.soak --operations $(SOAK_FAST_OPS) --path compiled --impl solution
 
-notebooks: $(STAMP)          ## execute the chapter notebook: make notebooks [IMPL=engine] (default: the reference)
-	$(PY) -m course.figures.notebooks --impl $(IMPL) $(if $(SAVE),--save $(SAVE),)
+# On the reference, the executed copy (outputs and pictures: what a reader sees on the repository's
+# page) is rewritten in notebooks/executed/; on your engine (IMPL=engine) nothing is saved unless SAVE=DIR.
+NOTEBOOK_SAVE = $(or $(SAVE),$(if $(filter solution,$(IMPL)),notebooks/executed,))
+notebooks: $(STAMP)          ## execute the chapter notebook: make notebooks [IMPL=engine] [SAVE=DIR] (default: the reference, saved in notebooks/executed/)
+	$(PY) -m course.figures.notebooks --impl $(IMPL) $(if $(NOTEBOOK_SAVE),--save $(NOTEBOOK_SAVE),)
 
 # JupyterLab on the walkthrough. ENGINE_IMPL chooses which code fills the holes (the notebook's first
 # cell keeps one set here); LAB_ARGS passes options to jupyter, e.g. LAB_ARGS="--no-browser --port 8899".

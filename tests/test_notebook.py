@@ -9,6 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "31-engine-v2.ipynb"
+EXECUTED = ROOT / "notebooks" / "executed" / "31-engine-v2.ipynb"  # what a reader sees on the repository's page
 
 pytestmark = pytest.mark.given  # the notebook runs the reference in its own kernel
 
@@ -21,6 +22,41 @@ def notebooks_tool():
 def test_notebook_is_stored_without_outputs():
     assert notebooks_tool().strip([NOTEBOOK], verify=True) == 0, \
         "the stored notebook carries outputs (nbstripout would strip it): `python -m course.figures.notebooks --clean`"
+
+
+def _pictures(nb) -> list[bytes]:
+    import base64
+
+    return [base64.b64decode(out["data"]["image/png"]) for cell in nb.cells if cell.cell_type == "code"
+            for out in cell.outputs if "image/png" in out.get("data", {})]
+
+
+def test_executed_copy_is_current_and_shows_its_pictures():
+    """notebooks/executed/ holds the walkthrough as `make notebooks` ran it: the same cells as the
+    stored notebook (so it cannot lag behind an edit), no error or warning in its outputs, and its
+    five pictures with something drawn in them (thousands of pixels off the background, many colours)."""
+    import io
+
+    import matplotlib.image as mimage
+    import nbformat
+    import numpy as np
+
+    assert EXECUTED.is_file(), "the executed copy is missing: `make notebooks` writes it"
+    clean, executed = nbformat.read(NOTEBOOK, as_version=4), nbformat.read(EXECUTED, as_version=4)
+    assert [(c.cell_type, c.source) for c in executed.cells] == [(c.cell_type, c.source) for c in clean.cells], \
+        "notebooks/executed/ lags behind the notebook: rerun `make notebooks`"
+    outputs = [out for cell in executed.cells if cell.cell_type == "code" for out in cell.outputs]
+    assert not [o for o in outputs if o.get("output_type") == "error"], "a cell of the executed copy failed"
+    stderr = "".join(o.get("text", "") for o in outputs if o.get("name") == "stderr")
+    assert "Warning" not in stderr and "Traceback" not in stderr, stderr[:300]
+    pictures = _pictures(executed)
+    assert len(pictures) == 5, f"expected the walkthrough's 5 pictures, got {len(pictures)}"
+    for i, png in enumerate(pictures):
+        pixels = mimage.imread(io.BytesIO(png))[..., :3]  # [H, W, 3] floats in [0, 1]
+        background = pixels[0, 0]
+        drawn = int((np.abs(pixels - background).sum(axis=-1) > 0.1).sum())
+        colours = len(np.unique(pixels.reshape(-1, 3), axis=0))
+        assert drawn > 5_000 and colours > 50, f"picture {i + 1} is close to empty ({drawn} px, {colours} colours)"
 
 
 def test_notebook_runs_top_to_bottom():
