@@ -79,7 +79,7 @@ notebooks: $(STAMP)          ## execute the chapter notebook: make notebooks [IM
 # cell keeps one set here); LAB_ARGS passes options to jupyter, e.g. LAB_ARGS="--no-browser --port 8899".
 lab: $(STAMP)                ## open the chapter's walkthrough in JupyterLab: make lab [IMPL=engine] [LAB_ARGS=...]
 	@$(PY) -c "import jupyterlab" 2>/dev/null || { echo "JupyterLab is not in $(VENV): $(PY) -m pip install -e '.[notebooks]'" >&2; exit 2; }
-	ENGINE_IMPL=$(IMPL) $(VENV)/bin/jupyter lab $(LAB_ARGS) notebooks/31-engine-v2.ipynb
+	ENGINE_IMPL=$(IMPL) $(PY) -m jupyterlab $(if $(filter 0,$(shell id -u)),--allow-root,) $(LAB_ARGS) notebooks/31-engine-v2.ipynb
 
 figures: $(STAMP)            ## the chapter README's pictures (chapters/31-engine-v2/figures/*.png): make figures [IMPL=engine]
 	$(PY) -m course.figures.chapter --impl $(IMPL)

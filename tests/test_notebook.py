@@ -119,3 +119,101 @@ def test_content_digest_sees_a_changed_picture():
     assert drawn(title="pool of 8192 blocks") != base
     assert drawn(height=3.5) != base
     assert drawn(note="333 tokens") != base
+
+
+def test_lab_serves_the_walkthrough_and_runs_it(tmp_path):
+    """What `make lab` starts: JupyterLab's server, here on a free loopback port with a token. It
+    serves /lab, hands out the walkthrough through its contents API, starts a kernel for it through
+    its sessions API, and every code cell, sent through that kernel's websocket, runs without an
+    error, drawing the walkthrough's five pictures. (The notebooks extra, which `make setup`
+    installs, brings JupyterLab.)"""
+    import asyncio
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    import uuid
+
+    import nbformat
+    from tornado.websocket import websocket_connect
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = uuid.uuid4().hex
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "ENGINE_IMPL": "solution", "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_DATA_DIR": str(tmp_path / "data")}
+    server = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1",
+                               f"--port={port}", f"--ServerApp.token={token}", f"--ServerApp.root_dir={ROOT}",
+                               "--ServerApp.port_retries=0", *(["--allow-root"] if os.geteuid() == 0 else [])],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def call(method, path, body=None):
+        req = urllib.request.Request(base + path, method=method, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Authorization": f"token {token}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.read()
+
+    try:
+        for _ in range(240):  # the server's start-up, bounded: 2 minutes
+            if server.poll() is not None:
+                raise AssertionError(f"the Jupyter server exited: {server.stderr.read()[-2000:]}")
+            try:
+                call("GET", "/api/status")
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise AssertionError("the Jupyter server did not answer on its port within 2 minutes")
+        status, page = call("GET", "/lab")
+        assert status == 200 and b"JupyterLab" in page
+        status, body = call("GET", "/api/contents/notebooks/31-engine-v2.ipynb?content=1")
+        served = nbformat.from_dict(json.loads(body)["content"])
+        assert [c.source for c in served.cells] == [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells]
+        status, body = call("POST", "/api/sessions", {"path": "notebooks/31-engine-v2.ipynb", "type": "notebook",
+                                                      "kernel": {"name": "python3"}})
+        kernel_id = json.loads(body)["kernel"]["id"]
+
+        async def run_cells():
+            ws = await websocket_connect(f"ws://127.0.0.1:{port}/api/kernels/{kernel_id}/channels?token={token}")
+            errors, pictures = [], 0
+            for cell in served.cells:
+                if cell.cell_type != "code":
+                    continue
+                msg_id = uuid.uuid4().hex
+                await ws.write_message(json.dumps({
+                    "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "test",
+                               "session": kernel_id, "version": "5.3"},
+                    "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
+                    "content": {"code": cell.source, "silent": False, "store_history": True,
+                                "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}}))
+                while True:
+                    raw = await asyncio.wait_for(ws.read_message(), timeout=300)
+                    assert raw is not None, "the kernel's websocket closed"
+                    msg = json.loads(raw)
+                    if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                        continue
+                    kind = msg["msg_type"]
+                    if kind == "error":
+                        errors.append(f"{msg['content']['ename']}: {msg['content']['evalue']}")
+                    elif kind in ("display_data", "execute_result") and "image/png" in msg["content"]["data"]:
+                        pictures += 1
+                    elif kind == "status" and msg["content"]["execution_state"] == "idle":
+                        break
+            ws.close()
+            return errors, pictures
+
+        errors, pictures = asyncio.run(run_cells())
+        assert errors == [], errors
+        assert pictures == 5, f"expected the walkthrough's 5 pictures, got {pictures}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
