@@ -14,7 +14,7 @@ COURSE_TESTS := tests/test_mutants.py tests/test_learner_contract.py tests/test_
                 tests/test_grading_hostile.py tests/test_gradescope.py tests/test_grade_outputs.py \
                 tests/test_sandbox.py tests/test_verify.py tests/test_bug_corpus.py
 
-.PHONY: setup run test test-course test-learner solutions-branch handout grade gradescope mutants bug-corpus soak notebooks figures test-triton gpu-check bench bench-peers train-tiny clean
+.PHONY: setup run test test-course test-learner solutions-branch handout grade gradescope mutants bug-corpus soak notebooks lab figures test-triton gpu-check bench bench-peers train-tiny clean
 
 setup: $(STAMP)
 
@@ -69,8 +69,17 @@ soak: $(STAMP)               ## 20,000 random engine operations with invariant c
 	$(PY) -m course.quality.soak --operations $(SOAK_FAST_OPS) --path cpu --impl solution
 	$(PY) -m course.quality.soak --operations $(SOAK_FAST_OPS) --path compiled --impl solution
 
-notebooks: $(STAMP)          ## execute the chapter notebook: make notebooks [IMPL=engine] (default: the reference)
-	$(PY) -m course.figures.notebooks --impl $(IMPL)
+# On the reference, the executed copy (outputs and pictures: what a reader sees on the repository's
+# page) is rewritten in notebooks/executed/; on your engine (IMPL=engine) nothing is saved unless SAVE=DIR.
+NOTEBOOK_SAVE = $(or $(SAVE),$(if $(filter solution,$(IMPL)),notebooks/executed,))
+notebooks: $(STAMP)          ## execute the chapter notebook: make notebooks [IMPL=engine] [SAVE=DIR] (default: the reference, saved in notebooks/executed/)
+	$(PY) -m course.figures.notebooks --impl $(IMPL) $(if $(NOTEBOOK_SAVE),--save $(NOTEBOOK_SAVE),)
+
+# JupyterLab on the walkthrough. ENGINE_IMPL chooses which code fills the holes (the notebook's first
+# cell keeps one set here); LAB_ARGS passes options to jupyter, e.g. LAB_ARGS="--no-browser --port 8899".
+lab: $(STAMP)                ## open the chapter's walkthrough in JupyterLab: make lab [IMPL=engine] [LAB_ARGS=...]
+	@$(PY) -c "import jupyterlab" 2>/dev/null || { echo "JupyterLab is not in $(VENV): $(PY) -m pip install -e '.[notebooks]'" >&2; exit 2; }
+	ENGINE_IMPL=$(IMPL) $(PY) -m jupyterlab $(if $(filter 0,$(shell id -u)),--allow-root,) $(LAB_ARGS) notebooks/31-engine-v2.ipynb
 
 figures: $(STAMP)            ## the chapter README's pictures (chapters/31-engine-v2/figures/*.png): make figures [IMPL=engine]
 	$(PY) -m course.figures.chapter --impl $(IMPL)

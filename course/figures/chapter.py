@@ -7,8 +7,12 @@ chapter README shows.
 Two pictures, drawn by ``course.figures.viz`` exactly as the notebook draws them: ``worked-batch.png``
 (the chapter's worked batch: every row and the pool slot its K/V go to) and ``pool-trace.png``
 (the 16-request benchmark with an ample and a 24-block pool: tokens per step by kind, blocks held
-per step). They are kept small (a low resolution, no metadata), so that the repository carries
-tens of kilobytes. (``python -m course.figures.notebooks --save DIR`` keeps the whole executed notebook
+per step). They are kept small (a low resolution, no metadata but one), so that the repository
+carries tens of kilobytes. The one: each PNG carries, in a text chunk named ``ch31-content``, a
+digest of what the figure shows (every text on it, every line's data, every patch's place and
+colour, each axis's limits; see ``content_digest``), so that ``tests/test_notebook.py`` can tell a
+committed picture that no longer matches what the code draws (a stale title, a changed trace) from
+one that differs only in how a font rendered. (``python -m course.figures.notebooks --save DIR`` keeps the whole executed notebook
 instead, with every picture in it.)
 """
 from __future__ import annotations
@@ -62,6 +66,77 @@ def benchmark_traces():
     return runs
 
 
+CONTENT_KEY = "ch31-content"
+
+
+def _rounded(values) -> list:
+    """Numbers rounded to 4 decimals (float noise is not content); nested lists kept."""
+    import numpy as np
+
+    return np.round(np.asarray(values, dtype=np.float64), 4).tolist()
+
+
+def content_digest(fig) -> str:
+    """SHA-256 (hex) of what ``fig`` shows, independent of fonts and rasterizing: per axes its
+    limits, every visible text (titles, labels, tick labels, annotations: string and position),
+    every line's data, every patch's outline in data coordinates with its face colour, and every
+    collection's offsets. Two figures drawn from the same records have the same digest."""
+    import hashlib
+    import json
+
+    from matplotlib.colors import to_rgba
+
+    fig.canvas.draw()  # tick labels exist only after a draw
+    parts = []
+    for ax in fig.axes:
+        item = {"xlim": _rounded(ax.get_xlim()), "ylim": _rounded(ax.get_ylim()), "texts": [], "lines": [],
+                "patches": [], "collections": []}
+        texts = [ax.title, ax._left_title, ax._right_title, ax.xaxis.label, ax.yaxis.label, *ax.texts,
+                 *ax.get_xticklabels(), *ax.get_yticklabels()]
+        legend = ax.get_legend()
+        if legend is not None:
+            texts += legend.get_texts()
+        for t in texts:
+            if t.get_visible() and t.get_text():
+                item["texts"].append([t.get_text(), _rounded(t.get_position())])
+        for line in ax.get_lines():
+            item["lines"].append(_rounded(line.get_xydata()))
+        for patch in ax.patches:
+            verts = patch.get_patch_transform().transform(patch.get_path().vertices) \
+                if hasattr(patch, "get_patch_transform") else patch.get_path().vertices
+            item["patches"].append([_rounded(verts), _rounded(to_rgba(patch.get_facecolor()))])
+        for coll in ax.collections:
+            item["collections"].append(_rounded(coll.get_offsets()))
+        parts.append(item)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def stored_digest(path: Path) -> str | None:
+    """The ``ch31-content`` text chunk of the PNG at ``path`` (None when it has none)."""
+    import struct
+    import zlib
+
+    data = path.read_bytes()
+    at = 8  # after the signature
+    while at + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[at:at + 8])
+        body = data[at + 8:at + 8 + length]
+        if kind in (b"tEXt", b"zTXt", b"iTXt"):
+            key, _, value = body.partition(b"\0")
+            if key.decode("latin-1") == CONTENT_KEY:
+                if kind == b"zTXt":
+                    value = zlib.decompress(value[1:])
+                elif kind == b"iTXt":
+                    value = value.split(b"\0", 3)[-1]
+                return value.decode("latin-1")
+        at += 12 + length
+    return None
+
+
+def _savefig(fig, path: Path, dpi: int, **kwargs) -> None:
+    fig.savefig(path, dpi=dpi, metadata={"Software": None, CONTENT_KEY: content_digest(fig)}, **kwargs)
+
+
 def save(out: Path, dpi: int = 72) -> list[Path]:
     import matplotlib
 
@@ -77,7 +152,7 @@ def save(out: Path, dpi: int = 72) -> list[Path]:
     ax = draw_batch(worked_batch())
     fig = ax.figure
     written.append(out / "worked-batch.png")
-    fig.savefig(written[-1], dpi=dpi, bbox_inches="tight", metadata={"Software": None})
+    _savefig(fig, written[-1], dpi, bbox_inches="tight")
     plt.close(fig)
 
     runs = benchmark_traces()
@@ -87,7 +162,7 @@ def save(out: Path, dpi: int = 72) -> list[Path]:
         plot_trace(records, axes[:, col], title=f"pool of {num_blocks} blocks", num_blocks=num_blocks, **limits)
     fig.tight_layout()
     written.append(out / "pool-trace.png")
-    fig.savefig(written[-1], dpi=dpi, metadata={"Software": None})
+    _savefig(fig, written[-1], dpi)
     plt.close(fig)
     return written
 

@@ -66,6 +66,22 @@ def strip(paths: list[Path], verify: bool = False) -> int:
     return subprocess.run(cmd, check=False).returncode
 
 
+def unfinished_message(exc) -> str:
+    """What run.py says when a hole is still a stub, for a notebook cell that raised
+    NotImplementedError: how many holes are left, the first to fill, how to check it."""
+    from course.learner.holes import unfilled_holes
+
+    lines = [f"Your engine is not finished yet: {' '.join(str(getattr(exc, 'evalue', '')).split())}."]
+    left = unfilled_holes()
+    if left:
+        first = left[0]
+        lines.append(f"{len(left)} hole(s) still raise NotImplementedError; the first to fill is "
+                     f"{first.qualname} in {first.file} "
+                     f"(check it with: .venv/bin/python -m pytest tests/test_ch31_engine_v2.py --hole {first.qualname}).")
+    lines.append("Or run the notebook on the reference: make notebooks (IMPL=solution).")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m course.figures.notebooks", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             execute(path, args.timeout, args.save, args.impl)
         except CellExecutionError as exc:
             failed += 1
-            print(f"FAILED {os.path.relpath(path)}:\n{exc}", file=sys.stderr)
+            if getattr(exc, "ename", "") == "NotImplementedError":
+                print(f"FAILED {os.path.relpath(path)} on {args.impl}:\n{unfinished_message(exc)}", file=sys.stderr)
+            else:
+                print(f"FAILED {os.path.relpath(path)}:\n{exc}", file=sys.stderr)
             continue
         print(f"ok {os.path.relpath(path)} on {args.impl} ({time.perf_counter() - start:.1f} s)")
     return 1 if failed else 0

@@ -930,8 +930,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         chosen = HELD_OUT if args.held_out else BUGS + ([] if args.table is None else HELD_OUT)
     start = time.monotonic()
-    results = run_all(chosen, args.workers, progress=lambda r: print(
-        f"  {_verdict(r):8s} {r.bug.name:45s} {r.test} {r.message[:90]!r}", flush=True))
+    from tqdm import tqdm
+
+    with tqdm(total=len(chosen), desc="bug corpus", unit="bug", dynamic_ncols=True) as bar:
+        def progress(r: BugResult) -> None:  # one line per bug above the bar: done/total, elapsed, ETA
+            bar.write(f"  {_verdict(r):8s} {r.bug.name:45s} {r.test} {r.message[:90]!r}")
+            bar.update(1)
+
+        results = run_all(chosen, args.workers, progress=progress)
     seconds = time.monotonic() - start
     corpus = [r for r in results if r.bug in BUGS]
     print("\n".join(summary_lines(summarize(corpus))) + f"\n- wall time: {seconds:.0f} s")

@@ -591,8 +591,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"the unmutated reference fails its own tests, so no mutant result means anything:\n  {why}")
             return 1
         print(f"baseline: the unmutated copy passes ({time.monotonic() - start:.0f} s)")
-    results = run_all(chosen, args.workers,
-                      progress=lambda r: print(f"  {r.status:8s} {r.mutant.name}", flush=True))
+    from tqdm import tqdm
+
+    with tqdm(total=len(chosen), desc="mutants", unit="mutant", dynamic_ncols=True) as bar:
+        def progress(r: Result) -> None:  # one line per result above the bar: done/total, elapsed, ETA
+            bar.write(f"  {r.status:8s} {r.mutant.name}")
+            bar.update(1)
+
+        results = run_all(chosen, args.workers, progress=progress)
     print()
     print(format_table(results))
     bad = [r for r in results if r.status != "killed"]

@@ -350,9 +350,17 @@ class Soak:
                 f"{rid} (prompt {len(t.prompt)} tokens, {p}) gave {out.output_token_ids} "
                 f"({out.finish_reason}); expected {want} ({reason}); config {self.core.config}")
 
-    def run(self, num_ops: int) -> list[str]:
-        while self.ops < num_ops:
-            self.episode(min(num_ops - self.ops, self.rng.randint(50, 600)))
+    def run(self, num_ops: int, progress: bool = False) -> list[str]:
+        """``num_ops`` operations in episodes; ``progress``: a tqdm bar on stderr (operations done,
+        rate, ETA), updated after each episode. The bar draws nothing from the random stream."""
+        from tqdm import tqdm
+
+        with tqdm(total=num_ops, desc="soak", unit="op", disable=not progress, dynamic_ncols=True) as bar:
+            while self.ops < num_ops:
+                before = self.ops
+                self.episode(min(num_ops - self.ops, self.rng.randint(50, 600)))
+                bar.update(self.ops - before)
+                bar.set_postfix(violations=len(self.violations), refresh=False)
         return self.violations
 
 
@@ -380,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_impl(["--impl", args.impl])  # before anything imports engine.serve
     start = time.monotonic()
     soak = Soak(args.seed, args.verbose, args.faults, args.path)
-    violations = soak.run(args.ops)
+    violations = soak.run(args.ops, progress=True)
     elapsed = time.monotonic() - start
     for v in violations[:20]:
         print("violation:", v)
