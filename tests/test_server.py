@@ -231,3 +231,11 @@ def test_full_queue_answers_503_and_a_closed_stream_frees_its_blocks(model, tok)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     finally:
         s.close()
+
+
+def test_serve_defaults_to_the_shipped_model():
+    from course.train.tiny import DEFAULT_MODEL
+    from engine.entrypoints import cli
+
+    args = cli.build_parser().parse_args([])
+    assert cli.DEFAULT_MODEL == DEFAULT_MODEL and args.host == "127.0.0.1" and args.model == str(DEFAULT_MODEL)

@@ -10,10 +10,11 @@ import os
 import sys
 from pathlib import Path
 
+# the repository's shipped model (course/train/tiny.py's DEFAULT_MODEL; the engine never imports course/)
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "qwen3-kjv-tiny"
+
 
 def build_parser() -> argparse.ArgumentParser:
-    from course.train.tiny import DEFAULT_MODEL
-
     p = argparse.ArgumentParser(prog="run.py serve", description="An OpenAI-compatible server on the chapter's core.")
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory (default: models/qwen3-kjv-tiny)")
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the directory's name)")
