@@ -239,3 +239,25 @@ def test_serve_defaults_to_the_shipped_model():
 
     args = cli.build_parser().parse_args([])
     assert cli.DEFAULT_MODEL == DEFAULT_MODEL and args.host == "127.0.0.1" and args.model == str(DEFAULT_MODEL)
+
+
+def test_bench_serve_measures_every_request(served):
+    """run.py bench-serve's client against the server: every request completes with exactly its
+    output length; the percentiles are numpy's (linear interpolation)."""
+    import asyncio
+    import math
+
+    import numpy as np
+
+    from course.bench import serve_bench as sb
+
+    prompts = sb.workload(6, 5, 160, seed=0)
+    results, wall = asyncio.run(sb.run_load(served.url, NAME, prompts, 4, math.inf, 3, seed=0))
+    assert all(r.ok and r.output_tokens == 4 for r in results), [r.error for r in results]
+    summary = sb.summarize(results, wall)
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["output_throughput"] == 24 / wall
+    ttft = [r.ttft for r in results]
+    for q in (50, 90, 99):
+        assert math.isclose(summary[f"p{q}_ttft_ms"], 1000 * float(np.percentile(ttft, q)), rel_tol=1e-9)
+    assert "TTFT" in sb.table(summary)
