@@ -92,8 +92,8 @@ def build_app(llm: LLM, model_name: str, capacity: int = 256) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        core = await loop.call(llm.get_metrics)
-        return PlainTextResponse(render(core, loop.metrics, model_name),
+        text = await loop.call(lambda: render(llm.get_metrics(), loop.metrics, model_name))  # the loop's numbers, read there
+        return PlainTextResponse(text,
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")
