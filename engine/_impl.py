@@ -8,10 +8,13 @@ reference body of each hole. ``--impl`` chooses between them:
 - ``solution``: every hole's reference function is put into your modules, in place of your hole
   (your given code and helpers stay: it is the same package, with the reference answers).
 
-Two defaults, both defined here: the tests (and ``ENGINE_IMPL`` unset) check YOUR engine
-(``DEFAULT``), while ``run.py``, the scripts and the notebook run the reference
-(``COMMAND_DEFAULT``), so that a fresh clone shows the finished engine and you opt in to yours
-with ``--impl engine``.
+One rule for which code runs, defined here: the tests check YOUR engine (``TEST_DEFAULT``;
+``tests/conftest.py`` applies it), while every other entry point — ``run.py``, the scripts, the
+server, the notebook, a plain ``import engine.serve`` with ``ENGINE_IMPL`` unset — runs the
+reference (``COMMAND_DEFAULT``) where ``solutions/`` is present, so that a fresh clone shows the
+finished engine and you opt in to yours with ``--impl engine`` / ``ENGINE_IMPL=engine``. A handout
+(no ``solutions/``) has only yours. A plain import that took the default says once, on stderr,
+which ran.
 
 Every command reads it the same way: ``pytest --impl``, ``run.py ... --impl``, scripts through
 ``apply_impl(sys.argv)``, and the notebook and anything else through ``ENGINE_IMPL``, the variable
@@ -38,8 +41,8 @@ from pathlib import Path
 
 ENV_VAR = "ENGINE_IMPL"
 IMPLS = ("engine", "solution")
-DEFAULT = "engine"  # the test session's, and ENGINE_IMPL's when unset: your engine
-COMMAND_DEFAULT = "solution"  # run.py's, the scripts' and the notebook's: the reference
+TEST_DEFAULT = "engine"  # the test session's: your engine
+COMMAND_DEFAULT = "solution"  # everything else's (run.py, scripts, server, notebook, ENGINE_IMPL unset): the reference
 HELP = ("which code fills chapter 31's holes: 'engine' (yours) or 'solution' "
         "(the reference answers in solutions/, in your modules)")
 HOLE_MARKER = "(Your engine: Chapter 31)"
@@ -50,8 +53,14 @@ CHAPTER_FILES = ("serve/batch.py", "serve/attention.py", "serve/flat.py", "serve
 _MISSING = object()
 
 
+def default_impl() -> str:
+    """What runs with ``ENGINE_IMPL`` unset outside the tests: the reference, unless there is none
+    (a handout has no ``solutions/``)."""
+    return COMMAND_DEFAULT if (ROOT / "solutions").is_dir() else "engine"
+
+
 def current_impl() -> str:
-    impl = os.environ.get(ENV_VAR) or DEFAULT
+    impl = os.environ.get(ENV_VAR) or default_impl()
     if impl not in IMPLS:
         raise ValueError(f"{ENV_VAR}={impl!r}: choose one of {IMPLS}")
     return impl
@@ -209,6 +218,10 @@ class Switch:
 def apply_at_import() -> None:
     """``ENGINE_IMPL=solution``: the reference for every hole, for the life of the process
     (``engine/serve/__init__.py`` calls this once its modules are imported)."""
+    if not os.environ.get(ENV_VAR):  # a plain script: say once which code runs, and how to choose
+        print("engine: ENGINE_IMPL is not set: chapter 31 runs " + (
+            "the reference answers (solutions/); set ENGINE_IMPL=engine to run your holes"
+            if default_impl() == "solution" else "your engine/ (no solutions/ here)"), file=sys.stderr)
     if current_impl() == "solution":
         switch = Switch()
         switch.use_reference(switch.holes)

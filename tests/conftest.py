@@ -21,6 +21,7 @@ The switch must take effect before anything imports a chapter module, so this fi
 """
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -46,7 +47,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    impl = _impl.apply_impl(["--impl", config.getoption("--impl") or _impl.current_impl()])
+    impl = _impl.apply_impl(["--impl", config.getoption("--impl") or os.environ.get(_impl.ENV_VAR) or _impl.TEST_DEFAULT])
     config.addinivalue_line("markers", "hole(name): tests of one hole, e.g. hole('BlockManager.allocate_slots')")
     config.addinivalue_line("markers", "milestone: the chapter's end-to-end milestone (all your holes together)")
     config.addinivalue_line("markers", "given: tests of code the chapter gives complete (none of your holes)")

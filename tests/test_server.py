@@ -1,0 +1,266 @@
+"""``run.py serve``'s server, driven over HTTP on a loopback port by the real ``openai`` client.
+
+The model is test_llm_api's: the 2-layer test model in float64 with a small byte-level BPE over
+ASCII, so greedy choices are exact. Oracle: ``LLM.generate`` / ``LLM.chat`` of a second LLM on
+the same model and configuration (run while the server is idle). Every wait is a bounded loop.
+"""
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.entrypoints.openai_server import build_app
+from engine.llm import LLM
+from engine.models.tiny import tiny_model
+from engine.serve import SamplingParams
+from engine.tokenizer import Tokenizer
+from pathload import load_by_path
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MAX_NEW = 12
+NAME = "tiny"
+ENGINE = dict(block_size=4, num_blocks=256, max_num_seqs=16)
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_NEW, "extra_body": {"ignore_eos": True}}
+WAIT_STEPS = 2000  # bounded waits: at most this many 10 ms naps
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    tiny = load_by_path("tiny_hf_checkpoint", "scripts/tiny_hf_checkpoint.py")
+    d = tmp_path_factory.mktemp("tok")
+    tiny.write_tokenizer(d, vocab_size=160)
+    t = Tokenizer.from_pretrained(d)
+    t.chat_template = CHAT_TEMPLATE
+    return t
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_model(seed=5, dtype=torch.float64, vocab_size=tok.vocab_size, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def oracle(model, tok) -> LLM:
+    return LLM(model, tok, **ENGINE)
+
+
+class Served:
+    """A uvicorn server in a thread on 127.0.0.1's free port, serving ``build_app(llm, ...)``."""
+
+    def __init__(self, llm: LLM, capacity: int) -> None:
+        self.llm = llm
+        self.app = build_app(llm, NAME, capacity=capacity)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        for _ in range(WAIT_STEPS):
+            if self.server.started or not self.thread.is_alive():
+                break
+            time.sleep(0.01)
+        assert self.server.started, "the server did not start"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def wait_idle(self) -> dict[str, float]:
+        """/metrics once no request runs or waits and every block is free (bounded)."""
+        for _ in range(WAIT_STEPS):
+            m = self.metrics()
+            if m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == m["vllm:kv_cache_usage_perc"] == 0:
+                return m
+            time.sleep(0.01)
+        raise AssertionError(f"the server never went idle: {m}")
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def served(model, tok):
+    s = Served(LLM(model, tok, **ENGINE), capacity=256)
+    yield s
+    s.close()
+
+
+def _prompts(tok: Tokenizer, k: int, seed: int = 0) -> list[str]:
+    r = random.Random(seed)
+    words = ["the", "fox", "and", "river", "light", "said", "over", "stone", "green", "seven"]
+    return [" ".join(r.choice(words) for _ in range(r.randrange(2, 6))) for _ in range(k)]
+
+
+def _greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, **kw)
+
+
+def test_completions_equal_generate(served, oracle, tok):
+    prompts = _prompts(tok, 3)
+    expected = oracle.generate(prompts, _greedy(), use_tqdm=False)
+    r = served.client.completions.create(model=NAME, prompt=prompts, **GREEDY)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [o.outputs[0].text for o in expected]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 3 * MAX_NEW
+    assert r.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected)
+    ids = expected[0].prompt_token_ids  # a token-id prompt: the same completion
+    r = served.client.completions.create(model=NAME, prompt=ids, **GREEDY)
+    assert r.choices[0].text == expected[0].outputs[0].text
+
+
+def test_streamed_completion_concatenates_to_the_whole(served, oracle, tok):
+    prompts = _prompts(tok, 2, seed=1)
+    expected = [o.outputs[0].text for o in oracle.generate(prompts, _greedy(), use_tqdm=False)]
+    texts, finish, usage = ["", ""], [None, None], None
+    for chunk in served.client.completions.create(model=NAME, prompt=prompts, stream=True,
+                                                  stream_options={"include_usage": True}, **GREEDY):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert texts == expected and finish == ["length", "length"]
+    assert usage is not None and usage.completion_tokens == 2 * MAX_NEW
+
+
+def test_chat_streamed_and_not_equal_llm_chat(served, oracle):
+    convo = [{"role": "user", "content": "the fox said"}]
+    [expected] = oracle.chat(convo, _greedy(), use_tqdm=False)
+    r = served.client.chat.completions.create(model=NAME, messages=convo, **GREEDY)
+    assert r.choices[0].message.content == expected.outputs[0].text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(expected.prompt_token_ids)
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       served.client.chat.completions.create(model=NAME, messages=convo, stream=True, **GREEDY)
+                       if c.choices)
+    assert streamed == expected.outputs[0].text
+
+
+def test_n_seed_and_stop_match_generate(served, oracle, tok):
+    [prompt] = _prompts(tok, 1, seed=2)
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=MAX_NEW, ignore_eos=True)
+    [expected] = oracle.generate(prompt, params, use_tqdm=False)
+    r = served.client.completions.create(model=NAME, prompt=prompt, n=3, temperature=1.0, seed=11,
+                                         max_tokens=MAX_NEW, extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [c.text for c in expected.outputs]
+    whole = oracle.generate(prompt, _greedy(), use_tqdm=False)[0].outputs[0].text
+    stop = whole[4:6]  # two characters from inside the greedy text
+    [cut] = oracle.generate(prompt, _greedy(stop=[stop]), use_tqdm=False)
+    r = served.client.completions.create(model=NAME, prompt=prompt, stop=stop, **GREEDY)
+    assert r.choices[0].text == cut.outputs[0].text == whole[:whole.find(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_concurrent_clients_each_get_their_own(served, oracle, tok):
+    prompts = _prompts(tok, 64, seed=3)
+    expected = [o.outputs[0].text for o in oracle.generate(prompts, _greedy(), use_tqdm=False)]
+
+    def one(i: int) -> str:
+        if i % 2:
+            return "".join(c.choices[0].text for c in served.client.completions.create(
+                model=NAME, prompt=prompts[i], stream=True, **GREEDY) if c.choices)
+        return served.client.completions.create(model=NAME, prompt=prompts[i], **GREEDY).choices[0].text
+
+    with ThreadPoolExecutor(64) as pool:  # 64 clients at once (the engine runs 16, the rest wait)
+        got = list(pool.map(one, range(len(prompts))))
+    assert got == expected
+    m = served.wait_idle()
+    assert m["vllm:prefix_cache_queries_total"] > 0 and m["vllm:time_to_first_token_seconds_count"] >= 64
+
+
+BAD = [({"temperature": -1.0}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"n": 0}, "n"),
+       ({"max_tokens": 0}, "max_tokens"), ({"extra_body": {"top_k": -5}}, "top_k"), ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+       ({"max_tokens": 10_000}, "max_tokens"), ({"extra_body": {"stop_token_ids": ["x"]}}, "stop_token_ids")]
+
+
+@pytest.mark.parametrize("kw,name", BAD, ids=[n for _, n in BAD])
+def test_bad_parameters_get_a_400_naming_them(served, kw, name):
+    body = {"temperature": 0.0, "max_tokens": 4, **kw}
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client.completions.create(model=NAME, prompt="the fox", **body)
+    err = info.value
+    assert err.status_code == 400 and name in err.message and "\n" not in err.message
+    assert "Traceback" not in err.response.text and err.body["type"] == "BadRequestError"
+    assert served.client.completions.create(model=NAME, prompt="the fox", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_other_refusals(served):
+    with pytest.raises(openai.NotFoundError):
+        served.client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    r = httpx.post(served.url + "/v1/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(served.url + "/v1/chat/completions", json={"model": NAME, "messages": []}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert [m.id for m in served.client.models.list().data] == [NAME]
+    assert httpx.get(served.url + "/health", timeout=30).status_code == 200
+    ids = httpx.post(served.url + "/tokenize", json={"prompt": "the fox"}, timeout=30).json()["tokens"]
+    assert httpx.post(served.url + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"] == "the fox"
+
+
+def test_full_queue_answers_503_and_a_closed_stream_frees_its_blocks(tok):
+    """capacity=1: a second request while a stream runs gets 503; closing the stream aborts it long
+    before its 4000 tokens (the pool is free, and far fewer tokens were made)."""
+    long_model = tiny_model(seed=5, dtype=torch.float64, vocab_size=tok.vocab_size, max_position_embeddings=4096)
+    s = Served(LLM(long_model, tok, block_size=4, num_blocks=1100), capacity=1)
+    try:
+        body = {"model": NAME, "prompt": "the fox", "max_tokens": 4000, "temperature": 0.0, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", s.url + "/v1/completions", json=body) as stream:
+                lines = stream.iter_lines()
+                first = next(line for line in lines if line.startswith("data: "))
+                assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+                r = client.post(s.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+                assert r.status_code == 503 and r.headers["retry-after"] == "1"
+                assert "full" in r.json()["error"]["message"]
+            m = s.wait_idle()  # the closed stream's request was aborted and its blocks freed
+            assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:generation_tokens_total"] < 4000
+            r = client.post(s.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        s.close()
+
+
+def test_serve_defaults_to_the_shipped_model():
+    from course.train.tiny import DEFAULT_MODEL
+    from engine.entrypoints import cli
+
+    args = cli.build_parser().parse_args([])
+    assert cli.DEFAULT_MODEL == DEFAULT_MODEL and args.host == "127.0.0.1" and args.model == str(DEFAULT_MODEL)
+
+
+def test_bench_serve_measures_every_request(served):
+    """run.py bench-serve's client against the server: every request completes with exactly its
+    output length; the percentiles are numpy's (linear interpolation)."""
+    import asyncio
+    import math
+
+    import numpy as np
+
+    from course.bench import serve_bench as sb
+
+    prompts = sb.workload(6, 5, 160, seed=0)
+    results, wall = asyncio.run(sb.run_load(served.url, NAME, prompts, 4, math.inf, 3, seed=0))
+    assert all(r.ok and r.output_tokens == 4 for r in results), [r.error for r in results]
+    summary = sb.summarize(results, wall)
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["output_throughput"] == 24 / wall
+    ttft = [r.ttft for r in results]
+    for q in (50, 90, 99):
+        assert math.isclose(summary[f"p{q}_ttft_ms"], 1000 * float(np.percentile(ttft, q)), rel_tol=1e-9)
+    assert "TTFT" in sb.table(summary)
