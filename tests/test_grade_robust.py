@@ -268,3 +268,18 @@ def test_files_sha256_depends_on_every_name_and_text():
     assert base == g.files_sha256({"b.py": "y", "a.py": "x"})
     assert len({base, g.files_sha256({"a.py": "x", "b.py": "z"}), g.files_sha256({"a.py": "xb.py", "": "y"}),
                 g.files_sha256({"c.py": "x", "b.py": "y"})}) == 4
+
+
+def test_a_chapter_file_over_the_cap_or_not_a_plain_file_is_graded_as_the_skeleton(tmp_path):
+    from course.learner.testrun import chapter_files, skeleton_files
+
+    rels = sorted(chapter_files())
+    (tmp_path / "engine").mkdir()
+    big, pipe = tmp_path / "engine" / rels[0], tmp_path / "engine" / rels[1]
+    big.parent.mkdir(parents=True, exist_ok=True)
+    pipe.parent.mkdir(parents=True, exist_ok=True)
+    big.write_text("x = [" + "1, " * (g.MAX_CHAPTER_FILE // 3 + 10) + "]\n")
+    os.mkfifo(pipe)
+    files, problems, _ = g.read_checkout(tmp_path)
+    assert files[rels[0]] == skeleton_files()[rels[0]] and files[rels[1]] == skeleton_files()[rels[1]]
+    assert any(rels[0] in p and "MiB" in p for p in problems) and any(rels[1] in p for p in problems)

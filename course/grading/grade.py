@@ -177,8 +177,14 @@ def reference_dirs(bed: Path) -> tuple[Path, ...]:
     return (bed / "solutions",)
 
 
+MAX_CHAPTER_FILE = 2 << 20  # bytes: the largest chapter file the grader takes (the course's: under 100 KB)
+
+
 def read_checkout(checkout: Path) -> tuple[dict[str, str], list[str], list[str]]:
-    """The chapter files (never through a symlink), problems, flags."""
+    """The chapter files (never through a symlink, a plain file only, at most ``MAX_CHAPTER_FILE``
+    bytes: anything else is graded as the skeleton), problems, flags."""
+    from course.grading.sandbox import read_capped
+
     files, problems, flags = {}, [], []
     for rel in chapter_files():
         path = checkout / "engine" / rel
@@ -186,7 +192,13 @@ def read_checkout(checkout: Path) -> tuple[dict[str, str], list[str], list[str]]
             flags.append(f"engine/{rel} is a symlink: not followed, graded as the skeleton")
             files[rel] = skeleton_files()[rel]
         elif path.is_file():
-            files[rel] = path.read_text(errors="replace")
+            raw = read_capped(path, MAX_CHAPTER_FILE + 1)
+            if raw is None or len(raw) > MAX_CHAPTER_FILE:
+                problems.append(f"engine/{rel} is not a readable file of at most {MAX_CHAPTER_FILE >> 20} MiB: "
+                                "graded as the skeleton")
+                files[rel] = skeleton_files()[rel]
+            else:
+                files[rel] = raw.decode(errors="replace")
         else:
             problems.append(f"engine/{rel} is missing: graded as the skeleton")
             files[rel] = skeleton_files()[rel]
