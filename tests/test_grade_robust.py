@@ -283,3 +283,46 @@ def test_a_chapter_file_over_the_cap_or_not_a_plain_file_is_graded_as_the_skelet
     files, problems, _ = g.read_checkout(tmp_path)
     assert files[rels[0]] == skeleton_files()[rels[0]] and files[rels[1]] == skeleton_files()[rels[1]]
     assert any(rels[0] in p and "MiB" in p for p in problems) and any(rels[1] in p for p in problems)
+
+
+def test_grade_after_a_startup_hang_gives_the_scenarios_a_short_start_and_removes_a_deep_scratch(tmp_path, monkeypatch):
+    """grade() itself, the sandboxed runs replaced: the test run 'hangs at start-up' and leaves a
+    1,200-deep folder in the scratch; the scenario run gets the short start-up limit, the hang is a
+    problem in the grader's words, and the grader's temporary folder is gone."""
+    from course.grading import watchdog as wd
+
+    seen, tops = {}, []
+
+    def fake_tests(bed, top, *a, startup):
+        tops.append(top)
+        fd = os.open(top, os.O_RDONLY)
+        for _ in range(1200):
+            os.mkdir("d", dir_fd=fd)
+            nxt = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        os.close(fd)
+        return wd.Watched(startup_hang="the test session hung at start-up")
+
+    def fake_scenarios(bed, top, *a, startup):
+        seen["startup"] = startup
+        return wd.Watched()
+
+    def small_bed(top, files):  # the chapter files alone: the whole repository's copy takes seconds
+        for rel, text in files.items():
+            (top / "repo" / "engine" / rel).parent.mkdir(parents=True, exist_ok=True)
+            (top / "repo" / "engine" / rel).write_text(text)
+        return top / "repo"
+
+    monkeypatch.setattr(g, "place_chapter_files", small_bed)
+    monkeypatch.setattr(wd, "run_tests", fake_tests)
+    monkeypatch.setattr(wd, "run_scenarios", fake_scenarios)
+    session = FakeSession(g.Options(unsafe=True))
+    session.specs, session.reference, session.tests = [], {}, []
+    monkeypatch.setattr(tempfile, "tempdir", str(Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path))
+    (tmp_path / "c" / "engine").mkdir(parents=True)
+    doc = g.grade(tmp_path / "c", session)
+    assert seen["startup"] == g.Options().startup_after_hang < g.Options().startup_timeout
+    assert "the test session hung at start-up" in doc["problems"]
+    assert tops and not tops[0].exists()
+    assert len(doc["files_sha256"]) == 64

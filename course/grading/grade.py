@@ -117,7 +117,9 @@ class Options:
     threads: int = 1  # torch threads per child; 0: cores // jobs. The test model is tiny: one thread is
     # fastest, and more spin against each other on a loaded machine (docs/grading.md, the figures)
     only_groups: tuple = ()  # verify only these scenario groups (tests of the grader; default: all)
-    startup_timeout: float = 55  # seconds each sandboxed run may take to start its first test / scenario
+    startup_timeout: float = 90  # seconds a sandboxed run may take to start its first test / scenario (an
+    # honest pytest start took 44 s at load 11.5, ~10 s when quiet)
+    startup_after_hang: float = 30  # the scenario run's, once the test run hung at start-up: 2 minutes in all
 
 
 class Session:
@@ -233,7 +235,8 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
         tests = run_tests(bed, top, session.bwrap, list(known), groups, opts.per_test_timeout, opts.timeout, limits,
                           threads, [], startup=opts.startup_timeout)
         scen = run_scenarios(bed, top, session.bwrap, session.specs, opts.per_scenario_timeout, opts.timeout, limits,
-                             threads, reference_dirs(bed), startup=opts.startup_timeout)
+                             threads, reference_dirs(bed), startup=opts.startup_after_hang if tests.startup_hang
+                             else opts.startup_timeout)
     finally:
         try:
             remove_tree(top)  # what the sandbox wrote may be deep or odd: never recursive, never fatal

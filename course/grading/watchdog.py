@@ -11,8 +11,8 @@ hung hole costs at most one limit per hang group that reaches it.
 
 Start-up is watched too: a child that has not started its first test (or scenario) within
 ``startup`` seconds (code at import that sleeps or loops) is killed, and nothing more of that run
-is retried, so a hang at import costs one start-up limit per run, two per checkout; ``startup_hang``
-says so in the grader's words. Every file read back from a scratch folder goes through
+is retried, so a hang at import costs one start-up limit per run (the grader gives the scenario run a
+shorter one once the test run hung at start-up); ``startup_hang`` says so in the grader's words. Every file read back from a scratch folder goes through
 ``sandbox.read_capped`` (no symlinks followed, no blocking on a named pipe, a plain file only,
 capped in size).
 """
@@ -44,7 +44,7 @@ class Watched:
     startup_hang: str = ""  # the grader's message when a run hung before its first test / scenario
 
 
-STARTUP_TIMEOUT = 55.0  # seconds a child may take to start its first test or scenario (a quiet start: ~5 s)
+STARTUP_TIMEOUT = 90.0  # seconds a child may take to start its first test or scenario (course.grading.grade.Options)
 REPORT_CAP = 16 << 20  # bytes of report.json the grader reads (an honest one: ~100 KB)
 RESULTS_CAP = 64 << 20  # bytes of results.jsonl the grader reads
 
