@@ -597,7 +597,8 @@ def grade_main(argv: list[str] | None = None) -> int:
     if args.folder is not None:
         paths += folder_checkouts(args.folder)
     if not paths and (args.folder is not None or args.roster is not None):  # never the instructor's own tree
-        where = f"--folder {printable(args.folder)}" if args.folder is not None else f"--roster {printable(args.roster)}"
+        where = (f"--folder {printable(args.folder)}" if args.folder is not None
+                 else f"--roster {printable(args.roster)}")
         raise ValueError(f"{where}: no checkout to grade (a checkout is a folder with engine/)")
     paths = paths or [ROOT]
     bad = [p for p in paths if not (p / "engine").is_dir()]
