@@ -117,6 +117,9 @@ class Options:
     threads: int = 1  # torch threads per child; 0: cores // jobs. The test model is tiny: one thread is
     # fastest, and more spin against each other on a loaded machine (docs/grading.md, the figures)
     only_groups: tuple = ()  # verify only these scenario groups (tests of the grader; default: all)
+    startup_timeout: float = 90  # seconds a sandboxed run may take to start its first test / scenario (an
+    # honest pytest start took 44 s at load 11.5, ~10 s when quiet)
+    startup_after_hang: float = 30  # the scenario run's, once the test run hung at start-up: 2 minutes in all
 
 
 class Session:
@@ -176,8 +179,14 @@ def reference_dirs(bed: Path) -> tuple[Path, ...]:
     return (bed / "solutions",)
 
 
+MAX_CHAPTER_FILE = 2 << 20  # bytes: the largest chapter file the grader takes (the course's: under 100 KB)
+
+
 def read_checkout(checkout: Path) -> tuple[dict[str, str], list[str], list[str]]:
-    """The chapter files (never through a symlink), problems, flags."""
+    """The chapter files (never through a symlink, a plain file only, at most ``MAX_CHAPTER_FILE``
+    bytes: anything else is graded as the skeleton), problems, flags."""
+    from course.grading.sandbox import read_capped
+
     files, problems, flags = {}, [], []
     for rel in chapter_files():
         path = checkout / "engine" / rel
@@ -185,7 +194,13 @@ def read_checkout(checkout: Path) -> tuple[dict[str, str], list[str], list[str]]
             flags.append(f"engine/{rel} is a symlink: not followed, graded as the skeleton")
             files[rel] = skeleton_files()[rel]
         elif path.is_file():
-            files[rel] = path.read_text(errors="replace")
+            raw = read_capped(path, MAX_CHAPTER_FILE + 1)
+            if raw is None or len(raw) > MAX_CHAPTER_FILE:
+                problems.append(f"engine/{rel} is not a readable file of at most {MAX_CHAPTER_FILE >> 20} MiB: "
+                                "graded as the skeleton")
+                files[rel] = skeleton_files()[rel]
+            else:
+                files[rel] = raw.decode(errors="replace")
         else:
             problems.append(f"engine/{rel} is missing: graded as the skeleton")
             files[rel] = skeleton_files()[rel]
@@ -201,7 +216,7 @@ def group_of(t: TestRecord) -> str:
 def grade(checkout: Path, session: Session | None = None, opts: Options | None = None, jobs: int = 1) -> dict:
     """Grade one checkout (the JSON document)."""
     from course.grading import copycheck
-    from course.grading.sandbox import GIB, Limits
+    from course.grading.sandbox import GIB, Limits, remove_tree
     from course.grading.verify import verdicts
     from course.grading.watchdog import run_scenarios, run_tests
 
@@ -213,14 +228,21 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     threads = opts.threads or max(1, (os.cpu_count() or 1) // max(1, jobs))
     known = {t.nodeid: t for t in session.tests}
     groups = {n: group_of(t) for n, t in known.items()}
-    with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
-        top = Path(tmp)
+    top = Path(tempfile.mkdtemp(prefix="grade-"))
+    try:
         bed = place_chapter_files(top, files)
         edits = outside_hole_edits(bed / "engine", copy=lambda rel: (ROOT / "engine" / rel).read_text())
         tests = run_tests(bed, top, session.bwrap, list(known), groups, opts.per_test_timeout, opts.timeout, limits,
-                          threads, [])
+                          threads, [], startup=opts.startup_timeout)
         scen = run_scenarios(bed, top, session.bwrap, session.specs, opts.per_scenario_timeout, opts.timeout, limits,
-                             threads, reference_dirs(bed))
+                             threads, reference_dirs(bed), startup=opts.startup_after_hang if tests.startup_hang
+                             else opts.startup_timeout)
+    finally:
+        try:
+            remove_tree(top)  # what the sandbox wrote may be deep or odd: never recursive, never fatal
+        except OSError as exc:
+            print(f"warning: could not remove the scratch folder {top}: {exc}", file=sys.stderr)
+    problems += [w.startup_hang for w in (tests, scen) if w.startup_hang]
     checked = verdicts(session.specs, session.reference, scen.records)
     records = []
     for n, t in known.items():
@@ -277,6 +299,7 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
         "problems": problems,
         "flags": flags,
         "fingerprint": copycheck.fingerprint(files),
+        "files_sha256": files_sha256(files),
         "raw_output": (tests.output + scen.output)[-60000:],  # the instructor's eyes only
     }
 
@@ -325,6 +348,75 @@ def _rows(doc: dict) -> list[dict]:
     return [*doc["holes"], doc["milestone"], doc["engine_checks"]]
 
 
+def files_sha256(files: dict[str, str]) -> str:
+    """sha256 of the chapter files as graded (each file's name, a NUL, its text, a NUL; in name order)."""
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        h.update(rel.encode() + b"\0" + files[rel].encode(errors="replace") + b"\0")
+    return h.hexdigest()
+
+
+FEEDBACK_CAP = 200  # characters of one message a learner sees
+_LONG_NUMBER = re.compile(r"\d{13,}")
+_PATH = re.compile(r"(?:~|\.{1,2})?(?:/[^\s/'\"]+){2,}/?")
+
+
+def printable(text: object) -> str:
+    """``text`` with every character a terminal or a spreadsheet could act on written as an escape
+    (``\\x1b``, ``\\n``, ...): names the learner chose, safe on the instructor's console and in the CSV."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
+
+
+def clean(text: object, cap: int = FEEDBACK_CAP) -> str:
+    """A message as a learner may see it: printable (escapes for the rest), integers of more than 12
+    digits and paths of more than one folder elided (they could carry data out of the sandbox), at
+    most ``cap`` characters."""
+    out = printable(text)
+    out = _LONG_NUMBER.sub(lambda m: f"{m.group()[:6]}...({len(m.group())} digits)", out)
+    out = _PATH.sub(lambda m: ".../" + m.group().rstrip("/").rsplit("/", 1)[-1][:40], out)
+    return out if len(out) <= cap else out[:cap - 3] + "..."
+
+
+def _csv_cell(text: object, cap: int = 500) -> str:
+    """A CSV text cell: printable, capped, and never read as a formula by a spreadsheet."""
+    out = printable(text)[:cap]
+    return "'" + out if out[:1] in ("=", "+", "-", "@") else out
+
+
+def error_doc(checkout: Path, session, reason: str, files: dict[str, str] | None = None) -> dict:
+    """The grade of a checkout whose grading failed in the grader itself: every row 0, status error,
+    ``reason`` (one short line) in its problems. The rest of the run goes on."""
+    holes = [asdict(Row(h.qualname, h.file, 0, 0, "error", WEIGHTS.get(h.qualname, 1))) for h in all_holes()]
+    special = [asdict(Row(n, f, 0, 0, "error", WEIGHTS[n])) for n, f in
+               (("milestone", CHAPTER_TESTS), ("engine checks", " ".join(ENGINE_CHECKS)))]
+    opts = getattr(session, "opts", None)
+    return {"checkout": str(checkout), "commit": None, "graded_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "seconds": 0.0, "seed": getattr(session, "seed", None), "sandbox": getattr(session, "bwrap", None) or "",
+            "unsafe": bool(getattr(opts, "unsafe", False)), "trial": getattr(opts, "keyword", "") or None,
+            "holes": holes, "milestone": special[0], "engine_checks": special[1], "holes_passed": 0,
+            "holes_total": len(holes), "score": 0.0, "max_score": float(sum(r["weight"] for r in [*holes, *special])),
+            "edits_outside_holes": [], "problems": [clean(f"the grader could not grade this checkout: {reason}")],
+            "flags": [], "fingerprint": "", "files_sha256": files_sha256(files) if files else "",
+            "raw_output": "", "error": clean(reason)}
+
+
+def grade_or_error(checkout: Path, session, jobs: int = 1) -> dict:
+    """``grade``, except that anything going wrong while grading this checkout (an exception in the
+    grader, a limit, a file it cannot read) gives this checkout an error grade instead of ending the run."""
+    import traceback
+
+    try:
+        return grade(checkout, session, jobs=jobs)
+    except Exception as exc:  # noqa: BLE001 - one checkout can fail only itself
+        tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        print(f"error grading {printable(checkout)}: {printable(tb)[:300]}", file=sys.stderr, flush=True)
+        try:
+            files = read_checkout(checkout)[0]
+        except Exception:  # noqa: BLE001
+            files = None
+        return error_doc(checkout, session, f"{type(exc).__name__} in the grader", files)
+
+
 def checkout_id(checkout: Path) -> str:
     """A folder name for one checkout that never collides: its last two path parts and a digest of
     the whole path (``alice-ch31-1a2b3c4d``)."""
@@ -334,9 +426,9 @@ def checkout_id(checkout: Path) -> str:
 
 def _feedback_lines(r: dict) -> str:
     """One test entry's text for the learner: counts, the failed tests' names, the grader's messages."""
-    lines = [f"{r['passed']}/{r['total']} tests passed ({r['status']}); verified by scenarios: {r['verified']}"]
-    lines += [f"- {f['test']}: {f['message']}" for f in r["failures"][:5]]
-    lines += [f"- {m}" for m in r["feedback"][:3]]
+    lines = [clean(f"{r['passed']}/{r['total']} tests passed ({r['status']}); verified by scenarios: {r['verified']}")]
+    lines += [clean(f"- {f['test']}: {f['message']}") for f in r["failures"][:5]]
+    lines += [clean(f"- {m}") for m in r["feedback"][:3]]
     return "\n".join(lines)
 
 
@@ -344,26 +436,48 @@ def gradescope(doc: dict) -> dict:
     """Gradescope's results.json (its autograder spec): score, execution_time, output, visibility,
     stdout_visibility, and one test per hole / milestone / engine checks. Every visible text is the
     grader's own; the raw output goes in a hidden test for the instructor."""
-    tests = [{"name": r["name"], "score": r["score"], "max_score": r["weight"], "visibility": "visible",
+    tests = [{"name": clean(r["name"], 80), "score": r["score"], "max_score": r["weight"], "visibility": "visible",
               "status": "passed" if r["score"] >= r["weight"] else "failed", "output": _feedback_lines(r)}
              for r in _rows(doc)]
     tests.append({"name": "instructor notes (hidden)", "score": 0, "max_score": 0, "visibility": "hidden",
                   "output": "\n".join([*doc["flags"], *doc["problems"], f"seed {doc['seed']}",
                                        doc["raw_output"][-20000:]])})
-    notes = [*(f"edit outside the holes: {e}" for e in doc["edits_outside_holes"]), *doc["problems"]]
+    notes = [clean(n) for n in [*(f"edit outside the holes: {e}" for e in doc["edits_outside_holes"][:20]),
+                                *doc["problems"][:20]]]
     if doc["unsafe"]:
         notes.append("graded WITHOUT a sandbox (--unsafe)")
     return {"score": doc["score"], "execution_time": int(round(doc["seconds"])), "output": "\n".join(notes),
             "visibility": "visible", "stdout_visibility": "hidden", "tests": tests}
 
 
+COPY_FLAGS = ("equal to the reference", "near-identical")
+CONTRADICTION_FLAGS = ("the tests reported a pass, the verified scenarios disagree",)
+
+
+def flag_kind(flag: str) -> str:
+    """What a flag is about: ``copy`` (the reference or a classmate), ``contradiction`` (the tests'
+    claim against the verified scenarios), or ``suspect`` (symlinks, files changed outside the
+    chapter files: worth a look, no accusation)."""
+    if any(k in flag for k in COPY_FLAGS):
+        return "copy"
+    if any(k in flag for k in CONTRADICTION_FLAGS):
+        return "contradiction"
+    return "suspect"
+
+
 def status_of_doc(doc: dict) -> str:
+    """One word for the CSV and the console: trial, error (the grader could not grade it), unsafe,
+    copy, contradiction, suspect (other flags), problems (missing files, hangs at start-up) or ok."""
     if doc.get("trial"):
         return "trial"
+    if doc.get("error"):
+        return "error"
     if doc["unsafe"]:
         return "unsafe"
-    if doc["flags"]:
-        return "flagged"
+    kinds = {flag_kind(f) for f in doc["flags"]}
+    for kind in ("copy", "contradiction", "suspect"):
+        if kind in kinds:
+            return kind
     return "problems" if doc["problems"] else "ok"
 
 
@@ -373,25 +487,30 @@ def format_report(doc: dict) -> str:
         first = r["feedback"][0] if r["feedback"] else (
             f"{r['failures'][0]['test']}: {r['failures'][0]['message']}" if r["failures"] else "")
         rows.append((r["name"], r["file"].removeprefix("engine/")[:40], f"{r['passed']}/{r['total']}",
-                     f"{r['score']:g}/{r['weight']:g}", r["status"], r["verified"], first[:90]))
+                     f"{r['score']:g}/{r['weight']:g}", r["status"], r["verified"], clean(first, 90)))
     widths = [max(len(row[i]) for row in rows) for i in range(6)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[6] for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     lines.append("")
     lines.append(f"{doc['holes_passed']}/{doc['holes_total']} holes pass; milestone {doc['milestone']['status']}; "
                  f"score {doc['score']:g}/{doc['max_score']:g}; {doc['seconds']:.0f} s; status {status_of_doc(doc)}")
-    lines += [f"edit outside the holes (the tests run it; no hole asks for it): {e}" for e in doc["edits_outside_holes"]]
-    lines += [f"problem: {p}" for p in doc["problems"]]
-    lines += [f"FLAG: {f}" for f in doc["flags"]]
+    lines += [f"edit outside the holes (the tests run it; no hole asks for it): {printable(e)[:300]}"
+              for e in doc["edits_outside_holes"]]
+    lines += [f"problem: {printable(p)[:300]}" for p in doc["problems"]]
+    lines += [f"FLAG ({flag_kind(f)}): {printable(f)[:300]}" for f in doc["flags"]]
     return "\n".join(lines)
 
 
-CSV_FIXED = ["id", "checkout", "score", "max_score", "status", "flags"]
+CSV_FIXED = ["id", "checkout", "score", "max_score", "status", "flags", "problems", "seed", "graded_at",
+             "files_sha256"]
 
 
 def csv_row(cid: str, doc: dict) -> dict:
-    row = {"id": cid, "checkout": doc["checkout"], "score": f"{doc['score']:g}", "max_score": f"{doc['max_score']:g}",
-           "status": status_of_doc(doc), "flags": " | ".join(doc["flags"])[:500]}
+    row = {"id": cid, "checkout": _csv_cell(doc["checkout"]), "score": f"{doc['score']:g}",
+           "max_score": f"{doc['max_score']:g}", "status": status_of_doc(doc),
+           "flags": _csv_cell(" | ".join(f"{flag_kind(f)}: {f}" for f in doc["flags"])),
+           "problems": _csv_cell(" | ".join(doc["problems"])), "seed": str(doc.get("seed", "")),
+           "graded_at": doc.get("graded_at", ""), "files_sha256": doc.get("files_sha256", "")}
     row.update({r["name"]: f"{r['score']:g}" for r in _rows(doc)})
     return row
 
@@ -425,6 +544,32 @@ def read_roster(path: Path) -> dict[Path, str]:
     return out
 
 
+def folder_checkouts(folder: Path) -> list[Path]:
+    """The checkouts (folders with engine/) directly inside ``folder``; a warning for each other entry
+    (and when there is none); ``ValueError`` when ``folder`` is missing or not a folder."""
+    if not folder.exists():
+        raise ValueError(f"--folder {printable(folder)}: no such folder")
+    if not folder.is_dir():
+        raise ValueError(f"--folder {printable(folder)}: not a folder (give the folder that holds the checkouts)")
+    found = []
+    for p in sorted(folder.iterdir()):
+        if (p / "engine").is_dir():
+            found.append(p.resolve())
+        else:
+            print(f"warning: skipped {printable(p)}: not a checkout of this course (no engine/)", file=sys.stderr)
+    if not found:
+        print(f"warning: --folder {printable(folder)}: no checkout in it (a checkout is a folder with engine/)",
+              file=sys.stderr)
+    return found
+
+
+def write_json(path: Path, doc: dict) -> None:
+    """Write ``doc`` whole or not at all (a temporary file, then a rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
 def grade_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="run.py grade", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -445,18 +590,20 @@ def grade_main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: give 1 or more")
+    if args.roster is not None and not args.roster.is_file():
+        raise ValueError(f"--roster {printable(args.roster)}: no such file")
     roster = read_roster(args.roster) if args.roster else {}
     paths = [p.resolve() for p in args.paths] + list(roster)
-    if args.folder:
-        for p in sorted(args.folder.iterdir()):
-            if (p / "engine").is_dir():
-                paths.append(p.resolve())
-            else:
-                print(f"warning: skipped {p}: not a checkout of this course (no engine/)", file=sys.stderr)
+    if args.folder is not None:
+        paths += folder_checkouts(args.folder)
+    if not paths and (args.folder is not None or args.roster is not None):  # never the instructor's own tree
+        where = (f"--folder {printable(args.folder)}" if args.folder is not None
+                 else f"--roster {printable(args.roster)}")
+        raise ValueError(f"{where}: no checkout to grade (a checkout is a folder with engine/)")
     paths = paths or [ROOT]
     bad = [p for p in paths if not (p / "engine").is_dir()]
     if bad:
-        raise ValueError(f"not a checkout of this course (no engine/): {', '.join(map(str, bad))}")
+        raise ValueError(f"not a checkout of this course (no engine/ folder): {', '.join(printable(p) for p in bad)}")
     opts = Options(args.per_test_timeout, args.per_scenario_timeout, args.timeout, args.keyword, args.unsafe,
                    args.seed, args.scenarios, args.memory_gib)
     session = Session(opts)
@@ -465,25 +612,39 @@ def grade_main(argv: list[str] | None = None) -> int:
     ids = {p: roster.get(p) or checkout_id(p) for p in paths}
 
     def one(checkout: Path) -> dict:
-        print(f"grading {checkout} ...", flush=True)
-        doc = grade(checkout, session, jobs=args.jobs)
+        print(f"grading {printable(checkout)} ...", flush=True)
+        doc = grade_or_error(checkout, session, jobs=args.jobs)
         out = out_root / ids[checkout]
         out.mkdir(parents=True, exist_ok=True)
-        (out / "grade.json").write_text(json.dumps(doc, indent=1) + "\n")
-        (out / "results.json").write_text(json.dumps(gradescope(doc), indent=1) + "\n")
-        print(f"graded {checkout}: {doc['score']:g}/{doc['max_score']:g} ({status_of_doc(doc)}); wrote {out}", flush=True)
+        try:
+            results = gradescope(doc)
+        except Exception as exc:  # noqa: BLE001 - a document the feedback writer cannot take: an error grade
+            doc = error_doc(checkout, session, f"{type(exc).__name__} writing the feedback")
+            results = gradescope(doc)
+        try:
+            write_json(out / "grade.json", doc)
+            write_json(out / "results.json", results)
+        except OSError as exc:
+            print(f"error: could not write {printable(out)}: {exc}", file=sys.stderr, flush=True)
+        print(f"graded {printable(checkout)}: {doc['score']:g}/{doc['max_score']:g} ({status_of_doc(doc)}); "
+              f"wrote {printable(out)}", flush=True)
         return doc
 
     with ThreadPoolExecutor(args.jobs) as pool:
         docs = list(pool.map(one, paths))
     from course.grading.copycheck import near_pairs
 
-    by_id = {ids[Path(d["checkout"])]: d for d in docs}
-    for a, b, ratio in near_pairs({i: d["fingerprint"] for i, d in by_id.items()}):
+    by_id = {ids[p]: d for p, d in zip(paths, docs)}
+    try:
+        pairs = near_pairs({i: d["fingerprint"] for i, d in by_id.items() if d.get("fingerprint")})
+    except Exception as exc:  # noqa: BLE001 - the pair check failing must not lose the grades
+        print(f"warning: the near-identical check failed ({type(exc).__name__}); no pairs flagged", file=sys.stderr)
+        pairs = []
+    for a, b, ratio in pairs:
         by_id[a]["flags"].append(f"near-identical holes to {b} ({ratio:.0%} similar)")
         by_id[b]["flags"].append(f"near-identical holes to {a} ({ratio:.0%} similar)")
         for i in (a, b):
-            (out_root / i / "grade.json").write_text(json.dumps(by_id[i], indent=1) + "\n")
+            write_json(out_root / i / "grade.json", by_id[i])
     if len(docs) == 1:
         print(format_report(docs[0]))
     update_csv(out_root / "grades.csv", {i: csv_row(i, d) for i, d in by_id.items()})
@@ -496,7 +657,9 @@ def grade_main(argv: list[str] | None = None) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
     for i, d in by_id.items():
         for f in d["flags"]:
-            print(f"FLAG {i}: {f}")
+            print(f"FLAG {i} ({flag_kind(f)}): {printable(f)[:300]}")
+        if d.get("error"):
+            print(f"ERROR {i}: {d['problems'][0]}")
     print(f"wrote {out_root / 'grades.csv'} (seed {session.seed})")
     return 0
 

@@ -46,7 +46,7 @@ def capped_rows(doc: dict) -> list[str]:
 
 
 def main() -> int:
-    from course.grading.grade import Options, Session, grade
+    from course.grading.grade import Options, Session, grade_or_error, status_of_doc
     from course.quality.mutants import MUTANTS as ALL
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,7 +73,9 @@ def main() -> int:
         print(f"session (seed {session.seed}, {len(session.specs)} scenarios): {time.monotonic() - start:.0f} s",
               flush=True)
         with ThreadPoolExecutor(args.jobs) as pool:
-            docs = dict(zip(checkouts, pool.map(lambda p: grade(p, session, jobs=args.jobs), checkouts.values())))
+            # grade_or_error: a grader error costs that row only, never the table
+            docs = dict(zip(checkouts, pool.map(lambda p: grade_or_error(p, session, jobs=args.jobs),
+                                                checkouts.values())))
     if args.save:
         import json
 
@@ -83,7 +85,8 @@ def main() -> int:
     print(f"\n| checkout | old (pytest only) | new (verified cap) | difference |\n|---|---:|---:|---:|")
     for name, doc in docs.items():
         old = old_score(doc)
-        print(f"| {name} | {old:g} | {doc['score']:g} | {doc['score'] - old:+.2f} |")
+        note = "" if status_of_doc(doc) != "error" else f" (error: {doc['problems'][0]})"
+        print(f"| {name} | {old:g} | {doc['score']:g}{note} | {doc['score'] - old:+.2f} |")
     print()
     for name, doc in docs.items():
         for line in capped_rows(doc):

@@ -79,15 +79,24 @@ def run(argv: list[str]) -> int:
     results = root / "results"
     results.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gs-") as tmp:
-        code = grade_main([str(root / "submission"), "--out", tmp, *argv])
+        try:
+            code = grade_main([str(root / "submission"), "--out", tmp, *argv])
+        except Exception as exc:  # noqa: BLE001 - whatever happens, Gradescope gets a results.json
+            print(f"the grader failed: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+            code = 1
         found = sorted(Path(tmp).rglob("results.json"))
-        if code != 0 or len(found) != 1:
+        doc = None
+        if code == 0 and len(found) == 1:
+            try:
+                doc = json.loads(found[0].read_text())
+                check_results(doc)
+            except (OSError, ValueError):
+                doc = None
+        if doc is None:
             doc = {"score": 0, "execution_time": 0, "visibility": "visible", "stdout_visibility": "hidden",
                    "output": "The grader could not grade this submission; the course staff has been told.",
                    "tests": [{"name": "grading", "score": 0, "max_score": 50, "output": "not graded",
                               "visibility": "visible", "status": "failed"}]}
-        else:
-            doc = json.loads(found[0].read_text())
     check_results(doc)
     (results / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
     return 0

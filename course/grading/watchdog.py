@@ -8,6 +8,13 @@ the same way. The test or scenario that was running is counted failed with the g
 the rest of its hang group (one hole's tests; the milestone and the engine checks together, since
 they run the same engine) is not run and says why, and a fresh child runs everything else. So a
 hung hole costs at most one limit per hang group that reaches it.
+
+Start-up is watched too: a child that has not started its first test (or scenario) within
+``startup`` seconds (code at import that sleeps or loops) is killed, and nothing more of that run
+is retried, so a hang at import costs one start-up limit per run (the grader gives the scenario run a
+shorter one once the test run hung at start-up); ``startup_hang`` says so in the grader's words. Every file read back from a scratch folder goes through
+``sandbox.read_capped`` (no symlinks followed, no blocking on a named pipe, a plain file only,
+capped in size).
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course.grading.sandbox import Finished, Limits, Sandbox, prepare_dirs, run_watched
+from course.grading.sandbox import Finished, Limits, Sandbox, prepare_dirs, read_capped, run_watched
 from course.learner.testrun import LEAN, PLUGIN_DIR
 
 PLUGIN_REL = PLUGIN_DIR.relative_to(Path(__file__).resolve().parents[2])  # course/learner/pytest_plugins
@@ -34,6 +41,12 @@ class Watched:
     runs: int = 0
     seconds: float = 0.0
     output: str = ""  # the children's output, for the instructor only
+    startup_hang: str = ""  # the grader's message when a run hung before its first test / scenario
+
+
+STARTUP_TIMEOUT = 90.0  # seconds a child may take to start its first test or scenario (course.grading.grade.Options)
+REPORT_CAP = 16 << 20  # bytes of report.json the grader reads (an honest one: ~100 KB)
+RESULTS_CAP = 64 << 20  # bytes of results.jsonl the grader reads
 
 
 COURSE_COPY_DIR = ".course-copy"  # inside a workspace: the instructor's chapter files (course.grading.grade.place_chapter_files)
@@ -72,7 +85,8 @@ def _next_run(w: Watched, top: Path, label: str, bed: Path, bwrap: str | None, l
 
 
 def run_tests(bed: Path, top: Path, bwrap: str | None, nodeids: list[str], group_of: dict[str, str],
-              per_test: float, total: float, limits: Limits, threads: int, extra_args: list[str]) -> Watched:
+              per_test: float, total: float, limits: Limits, threads: int, extra_args: list[str],
+              startup: float = STARTUP_TIMEOUT) -> Watched:
     """Run ``nodeids`` (the instructor's own collection) in the sandbox, restarting after each kill."""
     w = Watched()
     left = list(nodeids)
@@ -82,12 +96,18 @@ def run_tests(bed: Path, top: Path, bwrap: str | None, nodeids: list[str], group
         report = scratch / "report.json"
         cmd = [sys.executable, "-m", "pytest", "-p", "ch31_report", "--report-json", str(report), *LEAN,
                "-q", "--tb=line", "--impl", "engine", *extra_args, *left]
+        launched, began = time.monotonic(), [False]
 
         def watch() -> str:
             data = _read_json(report)
             since = data.get("current_since") if isinstance(data, dict) else None
             if isinstance(since, (int, float)) and time.time() - since > per_test:
                 return "hung"
+            if not began[0]:
+                began[0] = isinstance(data, dict) and (data.get("current") is not None or any(
+                    isinstance(t, dict) and t.get("outcome") != "not run" for t in data.get("tests") or []))
+                if not began[0] and time.monotonic() - launched > startup:
+                    return "startup"
             return ""
 
         fin = _launch(sandbox, cmd, bed, child_env(scratch, bed / PLUGIN_REL, threads, bed / COURSE_COPY_DIR), limits,
@@ -103,6 +123,13 @@ def run_tests(bed: Path, top: Path, bwrap: str | None, nodeids: list[str], group
         current = data.get("current") if isinstance(data, dict) else None
         left = [n for n in left if n not in w.records]
         if not left:
+            break
+        if fin.killed == "startup":
+            w.startup_hang = (f"the test session hung at start-up (no test began within {startup:g} s): "
+                              "code that runs when your chapter files are imported?")
+            for n in left:
+                w.skipped[n] = "never ran: the test session hung at start-up (importing your chapter files?)"
+            left = []
             break
         culprit = current if current in left else None
         if culprit is None and fin.killed:
@@ -125,7 +152,7 @@ def run_tests(bed: Path, top: Path, bwrap: str | None, nodeids: list[str], group
 
 
 def run_scenarios(bed: Path, top: Path, bwrap: str | None, specs: list[dict], per_scenario: float, total: float,
-                  limits: Limits, threads: int, hide: tuple[Path, ...]) -> Watched:
+                  limits: Limits, threads: int, hide: tuple[Path, ...], startup: float = STARTUP_TIMEOUT) -> Watched:
     """Run the scenarios in the sandbox (``hide``: folders it must not see, the reference's first)."""
     w = Watched()
     left = list(specs)
@@ -138,10 +165,14 @@ def run_scenarios(bed: Path, top: Path, bwrap: str | None, specs: list[dict], pe
                "from course.grading.scenarios import child_main; sys.exit(child_main(sys.argv[1:]))",
                str(bed), str(spec_file), str(out)]
         started: dict[str, float] = {}
+        launched = time.monotonic()
 
         def watch() -> str:
             current = None
-            for item in _lines(out):
+            lines = _lines(out)
+            if not lines and time.monotonic() - launched > startup:
+                return "startup"
+            for item in lines:
                 if "start" in item:
                     current = item["start"]
                 elif item.get("id") == current:
@@ -157,7 +188,15 @@ def run_scenarios(bed: Path, top: Path, bwrap: str | None, specs: list[dict], pe
                     + fin.output[-20000:]
         from course.grading.verify import read_results
 
-        got = read_results(out)
+        if fin.killed == "startup" and not _lines(out):
+            w.startup_hang = (f"the scenario run hung at start-up (no scenario began within {startup:g} s): "
+                              "code that runs when your chapter files are imported?")
+            for s in left:
+                w.records[s["id"]] = {"id": s["id"], "error": "hung"}
+            break
+        safe = top / f"results-{w.runs}.jsonl"  # the grader's own copy, outside the sandbox's view
+        safe.write_bytes(read_capped(out, RESULTS_CAP) or b"")
+        got = read_results(safe)
         ids = [s["id"] for s in left]
         culprit = None
         for sid in ids:
@@ -196,22 +235,23 @@ def _hang_group(spec: dict) -> str:
 
 
 def _read_json(path: Path):
+    raw = read_capped(path, REPORT_CAP)
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return json.loads(raw) if raw else {}
+    except (ValueError, RecursionError):
         return {}
 
 
 def _lines(path: Path) -> list[dict]:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
+    raw = read_capped(path, RESULTS_CAP)
+    if raw is None:
         return []
+    text = raw.decode(errors="replace")
     out = []
     for line in text.splitlines():
         try:
             item = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(item, dict):
             out.append(item)
