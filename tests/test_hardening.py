@@ -49,3 +49,94 @@ def test_two_engines_of_one_kind_in_two_threads(kind, dtype):
             want = alone.run_until_done()
         assert results[i] == want, f"{kind} engine {i}: wrong tokens when another engine stepped at the same time"
         assert core.blocks.num_free == core.blocks.num_blocks
+
+
+# --- Third round (issue 35): the kernels' build cache, the layout variable ---------------------------
+
+def _script(path, body: str):
+    import stat
+
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+def test_a_compiler_that_timed_out_is_not_started_again(tmp_path, monkeypatch):
+    """Row 3: a $CXX that hangs is waited out once per process, not once per kernel and flag set
+    (three kernels x two flag sets was half an hour before the default LLM() fell back)."""
+    from engine.fast import cpu_attention, cpu_elementwise, cpu_linear
+
+    log = tmp_path / "starts.log"
+    slow = _script(tmp_path / "slow-c++", f"echo started >> {log}\nexec sleep 30\n")
+    monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(slow))
+    monkeypatch.setattr(cpu_attention, "COMPILE_TIMEOUT_S", 1)
+    monkeypatch.setattr(cpu_attention, "_hung_compilers", {}, raising=False)
+    kernels = [cpu_attention.OptionalKernels(k.SOURCE, lambda lib: None)
+               for k in (cpu_attention, cpu_linear, cpu_elementwise)]
+    for optional in kernels:
+        assert optional.get() is None and "took longer than 1 s" in optional.why
+    with pytest.raises(ValueError, match="not started again"):
+        cpu_attention.build_library(cpu_attention.SOURCE)
+    assert log.read_text().split() == ["started"], "a compiler that timed out was started again"
+
+
+def test_a_corrupt_cached_kernel_is_rebuilt(tmp_path, monkeypatch):
+    """Row 6: a cached kernel that does not load (a torn or junk .so in the private cache) is built
+    again, not an error every later process swallows; a compiler that "succeeds" with junk leaves
+    no file in the cache and says so."""
+
+    from engine.fast import cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "_hung_compilers", {}, raising=False)
+    monkeypatch.delenv("ENGINE_KERNEL_CACHE", raising=False)
+    good = next(cpu_attention.cache_dir().glob("cpu_paged_kernel-*.so"), None)
+    if good is None:  # this process has not built it yet
+        cpu_attention.build_library(cpu_attention.SOURCE)
+        good = next(cpu_attention.cache_dir().glob("cpu_paged_kernel-*.so"))
+    copier = _script(tmp_path / "copying-c++", f'while [ "$1" != -o ]; do shift; done\ncp {good} "$2"\n')
+    monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(copier))
+    lib = cpu_attention.kernel_path(str(copier), cpu_attention.SOURCE)
+    lib.parent.mkdir(mode=0o700, parents=True)
+    lib.write_bytes(b"not an ELF file")
+    assert cpu_attention.build_library(cpu_attention.SOURCE).paged_decode_float32 is not None
+    assert lib.read_bytes()[:4] == b"\x7fELF", "the corrupt cache entry was not rebuilt"
+    junk = _script(tmp_path / "junk-c++", 'while [ "$1" != -o ]; do shift; done\necho junk > "$2"\n')
+    monkeypatch.setenv("CXX", str(junk))
+    with pytest.raises(ValueError, match="not a loadable library.*CXX"):
+        cpu_attention.build_library(cpu_attention.SOURCE)
+    assert not cpu_attention.kernel_path(str(junk), cpu_attention.SOURCE).exists(), "junk was kept in the cache"
+
+
+def test_a_remembered_kernel_failure_is_keyed_by_its_cause(tmp_path, monkeypatch):
+    """Row 7: following the error's advice in the same process (a private ENGINE_KERNEL_CACHE, or
+    another CXX) tries the build again; the same cache and compiler do not."""
+    import shutil
+
+    from engine.fast import cpu_attention
+
+    open_cache = tmp_path / "shared-cache"
+    open_cache.mkdir()
+    open_cache.chmod(0o777)
+    monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(open_cache))
+    monkeypatch.setenv("CXX", shutil.which("c++") or shutil.which("g++"))
+    builds = []
+    optional = cpu_attention.OptionalKernels(cpu_attention.SOURCE, builds.append)
+    assert optional.get() is None and str(open_cache) in optional.why
+    assert optional.get() is None and not builds
+    monkeypatch.delenv("ENGINE_KERNEL_CACHE")  # the default, private cache (built there by earlier tests)
+    assert optional.get() is not None and len(builds) == 1 and optional.why is None
+
+
+def test_a_bad_layout_variable_is_named(monkeypatch):
+    """Row 8: ENGINE_LINEAR_LAYOUT=bogus: the ValueError says the value came from that variable
+    (an explicit layout= argument's does not mention it)."""
+    from engine.fast import linear_layout
+
+    monkeypatch.setenv("ENGINE_LINEAR_LAYOUT", "bogus")
+    with pytest.raises(ValueError, match=r"\$ENGINE_LINEAR_LAYOUT.*'bogus'"):
+        linear_layout.forced_layout(None)
+    with pytest.raises(ValueError, match="linear layout must be one of") as err:
+        linear_layout.forced_layout("fastest")
+    assert "ENGINE_LINEAR_LAYOUT" not in str(err.value)
