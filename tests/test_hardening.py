@@ -140,3 +140,21 @@ def test_a_bad_layout_variable_is_named(monkeypatch):
     with pytest.raises(ValueError, match="linear layout must be one of") as err:
         linear_layout.forced_layout("fastest")
     assert "ENGINE_LINEAR_LAYOUT" not in str(err.value)
+
+
+def test_a_head_size_over_the_elementwise_kernels_limit_keeps_pytorch_for_that_seam():
+    """Row 4: heads of 1040 (over cpu_elementwise.MAX_HEAD_DIM) on the fused CPU model: decided at
+    construction, the q/k norm and RoPE keep the PyTorch code (the other seams their kernels), and
+    the engine serves generate()'s greedy tokens instead of failing on its first step."""
+    from engine.fast import cpu_elementwise
+    from engine.fast.fused import FusedFlatModel
+
+    if cpu_elementwise.library() is None:
+        pytest.fail(f"the elementwise kernels did not build here: {cpu_elementwise._kernels.why}")
+    model = tiny_model(seed=5, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=1040)
+    prompt = [7, 3, 11, 2, 9]
+    core = EngineCore(model, EngineConfig(block_size=4, attention_backend="torch", flat_model="fused"))
+    core.add_request("r", prompt, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))
+    assert core.run_until_done()["r"] == generate(model, prompt, 6)
+    fused = FusedFlatModel(model)
+    assert fused.elementwise and not fused.qk_elementwise

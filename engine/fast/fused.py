@@ -146,6 +146,9 @@ class FusedFlatModel(FlatModel):
             elementwise = (linear_dtype in cpu_elementwise.DTYPES and device.type == "cpu"
                            and cpu_elementwise.library() is not None)
         self.elementwise = elementwise
+        # The q/k norm and RoPE kernel takes heads up to cpu_elementwise.MAX_HEAD_DIM: larger ones
+        # keep the PyTorch code (the other two seams still take their kernels).
+        self.qk_elementwise = elementwise and cpu_elementwise.takes_head_dim(self.cfg.head_dim)
         cast = linear_dtype != dtype
         self.choices: dict[tuple[int, int], linear_layout.Choice] = {}  # per weight shape [out, in]
 
@@ -289,7 +292,7 @@ class FusedFlatModel(FlatModel):
         normed (its weight row of [Hq + Hkv, Dh]) and rotated."""
         cfg = self.cfg
         n, hq, hkv, dh = qkv.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        if self.elementwise:  # q to a buffer of its own, k in place in qkv
+        if self.qk_elementwise:  # q to a buffer of its own, k in place in qkv
             q = cpu_elementwise.qk_norm_rope(qkv, hq, hkv, dh, weight, cos, sin, eps)
             return q, qkv[:, hq * dh:(hq + hkv) * dh].view(n, hkv, dh)
         half = dh // 2
