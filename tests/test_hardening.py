@@ -158,3 +158,37 @@ def test_a_head_size_over_the_elementwise_kernels_limit_keeps_pytorch_for_that_s
     assert core.run_until_done()["r"] == generate(model, prompt, 6)
     fused = FusedFlatModel(model)
     assert fused.elementwise and not fused.qk_elementwise
+
+
+@pytest.mark.parametrize("edit", ["data", "numpy"])
+def test_weights_edited_in_place_keep_their_values_after_the_fused_model_is_built(tmp_path, monkeypatch, edit):
+    """Row 1: a loaded (memory-mapped) model's weights edited in place through ``.data`` or a NumPy
+    view (which do not move ``_version``), then a fused model built on it: release_pages must not
+    drop those written pages (they would revert to the file's bytes). The model keeps its edited
+    values, and the engine and generate() agree on them."""
+    from engine.models import load_model
+    from engine.models.mapped import mapped_file
+    from engine.fast.fused import FusedFlatModel
+    from course.bench.checkpoints import write_checkpoint
+
+    source = tiny_model(seed=3, hidden_size=256, intermediate_size=768, head_dim=64)  # projections span whole pages
+    model = load_model(write_checkpoint(source, tmp_path / "ckpt"))
+    edited = [layer.mlp.down_proj.weight for layer in model.model.layers] + [model.model.layers[0].self_attn.o_proj.weight]
+    for p in edited:
+        assert mapped_file(p.detach()) is not None and p._version == 0
+        if edit == "data":
+            p.data.mul_(-1)
+        else:
+            view = p.detach().numpy()
+            view *= -1
+    assert all(p._version == 0 for p in edited), "the test needs edits that do not move _version"
+    want = [p.detach().clone() for p in edited]
+    fused = FusedFlatModel(model, layout="small")  # a copy per linear, so the originals' pages are offered back
+    assert fused.layers[0]["down"].layout == "small"
+    for p, w in zip(edited, want):
+        assert torch.equal(p.detach(), w), "an edited weight reverted to the checkpoint's bytes"
+    prompt = [7, 3, 11, 2, 9, 30]
+    monkeypatch.setenv("ENGINE_LINEAR_LAYOUT", "small")  # the engine's fused model copies too (and skips the probe)
+    core = EngineCore(model, EngineConfig(block_size=4, attention_backend="torch", flat_model="fused"))
+    core.add_request("r", prompt, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))
+    assert core.run_until_done()["r"] == generate(model, prompt, 6)
