@@ -9,6 +9,9 @@ test_compiled.py.) One ``LLM`` driven by two threads is test_llm_api.py's.
 """
 from __future__ import annotations
 
+import os
+import pathlib
+
 import pytest
 import torch
 
@@ -192,3 +195,42 @@ def test_weights_edited_in_place_keep_their_values_after_the_fused_model_is_buil
     core = EngineCore(model, EngineConfig(block_size=4, attention_backend="torch", flat_model="fused"))
     core.add_request("r", prompt, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))
     assert core.run_until_done()["r"] == generate(model, prompt, 6)
+
+
+def test_retraining_the_checkpoint_leaves_a_live_model_alone(tmp_path, monkeypatch):
+    """Row 2: course/train/tiny.py's write_checkpoint over a checkpoint a live (memory-mapped) model
+    was loaded from -- as `make train-tiny` does under `run.py generate`'s default model -- goes
+    through a temporary file and a rename of its own, whatever ``save_file`` does: here one that
+    rewrites its file in place (as some safetensors versions do; a shrunk file is then SIGBUS, a
+    same-size one silently new weights under the live model). The live model keeps its weights,
+    a model loaded afterwards gets the new ones, and no temporary file is left."""
+    import safetensors.torch
+
+    from course.train.tiny import write_checkpoint
+    from engine.models import load_model
+    from engine.models.mapped import mapped_file
+
+    def in_place(tensors, path, metadata=None):
+        with open(path, "r+b" if os.path.exists(path) else "wb") as f:
+            f.write(safetensors.torch.save(tensors, metadata=metadata))
+            f.truncate()
+
+    monkeypatch.setattr(safetensors.torch, "save_file", in_place)
+
+    class Tok:  # what write_checkpoint asks of a tokenizer
+        def token_to_id(self, token):
+            return 0
+
+        def save(self, path):
+            pathlib.Path(path).write_text("{}")
+
+    write_checkpoint(tiny_model(seed=3, tie_word_embeddings=True, dtype=torch.bfloat16), Tok(), tmp_path)
+    live = load_model(tmp_path)
+    assert all(mapped_file(p.detach()) is not None for p in live.parameters()), "the test needs a mapped model"
+    before = {n: p.detach().clone() for n, p in live.named_parameters()}
+    write_checkpoint(tiny_model(seed=4, tie_word_embeddings=True, dtype=torch.bfloat16), Tok(), tmp_path)
+    for n, p in live.named_parameters():
+        assert torch.equal(p.detach(), before[n]), f"{n} changed under the live model"
+    fresh = dict(load_model(tmp_path).named_parameters())
+    assert not all(torch.equal(fresh[n].detach(), before[n]) for n in before), "the new checkpoint was not written"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "a temporary file was left"
