@@ -234,3 +234,18 @@ def test_retraining_the_checkpoint_leaves_a_live_model_alone(tmp_path, monkeypat
     fresh = dict(load_model(tmp_path).named_parameters())
     assert not all(torch.equal(fresh[n].detach(), before[n]) for n in before), "the new checkpoint was not written"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "a temporary file was left"
+
+
+def test_a_template_of_few_heavy_lines_is_refused_early(monkeypatch):
+    """Row 11: a template whose lines each do much bounded work (a replace() over a million
+    characters, thousands of times) stays far under the line budget; the CPU budget refuses it
+    (one ValueError naming it) instead of rendering for ~10 s. A real template is untouched."""
+    from engine import chat_template
+
+    monkeypatch.setattr(chat_template, "MAX_TEMPLATE_CPU_S", 0.2, raising=False)
+    heavy = chat_template.compile_template(
+        "{% for i in range(3000) %}{% set x = ('a' * 1000000)|replace('a', 'b') %}{% endfor %}done")
+    with pytest.raises(ValueError, match="chat template was stopped: it took more than 0.2 s of CPU time"):
+        chat_template.render(heavy)
+    plain = chat_template.compile_template("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert chat_template.render(plain, messages=[{"content": "hi"}] * 50) == "[hi]" * 50
