@@ -249,3 +249,19 @@ def test_a_template_of_few_heavy_lines_is_refused_early(monkeypatch):
         chat_template.render(heavy)
     plain = chat_template.compile_template("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
     assert chat_template.render(plain, messages=[{"content": "hi"}] * 50) == "[hi]" * 50
+
+
+def test_a_16bit_model_computed_in_float32_says_so():
+    """Row 5 (the documented half): where a bfloat16 model's matmuls run in float32 (a CPU without
+    bf16 units, or linear_dtype=float32), its greedy tokens may differ from generate()'s; the fused
+    model says which ran (``numerics``, printed by `run.py generate`), and says nothing when the
+    model's own dtype runs."""
+    from engine.fast.fused import FusedFlatModel, fast_16bit_matmul
+
+    bf16 = tiny_model(seed=3, dtype=torch.bfloat16)
+    widened = FusedFlatModel(bf16, linear_dtype=torch.float32)
+    assert widened.numerics and "bfloat16 model, matmuls in float32" in widened.numerics
+    assert FusedFlatModel(bf16, linear_dtype=torch.bfloat16).numerics is None
+    assert FusedFlatModel(tiny_model(seed=3)).numerics is None
+    core = EngineCore(bf16, EngineConfig(block_size=4, attention_backend="torch", flat_model="fused"))
+    assert (core.flat.numerics is None) == fast_16bit_matmul(torch.bfloat16, torch.device("cpu"))

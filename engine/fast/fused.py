@@ -135,6 +135,14 @@ class FusedFlatModel(FlatModel):
         if linear_dtype is None:
             linear_dtype = dtype if fast_16bit_matmul(dtype, device) else torch.float32
         self.linear_dtype = linear_dtype
+        # What a user must be told: a 16-bit model whose matmuls run in float32 here (no 16-bit
+        # units) is computed more precisely than generate() computes it, so its greedy tokens may
+        # differ from generate()'s (and from a CPU with those units). None: the model's own dtype.
+        self.numerics: str | None = None
+        if linear_dtype != dtype and dtype in (torch.bfloat16, torch.float16):
+            self.numerics = (f"{str(dtype).removeprefix('torch.')} model, matmuls in "
+                             f"{str(linear_dtype).removeprefix('torch.')} (no 16-bit matmul units here): "
+                             "greedy tokens may differ from generate()'s")
         self.pack = packable(linear_dtype, device) if pack is None else pack
         linear_layout.forced_layout(layout)  # a bad name: ValueError before anything is built
         # The small-batch kernel's panels: float32 arithmetic on CPU, where the kernel builds (a
