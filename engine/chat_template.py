@@ -8,7 +8,10 @@ Python's internals but not from running forever or building a string of a teraby
 bounded:
 
 * work: at most ``MAX_TEMPLATE_STEPS`` lines of the template's compiled code (counted by a trace
-  function on the rendering thread, on the template's own frames only), so nested loops end;
+  function on the rendering thread, on the template's own frames only), so nested loops end; and
+  at most ``MAX_TEMPLATE_CPU_S`` seconds of the rendering thread's CPU time (read every
+  ``CPU_CHECK_EVERY`` lines), so lines that each do a lot of bounded work (a replace() over
+  millions of characters, a thousand times) are refused early too, not after ~10 s;
 * size: no string or list the template builds (``*``, ``+``, ``~``, ``%``, ``**`` on ints, the
   filters and string methods that take a width or a count) and no rendered text may exceed
   ``MAX_TEMPLATE_CHARS``; refused before the allocation where the size is known in advance.
@@ -26,11 +29,14 @@ import functools
 import json
 import re
 import sys
+import time
 from datetime import datetime
 from typing import Any
 
 MAX_TEMPLATE_CHARS = 8_000_000  # the largest string (or list) a template may build, and the longest text it may render
 MAX_TEMPLATE_STEPS = 5_000_000  # lines of template code one render may run (a real conversation needs thousands)
+MAX_TEMPLATE_CPU_S = 1.0  # CPU seconds one render may take (a real conversation needs milliseconds)
+CPU_CHECK_EVERY = 16  # lines of template code between two reads of the thread's CPU clock
 MAX_POWER_BITS = 1 << 16  # ``a ** b`` on ints: refused past this many bits of result
 _WIDE_FORMAT = re.compile(r"\d{7,}|\*")  # a %-format or format-spec width of millions, or one taken from the arguments
 
@@ -192,7 +198,8 @@ def render(compiled, **context: Any) -> str:
     """The text of ``compiled`` (from ``compile_template``) on ``context``, within the bounds; any
     failure of the template is a ValueError."""
     steps = 0
-    limit = MAX_TEMPLATE_STEPS
+    limit, cpu_limit, every = MAX_TEMPLATE_STEPS, MAX_TEMPLATE_CPU_S, CPU_CHECK_EVERY
+    cpu_end = time.thread_time() + cpu_limit
 
     def count_lines(frame, event: str, arg: Any):
         nonlocal steps
@@ -200,6 +207,8 @@ def render(compiled, **context: Any) -> str:
             steps += 1
             if steps > limit:
                 raise TemplateLimit(f"it ran more than {limit:,} lines of template code")
+            if steps % every == 0 and time.thread_time() > cpu_end:
+                raise TemplateLimit(f"it took more than {cpu_limit:g} s of CPU time")
         return count_lines
 
     def on_call(frame, event: str, arg: Any):  # trace the template's own frames only

@@ -124,9 +124,10 @@ def generate_main(argv: list[str] | None = None) -> int:
             # One request: size the pool to it instead of the default CPU memory budget.
             options["num_blocks"] = math.ceil((len(prompt_ids) + args.max_tokens) / block_size) + 1
         llm = LLM(model, tok, **options)
+        numerics = getattr(llm.engine.flat, "numerics", None)  # a 16-bit model computed in float32 here
         print(f"[loaded {args.model} ({next(model.parameters()).dtype}) in "
-              f"{time.perf_counter() - t0:.1f}s on {device}; prompt {len(prompt_ids)} tokens]",
-              file=sys.stderr)
+              f"{time.perf_counter() - t0:.1f}s on {device}; prompt {len(prompt_ids)} tokens"
+              f"{'; ' + numerics if numerics else ''}]", file=sys.stderr)
         streaming = True
         if not args.chat:
             sys.stdout.write(args.prompt)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import random
 import shutil
@@ -332,7 +333,15 @@ def write_checkpoint(model, tok, out: Path) -> None:
 
     cfg = model.cfg
     tensors = {n: p.detach().contiguous() for n, p in model.state_dict().items() if n != "lm_head.weight"}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # Through a temporary file and a rename: an LLM alive on the old checkpoint keeps mapping the old
+    # file's bytes (rewriting the mapped file in place kills it with SIGBUS, or changes its weights).
+    tmp = out / f".model.safetensors.{os.getpid()}.tmp"  # a name of this process's own; the umask's mode
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, out / "model.safetensors")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     eos, im_end = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)
     config = {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": cfg.vocab_size,

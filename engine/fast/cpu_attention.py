@@ -54,6 +54,8 @@ DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float64: "
 MIN_ROWS_PER_THREAD = 4  # fewer decode rows than this per thread: one thread does them all
 MIN_WRITE_ROWS_PER_THREAD = 64  # a row's K/V copy is far less work than its attention: share big writes only
 COMPILE_TIMEOUT_S = 300  # a compiler that hangs (or a CXX that waits on input) fails the build after this
+TIMED_OUT = "the compiler took longer than"
+_hung_compilers: dict[str, str] = {}  # compiler command line -> why: timed out once, never started again here
 
 
 def cache_dir() -> Path:
@@ -143,37 +145,64 @@ def build_library(source: Path) -> ctypes.CDLL:
     except OSError as e:
         raise ValueError(f"the kernel cache {str(cache_dir())!r} is not usable ({e.strerror or e}); set "
                          "ENGINE_KERNEL_CACHE to a private directory") from None
-    failed = None
     name = " ".join(compiler)
+    if name in _hung_compilers:  # one wait of COMPILE_TIMEOUT_S per compiler and process, not one per kernel
+        raise ValueError(f"building {source.name} failed ({name}):\n{_hung_compilers[name]} (earlier in this "
+                         "process; it is not started again)")
+    failed = None
     for flags in (FLAGS, SERIAL_FLAGS):  # a compiler without OpenMP: the same kernel on one thread
         lib = directory / kernel_path(name, source, flags).name
-        if not lib.exists():
-            failed = _compile(compiler, source, flags, lib)
-            if failed is not None:
-                continue
+        cached = lib.exists()
+        if cached:
+            try:
+                return ctypes.CDLL(str(lib))
+            except OSError:  # a corrupt entry (the cache is private: nobody else's file): build it again
+                lib.unlink(missing_ok=True)
+        failed = _compile(compiler, source, flags, lib)
+        if failed is not None:
+            if failed.startswith(TIMED_OUT):
+                _hung_compilers[name] = failed
+                break  # the other flag set would wait as long again
+            continue
         try:
             return ctypes.CDLL(str(lib))
-        except OSError as e:
-            raise ValueError(f"{lib} is not a loadable library ({e}); delete it to rebuild") from None
+        except OSError as e:  # the compiler said it succeeded and wrote junk: keep none of it in the cache
+            lib.unlink(missing_ok=True)
+            raise ValueError(f"{name} built {lib.name}, which is not a loadable library ({e}); "
+                             "check the compiler (CXX)") from None
     raise ValueError(f"building {source.name} failed ({name}):\n{failed[-2000:]}")
 
 
 class OptionalKernels:
     """A kernel library that the code around it can do without: built and declared on the first
     ``get()`` (``declare(lib)`` sets its functions' ctypes signatures), None from then on where it
-    cannot be built here (``why`` says what failed)."""
+    cannot be built here (``why`` says what failed).
+
+    Invariant: a failure is remembered per cause, ``(cache_dir(), $CXX)``: asking again with the
+    same cache and compiler does not run the compiler again; after either changes (as the errors
+    advise) the next ``get()`` tries once more."""
 
     def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None]) -> None:
         self.source, self.declare = source, declare
         self.lib: ctypes.CDLL | None = None
-        self.why: str | None = None
+        self.failed: dict[tuple[str, str | None], str] = {}  # (cache dir, $CXX) -> why the build failed
+
+    @staticmethod
+    def cause() -> tuple[str, str | None]:
+        return str(cache_dir()), os.environ.get("CXX")
+
+    @property
+    def why(self) -> str | None:
+        """Why the library cannot be built with the current cache and compiler (None: not known to fail)."""
+        return self.failed.get(self.cause())
 
     def get(self) -> ctypes.CDLL | None:
-        if self.lib is None and self.why is None:
+        if self.lib is None and self.cause() not in self.failed:
+            cause = self.cause()
             try:
                 lib = build_library(self.source)
             except (ValueError, OSError) as exc:  # build_library says why in a ValueError; OSError: belt and braces
-                self.why = str(exc)
+                self.failed[cause] = str(exc)
                 return None
             self.declare(lib)
             self.lib = lib
@@ -198,7 +227,7 @@ def _compile(compiler: list[str], source: Path, flags: tuple[str, ...], lib: Pat
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            return f"the compiler took longer than {COMPILE_TIMEOUT_S} s"
+            return f"{TIMED_OUT} {COMPILE_TIMEOUT_S} s"
         if proc.returncode != 0:
             return err or f"exit status {proc.returncode}"
         os.replace(tmp, lib)  # atomic: a concurrent build never loads a half-written file

@@ -49,6 +49,12 @@ def library() -> ctypes.CDLL | None:
     return _kernels.get()
 
 
+def takes_head_dim(dh: int) -> bool:
+    """Whether ``qk_norm_rope`` takes heads of size ``dh`` (even, at most ``MAX_HEAD_DIM``); a model
+    with other heads keeps its PyTorch code for that seam (decided when it is built)."""
+    return dh % 2 == 0 and 0 < dh <= MAX_HEAD_DIM
+
+
 def _threads(elements: int) -> int:
     return max(1, min(torch.get_num_threads(), elements // MIN_ELEMENTS_PER_THREAD))
 
@@ -89,7 +95,7 @@ def qk_norm_rope(qkv: torch.Tensor, hq: int, hkv: int, dh: int, weight: torch.Te
     """qkv [N, (Hq + 2 Hkv) Dh] (q, k, v heads side by side); weight [Hq + Hkv, Dh] (each head's
     norm weight); cos, sin [N, Dh] -> q [N, Hq, Dh] normed and rotated. The k heads are normed
     and rotated in place in ``qkv``; the v heads are not touched."""
-    if dh > MAX_HEAD_DIM or dh % 2:
+    if not takes_head_dim(dh):
         raise ValueError(f"qk_norm_rope takes an even head size of at most {MAX_HEAD_DIM}, not {dh}")
     kernel = _kernel("qk_norm_rope", qkv, weight, cos, sin)
     n = qkv.shape[0]

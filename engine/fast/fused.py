@@ -135,6 +135,14 @@ class FusedFlatModel(FlatModel):
         if linear_dtype is None:
             linear_dtype = dtype if fast_16bit_matmul(dtype, device) else torch.float32
         self.linear_dtype = linear_dtype
+        # What a user must be told: a 16-bit model whose matmuls run in float32 here (no 16-bit
+        # units) is computed more precisely than generate() computes it, so its greedy tokens may
+        # differ from generate()'s (and from a CPU with those units). None: the model's own dtype.
+        self.numerics: str | None = None
+        if linear_dtype != dtype and dtype in (torch.bfloat16, torch.float16):
+            self.numerics = (f"{str(dtype).removeprefix('torch.')} model, matmuls in "
+                             f"{str(linear_dtype).removeprefix('torch.')} (no 16-bit matmul units here): "
+                             "greedy tokens may differ from generate()'s")
         self.pack = packable(linear_dtype, device) if pack is None else pack
         linear_layout.forced_layout(layout)  # a bad name: ValueError before anything is built
         # The small-batch kernel's panels: float32 arithmetic on CPU, where the kernel builds (a
@@ -146,6 +154,9 @@ class FusedFlatModel(FlatModel):
             elementwise = (linear_dtype in cpu_elementwise.DTYPES and device.type == "cpu"
                            and cpu_elementwise.library() is not None)
         self.elementwise = elementwise
+        # The q/k norm and RoPE kernel takes heads up to cpu_elementwise.MAX_HEAD_DIM: larger ones
+        # keep the PyTorch code (the other two seams still take their kernels).
+        self.qk_elementwise = elementwise and cpu_elementwise.takes_head_dim(self.cfg.head_dim)
         cast = linear_dtype != dtype
         self.choices: dict[tuple[int, int], linear_layout.Choice] = {}  # per weight shape [out, in]
 
@@ -289,7 +300,7 @@ class FusedFlatModel(FlatModel):
         normed (its weight row of [Hq + Hkv, Dh]) and rotated."""
         cfg = self.cfg
         n, hq, hkv, dh = qkv.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        if self.elementwise:  # q to a buffer of its own, k in place in qkv
+        if self.qk_elementwise:  # q to a buffer of its own, k in place in qkv
             q = cpu_elementwise.qk_norm_rope(qkv, hq, hkv, dh, weight, cos, sin, eps)
             return q, qkv[:, hq * dh:(hq + hkv) * dh].view(n, hkv, dh)
         half = dh // 2

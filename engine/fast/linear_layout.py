@@ -74,7 +74,8 @@ def forced_layout(layout: str | None) -> str | None:
     if asked in (None, "auto"):
         return None
     if asked not in LAYOUTS:
-        raise ValueError(f"linear layout must be one of {', '.join(LAYOUTS)} or 'auto', not {asked!r}")
+        where = "" if layout is not None else f" (from ${ENV})"
+        raise ValueError(f"linear layout{where} must be one of {', '.join(LAYOUTS)} or 'auto', not {asked!r}")
     return asked
 
 

@@ -12,8 +12,11 @@ and equal, its pages are read again from the file (usually the page cache) if an
 later, e.g. ``generate()`` on the same model. It is done only where that is safe:
 
 - the tensor lies inside a file mapping of this process (``/proc/self/maps``; Linux only), and
-- it was never modified in place (``t._version == 0``): a written page of a private mapping is
-  the process's own copy, and dropping it would revert it to the file's bytes;
+- it was never modified in place: a written page of a private mapping is the process's own
+  copy, and dropping it would revert it to the file's bytes. ``t._version == 0`` is not proof
+  (writes through ``.data`` or a NumPy view do not move it), so every page is also checked in
+  ``/proc/self/pagemap``: only a tensor whose pages are all still the file's (resident file
+  pages, or not resident and not swapped) is released; where the pagemap cannot be read, none is;
 - only whole pages inside the tensor are dropped, never one it shares with a neighbour.
 
 Anywhere else (another OS, a tensor built in memory, a cast copy) it does nothing and says so.
@@ -29,6 +32,7 @@ import ctypes
 import mmap
 import sys
 
+import numpy as np
 import torch
 
 MADV_DONTNEED = 4
@@ -71,7 +75,33 @@ def releasable(t: torch.Tensor, maps: list[tuple[int, int, str]] | None = None) 
     begin = t.data_ptr()
     end = begin + t.numel() * t.element_size()
     first, last = -(-begin // PAGE) * PAGE, end // PAGE * PAGE  # whole pages inside the tensor
-    return (first, last - first) if last > first else None
+    if last <= first or not pages_clean(first, last - first):
+        return None
+    return first, last - first
+
+
+PAGEMAP_PRESENT, PAGEMAP_SWAPPED, PAGEMAP_FILE = 1 << 63, 1 << 62, 1 << 61  # linux Documentation/admin-guide/mm/pagemap
+
+
+def pages_clean(address: int, length: int) -> bool:
+    """Whether every page of ``[address, address + length)`` (page-aligned) still holds the file's
+    bytes: in ``/proc/self/pagemap`` each is either a resident file page or not resident and not
+    swapped. A page written through a private file mapping became the process's anonymous copy
+    (resident without the file bit, or swapped): dropping it would lose the write. False where the
+    pagemap cannot be read."""
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(address // PAGE * 8)
+            raw = f.read(length // PAGE * 8)
+    except OSError:
+        return False
+    if len(raw) != length // PAGE * 8:
+        return False
+    entries = np.frombuffer(raw, dtype=np.uint64)
+    present = (entries & np.uint64(PAGEMAP_PRESENT)) != 0
+    swapped = (entries & np.uint64(PAGEMAP_SWAPPED)) != 0
+    file_page = (entries & np.uint64(PAGEMAP_FILE)) != 0
+    return bool(np.all(np.where(present, file_page, ~swapped)))
 
 
 def drop_pages(span: tuple[int, int]) -> bool:
