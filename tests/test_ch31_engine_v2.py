@@ -512,10 +512,15 @@ def test_find_cached_prefix_never_matches_the_block_of_the_last_token():
     found = bm.find_cached_prefix(b)
     assert len(b.block_hashes) == 2, \
         "find_cached_prefix must first fill in request.block_hashes with self.update_hashes(request)"
-    assert found == bm.req_blocks["a"][:1], \
-        "the block holding the prompt's last token must run: its logits choose the first output"
-    assert bm.find_cached_prefix(req("c", range(9))) == bm.req_blocks["a"][:2], \
-        '9 tokens: the last token is in block 2, so blocks 0 and 1 can match'
+    too_long = "the block holding the prompt's last token must run: its logits choose the first output"
+    too_short = "the match is too SHORT: only the block of the LAST token is left out, at most (num_tokens - 1) // " \
+                "block_size blocks (7 // 4 = 1 here; not num_tokens // block_size - 1)"
+    assert found == bm.req_blocks["a"][:1], too_long if len(found) > 1 else too_short
+    found = bm.find_cached_prefix(req("c", range(9)))
+    assert found == bm.req_blocks["a"][:2], \
+        "9 tokens: the last token is in block 2, so blocks 0 and 1 can match: (num_tokens - 1) // block_size = 8 // 4 " \
+        "= 2 (num_tokens // block_size - 1 = 1 leaves out a full block that does not hold the last token)" \
+        if len(found) < 2 else too_long
 
 
 @hole("BlockManager.find_cached_prefix")
