@@ -1815,6 +1815,39 @@ def test_schedule_without_chunking_the_whole_budget_rule_looks_at_what_is_still_
         "next step: c decodes, a resumes after its 8 cached tokens and computes its 3 in one piece"
 
 
+@hole("Scheduler.schedule")
+def test_schedule_without_chunking_a_prompt_exactly_the_budget_left_is_admitted():
+    s = sched(max_num_batched_tokens=40, enable_chunked_prefill=False)
+    s.add(req("a", range(30), max_tokens=2))
+    s.add(req("b", range(100, 110), max_tokens=2))
+    plan = s.schedule()
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 30), ("b", 10)], \
+        "a takes 30 of the 40; b needs 10, exactly the 10 left: it waits only if it needs MORE than the budget " \
+        "left (need > budget), so it runs whole"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_without_chunking_a_history_exactly_the_whole_budget_waits():
+    s = sched(num_blocks=16, block_size=4, caching=False, max_num_batched_tokens=8, enable_chunked_prefill=False,
+              policy="priority")
+    a = req("a", range(6), max_tokens=10)
+    a.priority, a.arrival_time = 1, 0.0
+    s.add(a)
+    for _ in range(2):  # the 6-token prompt, then one decode: 8 tokens
+        advance(s.schedule())
+    s._preempt(a, SchedulerOutput())  # recompute, no prefix cache: all 8 must run again
+    c = req("c", range(100, 102), max_tokens=1)
+    c.priority, c.arrival_time = 0, 1.0
+    s.add(c)
+    plan = s.schedule()
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("c", 2)] and s.waiting == [a], \
+        "c takes 2 of the budget of 8; a needs 8, more than the 6 left but NOT more than the whole budget (8 = 8), " \
+        "so with chunking off it waits for room for all of it rather than running in pieces"
+    advance(plan)
+    assert [(r.request_id, n) for r, n in s.schedule().scheduled] == [("a", 8)], \
+        "next step c (at max_tokens) asks for nothing, and a runs its 8 tokens whole"
+
+
 @hole("Scheduler._preempt")
 def test_preempt_priority_requeues_ahead_of_later_arrivals_of_the_same_priority():
     s = sched(num_blocks=3, block_size=4, policy="priority", max_num_seqs=2)
