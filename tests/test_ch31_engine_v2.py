@@ -551,8 +551,11 @@ def test_find_cached_prefix_counts_a_lookup_that_finds_nothing_and_skips_the_swi
     assert (bm.num_queries, bm.num_hits) == (10, 0), \
         "a request that wants prompt logprobs returns [] at once and counts nothing"
     off = BlockManager(16, 4, enable_prefix_caching=False)
-    off.find_cached_prefix(req("b", range(10)))
+    b = req("b", range(10))
+    off.find_cached_prefix(b)
     assert (off.num_queries, off.num_hits) == (0, 0), "with prefix caching off a lookup counts nothing"
+    assert b.block_hashes == [], \
+        "with prefix caching off it returns [] at once, BEFORE update_hashes: block_hashes is left as it was (empty)"
 
 
 @hole("BlockManager.allocate_slots")

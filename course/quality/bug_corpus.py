@@ -555,6 +555,12 @@ BUGS: list[Bug] = [
         "limit = min((request.num_prompt_tokens - 1) // self.block_size, len(hashes))",
         "the match's cap counts only the prompt, so a readmitted request cannot adopt blocks of its outputs",
         ("outputs", "num_tokens")),
+    bug(FCP, "wrong order", "fcp-hashes-updated-with-caching-off",
+        "        if wants_prompt_logprobs or not self.enable_prefix_caching:\n            return []\n"
+        "        self.update_hashes(request)\n",
+        "        self.update_hashes(request)\n"
+        "        if wants_prompt_logprobs or not self.enable_prefix_caching:\n            return []\n",
+        "the hashes are brought up to date before the early return for caching off", ("update_hashes", "BEFORE")),
     bug(AS, "counter", "as-held-adopted-block-not-counted",
         "        gained = [*cached_blocks, *fresh]\n        for b in gained:\n            self.ref_count[b] += 1\n",
         "        for b in [*reclaimed, *fresh]:\n            self.ref_count[b] += 1\n"
