@@ -140,8 +140,27 @@ def run_checked(core, after_step=None, max_steps: int = 5000) -> dict[str, list[
         check_engine_invariants(core)
         if after_step is not None:
             after_step(core)
-    raise AssertionError(f"the engine is still busy after {max_steps} steps: a request stopped making progress "
-                         "(asks for 0 tokens forever, or never fits)")
+    raise AssertionError(f"the engine is still busy after {max_steps} steps: a request stopped making progress. "
+                         + describe_stuck(core))
+
+
+def describe_stuck(core) -> str:
+    """Name each unfinished request of ``core`` with its state and the hole most likely holding it."""
+    from engine.serve.request import Status
+
+    lines = []
+    for r in core.scheduler.requests.values():
+        state = (f"{r.request_id!r} {r.status.name}, {r.num_computed_tokens}/{r.num_tokens} tokens computed, "
+                 f"{r.num_output_tokens}/{r.params.max_tokens} outputs")
+        if r.status is not Status.RUNNING:
+            why = ("not admitted: Scheduler.schedule's admission (does it stop too early, or charge the "
+                   "budget too much?) or BlockManager.allocate_slots (does it refuse blocks that are free?)")
+        elif r.num_output_tokens >= r.params.max_tokens:
+            why = "reached max_tokens but never finished: EngineCore.check_stop"
+        else:
+            why = "running but given no tokens: Scheduler.schedule's running pass (n = 0?)"
+        lines.append(f"{state} -> {why}")
+    return "Unfinished: " + ("; ".join(lines) if lines else "none in the scheduler (has_unfinished disagrees)")
 
 
 def run_in_threads(cores, prompts_per_core, max_tokens: int, prepare=None) -> list[dict[str, list[int]]]:

@@ -97,6 +97,7 @@ def build_batch(
       has such rows: a decode, or the one-row chunk at the prompt's last token, gets no entry.
     ``pad_to`` appends dummy requests (one row each: token 0, position 0, slot PAD_SLOT, seq_len 0,
     empty table, request id "", sample_counts 0) until there are pad_to requests.
+    ``input_ids``, ``positions`` and ``logits_indices`` are int64 (as ``Batch``'s comments say).
     The meta's fields are as ``BatchMeta`` documents them (dtypes in its comments), over all R
     requests, dummies included: ``max_query_len`` is the longest span (a dummy's is 1),
     ``max_seq_len`` the largest seq_len.

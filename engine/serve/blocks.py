@@ -166,10 +166,12 @@ class BlockManager:
         First brings ``request.block_hashes`` up to date (``self.update_hashes(request)``: nothing
         else fills it in), then walks it from the first block and stops at the first miss. Never
         matches the block holding the request's LAST token — at most ``(num_tokens - 1) //
-        block_size`` blocks — because that token's logits pick the next token, so at least one
-        token must be computed. Returns [] at once, counting nothing, when prefix caching is off or
-        the request asks for prompt logprobs (cached rows would never produce them). Otherwise it
-        counts the request's tokens as queries and the matched tokens as hits, through
+        block_size`` blocks, where num_tokens counts prompt AND outputs (a request readmitted after
+        a recompute adopts the cached blocks of its own outputs too) — because that token's logits
+        pick the next token, so at least one token must be computed. Returns [] at once — counting
+        nothing, and before updating any hashes (``block_hashes`` is left as it was) — when prefix
+        caching is off or the request asks for prompt logprobs (cached rows would never produce
+        them). Otherwise it counts the request's tokens as queries and the matched tokens as hits, through
         ``record_lookup`` — a lookup that matches nothing counts too (its tokens, no hits), and so
         does the lookup of a request readmitted after a recompute preemption.
         """
@@ -186,6 +188,9 @@ class BlockManager:
         supply what is needed, return False and change nothing. Adopting a cached-FREE block
         (ref 0) takes it out of the free queue, so it counts against what is left. A new block
         loses its old hash (and the ``cached`` entry, if that entry pointed at it: ``_evict``).
+        Every block the request gains, adopted or new, has its ``ref_count`` raised by one — an
+        adopted block another request still holds goes from 1 to 2 (shared), a cached-free one
+        from 0 to 1.
         Returns True on success, and then also: a request's first allocation creates its
         ``req_blocks`` entry and sets ``num_published[rid]`` to the number of adopted blocks
         (they are published already); and its ``pending_lookups`` entry is dropped (admitted: its

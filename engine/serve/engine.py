@@ -316,4 +316,6 @@ class EngineCore:
             for out in self.step():
                 if out.finished:
                     done[out.request_id] = out.output_token_ids
-        raise RuntimeError(f"engine still busy after {max_steps} steps")
+        stuck = ", ".join(f"{r.request_id!r} ({r.status.name}, {r.num_computed_tokens}/{r.num_tokens} computed)"
+                          for r in self.scheduler.requests.values())
+        raise RuntimeError(f"engine still busy after {max_steps} steps; these requests never finish: {stuck}")

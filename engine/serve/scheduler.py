@@ -123,15 +123,19 @@ class Scheduler:
            left, chunk cap); n == 0 is skipped. If ``allocate_slots`` fails, preempt the LAST
            running request and retry; if the victim is the request itself, stop scheduling
            running requests. After a successful allocation, publish the blocks the step will
-           fill (``cache_full_blocks(request, num_computed_tokens + n)``).
+           fill (``cache_full_blocks(request, num_computed_tokens + n)``). Each scheduled
+           (request, n) takes exactly n from the budget, in both passes: a cached prefix is not
+           computed, so it costs the budget nothing.
         2. Waiting requests from the queue's front, only if nothing was preempted this step, while
-           budget remains and fewer than ``max_num_seqs`` run. A request with nothing computed
+           any budget remains (even one token: a chunk of 1 is still a chunk) and fewer than
+           ``max_num_seqs`` run. A request with nothing computed
            (a new one, or one preempted by recompute) starts after its longest cached prefix
            (``find_cached_prefix``); a swapped-out one keeps its computed tokens and is listed in
            ``swap_in`` with the first blocks of its new table.
            With chunked prefill off, a request that needs more than the budget left waits, and
-           admission stops there (unless its history exceeds the whole budget — only a resumed
-           request can — then it runs in pieces of at most the budget left, as chunked prefill would).
+           admission stops there — unless what it needs (its tokens not yet computed, after its
+           cached prefix; not its whole history) exceeds the whole budget, which only a resumed
+           request's can: then it runs in pieces of at most the budget left, as chunked prefill would.
            If its blocks don't fit, admission stops; never preempt to admit. Either way the queue
            is first come, first served: a request behind a waiting head is not admitted ahead of
            it, even one that would fit. On admission: pop it
@@ -155,8 +159,9 @@ class Scheduler:
         anew, often straight from its own blocks, still in the prefix cache. In both modes: free
         its blocks, set status PREEMPTED, add one to the request's ``num_preemptions`` and to the
         scheduler's, append it to ``out.preempted``, and requeue it at the FRONT of ``waiting``
-        (under the priority policy, at its (priority, arrival) place instead, which puts it ahead
-        of every later arrival with the same priority).
+        (under the priority policy, at its ``order_key`` place instead — ``_insert_sorted`` —
+        which puts it ahead of every waiting request of the same priority that arrived after it,
+        not behind all of its priority).
         """
         raise NotImplementedError("Scheduler._preempt is a hole: fill it in (Chapter 31, engine/serve/scheduler.py)")
 
