@@ -179,3 +179,9 @@ def test_a_different_body_is_not_a_copy():
     lines = text.splitlines(keepends=True)
     lines[body.lineno - 1:body.lineno - 1] = [" " * body.col_offset + "self = self or None\n"]
     assert "EngineCore.check_stop" not in copied_holes(dict(REFERENCE, **{"serve/engine.py": "".join(lines)}))
+
+
+def test_a_class_cannot_rebind_an_allowed_decorator():
+    added = "class _Mine:\n    def property(f):\n        print('at import')\n\n    @property\n    def x(self):\n        return 1\n"
+    graded, edits = assemble(BATCH + "\n\n" + added, BATCH, "serve/batch.py")
+    assert "print(" not in graded and any("rebinds property" in e for e in edits), edits

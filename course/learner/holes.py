@@ -318,7 +318,9 @@ def _dotted(node: ast.AST) -> bool:
 
 def _why_not_inert(node: ast.stmt, taken: set[str], in_class: bool) -> str | None:
     """None when defining ``node`` runs no code of the learner's (it only binds a new name); else why not.
-    ``taken``: names the learner may not rebind (the course file's names; builtins at module level)."""
+    ``taken``: names the learner may not rebind (the course file's names; builtins at module level);
+    the decorators allowed are never rebindable."""
+    taken = taken | SAFE_DECORATORS
     if isinstance(node, (ast.Expr,)) and isinstance(node.value, ast.Constant) or isinstance(node, ast.Pass):
         return None
     if isinstance(node, (ast.Import, ast.ImportFrom)):
