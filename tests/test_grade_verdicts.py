@@ -185,3 +185,10 @@ def test_a_class_cannot_rebind_an_allowed_decorator():
     added = "class _Mine:\n    def property(f):\n        print('at import')\n\n    @property\n    def x(self):\n        return 1\n"
     graded, edits = assemble(BATCH + "\n\n" + added, BATCH, "serve/batch.py")
     assert "print(" not in graded and any("rebinds property" in e for e in edits), edits
+
+
+def test_a_body_too_deep_to_read_is_graded_as_the_courses_copy():
+    deep = BATCH + "\n\nX = " + "1 + " * 20000 + "1\n"
+    graded, edits = assemble(deep, BATCH, "serve/batch.py")
+    assert graded == BATCH and edits and "serve/batch.py" in edits[0]
+    assert copied_holes({"serve/batch.py": deep}) == []

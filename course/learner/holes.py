@@ -396,11 +396,15 @@ def assemble(mine_text: str, course_text: str, rel: str) -> tuple[str, list[str]
     a module- or class-level statement, a decorator, a computed default — is left out and listed,
     as are given code and hole signatures that differ (the course's are graded). A file that does
     not parse is graded as the course's copy."""
-    course_tree = ast.parse(course_text)
     try:
-        mine_tree = ast.parse(mine_text)
+        return _assemble(ast.parse(mine_text), course_text, rel)
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
-        return course_text, [f"engine/{rel}: does not parse ({type(exc).__name__}): graded as the course's copy"]
+        return course_text, [f"engine/{rel}: does not parse or is too deep to read ({type(exc).__name__}): "
+                             "graded as the course's copy"]
+
+
+def _assemble(mine_tree: ast.Module, course_text: str, rel: str) -> tuple[str, list[str]]:
+    course_tree = ast.parse(course_text)
     holes = set(holes_of(course_text))
     edits = _given_edits(mine_tree, course_tree, rel, holes)
     course_defs, mine_defs = _defs(course_tree), _defs(mine_tree)
