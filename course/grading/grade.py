@@ -15,7 +15,10 @@ per-scenario limit enforced by killing the child, then going on):
    cannot earn more than the fraction that matched, and if the tests claimed a pass it is FLAGGED.
 
 Points: each row is worth ``WEIGHTS`` (holes 30, milestone 10, engine checks 10: 50) times the fraction
-of its tests that passed, capped as above. Feedback a learner sees (``results.json``) is written by the
+of its scenarios that matched (``apply_verdict``); its tests' fraction can only lower that, a row with
+no scenario earns nothing, and a hole whose body is still the stub scores 0. The module graded is the
+grader's: ``course/learner/holes.py``'s ``assemble`` (the course's chapter files with the learner's hole
+bodies and inert new definitions; code that would run at import is listed as an edit, not run). Feedback a learner sees (``results.json``) is written by the
 grader from verified results and the instructor's test names; raw output stays in ``grade.json`` and a
 hidden Gradescope test (instructor only). Copy detection (``course/grading/copycheck.py``): holes equal to the
 reference after normalisation, near-identical pairs of checkouts, symlinks, files changed outside the
