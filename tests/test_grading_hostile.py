@@ -208,10 +208,13 @@ def _cmdline(pid: str) -> str:
         return ""
 
 
-def test_a_forged_report_earns_nothing_and_is_flagged(graded):
+def test_a_forged_report_earns_nothing_and_never_runs(graded):
+    """Module-level code that would rewrite the report is not in the graded module (listed as an edit),
+    and a skeleton's stubs score 0 whatever any report says."""
     doc = graded[0]["report"]
-    assert sum(points(doc).values()) == 0, points(doc)
-    assert any("disagree" in f for f in doc["flags"]), doc["flags"]
+    assert sum(points(doc).values()) == 0 and doc["milestone"]["score"] == 0, points(doc)
+    assert any("left out of the graded module" in e and "_ax.register" in e for e in doc["edits_outside_holes"]), \
+        doc["edits_outside_holes"]
 
 
 @pytest.mark.parametrize("case,hole", [("oracle", "hash_block"), ("torch", "write_kv")])
@@ -228,12 +231,13 @@ def test_a_patched_oracle_or_torch_function_earns_nothing_for_its_hole(graded, c
 
 def test_a_patched_milestone_oracle_earns_no_milestone_points(graded):
     """generate(), the milestone tests' oracle, reassigned at module level to agree with a buggy engine:
-    the tests pass, the milestone's scenarios (answered by the reference in the grader's own process) don't."""
+    the reassignment is left out of the graded module (an edit), so neither the test nor the milestone's
+    scenarios (answered by the reference in the grader's own process) agree with the buggy engine."""
     doc = graded[0]["generate"]
     row = doc["milestone"]
-    assert row["passed"] == row["total"] == 1, row  # the patched oracle fooled the test
+    assert row["total"] == 1 and row["passed"] == 0, row  # the oracle was never patched
     assert row["score"] == 0 and row["verified"] == "fail", row
-    assert any(f.startswith("milestone") and "disagree" in f for f in doc["flags"]), doc["flags"]
+    assert any("_gen.generate = _own" in e for e in doc["edits_outside_holes"]), doc["edits_outside_holes"]
     assert points(doc) == ROWS, points(doc)  # its holes' own tests and scenarios are right
 
 

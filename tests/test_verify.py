@@ -94,17 +94,17 @@ def test_a_bug_in_one_rule_costs_only_the_scenarios_of_that_rule(tmp_path):
     assert pre["verified"] == "fail" and pre["matched"] == pre["total"] - rules.count("recompute"), pre
 
 
-def test_an_unverified_row_keeps_its_test_points_unless_a_hole_it_runs_lied():
-    """A row whose scenarios failed behind a failing dependency keeps its tests' points (an honest buggy
-    checkout), unless that dependency's tests reported a pass its scenarios contradict (a forged report):
-    then those tests are not believed either."""
+def test_an_unverified_row_gets_only_the_scenarios_that_matched():
+    """No row keeps points it did not verify: a row whose scenarios failed behind a failing dependency
+    gets the share of its scenarios that matched, whatever its tests reported (an honest buggy checkout
+    and a forged report alike); a forged pass whose dependency's tests lied is also flagged."""
     from course.grading.grade import Row, apply_verdict
 
     verdict = {"verified": "unverified", "matched": 1, "total": 4, "messages": [],
                "unverified_because": ["build_batch"]}
     honest = Row("engine checks", "", 20, 37, "partial", 10, 5.41)
     apply_verdict(honest, verdict, [], contradicted=set())
-    assert honest.score == 5.41
+    assert honest.score == 2.5
     forged, flags = Row("engine checks", "", 37, 37, "pass", 10, 10.0), []
     apply_verdict(forged, verdict, flags, contradicted={"build_batch"})
     assert forged.score == 2.5 and forged.status == "flagged" and flags

@@ -15,7 +15,10 @@ per-scenario limit enforced by killing the child, then going on):
    cannot earn more than the fraction that matched, and if the tests claimed a pass it is FLAGGED.
 
 Points: each row is worth ``WEIGHTS`` (holes 30, milestone 10, engine checks 10: 50) times the fraction
-of its tests that passed, capped as above. Feedback a learner sees (``results.json``) is written by the
+of its scenarios that matched (``apply_verdict``); its tests' fraction can only lower that, a row with
+no scenario earns nothing, and a hole whose body is still the stub scores 0. The module graded is the
+grader's: ``course/learner/holes.py``'s ``assemble`` (the course's chapter files with the learner's hole
+bodies and inert new definitions; code that would run at import is listed as an edit, not run). Feedback a learner sees (``results.json``) is written by the
 grader from verified results and the instructor's test names; raw output stays in ``grade.json`` and a
 hidden Gradescope test (instructor only). Copy detection (``course/grading/copycheck.py``): holes equal to the
 reference after normalisation, near-identical pairs of checkouts, symlinks, files changed outside the
@@ -43,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from course.learner.holes import all_holes, outside_hole_edits
+from course.learner.holes import all_holes, assemble_files, stub_holes
 from course.learner.testrun import CHAPTER_TESTS, ROOT, TestRecord, chapter_files, skeleton_files, workspace
 
 PASS, PARTIAL, NOT_STARTED, FAIL, NO_TESTS = "pass", "partial", "not started", "fail", "no tests"
@@ -230,8 +233,8 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     groups = {n: group_of(t) for n, t in known.items()}
     top = Path(tempfile.mkdtemp(prefix="grade-"))
     try:
-        bed = place_chapter_files(top, files)
-        edits = outside_hole_edits(bed / "engine", copy=lambda rel: (ROOT / "engine" / rel).read_text())
+        graded, edits = assemble_files(files, skeleton_files())  # the grader's module: course/learner/holes.py
+        bed = place_chapter_files(top, graded)
         tests = run_tests(bed, top, session.bwrap, list(known), groups, opts.per_test_timeout, opts.timeout, limits,
                           threads, [], startup=opts.startup_timeout)
         scen = run_scenarios(bed, top, session.bwrap, session.specs, opts.per_scenario_timeout, opts.timeout, limits,
@@ -271,8 +274,9 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     checks = make_row("engine checks", " ".join(ENGINE_CHECKS), [t for t in records if t not in chapter])
     contradicted = {r.name for r in (*holes, milestone, checks) if r.total and r.passed == r.total
                     and checked.get(r.name, {}).get("verified") == "fail"}
+    stubs = stub_holes(files)
     for row in (*holes, milestone, checks):
-        apply_verdict(row, checked.get(row.name), flags, contradicted)
+        apply_verdict(row, checked.get(row.name), flags, contradicted, stub=row.name in stubs)
     copied = copycheck.copied_holes(files)
     if copied:
         flags.append(f"{len(copied)} hole(s) equal to the reference after normalisation: {', '.join(copied)}")
@@ -309,31 +313,41 @@ def _unfilled(rec: dict, t: TestRecord) -> bool:
     return "NotImplementedError" in msg and "is a hole" in msg
 
 
-def apply_verdict(row: Row, verdict: dict | None, flags: list[str], contradicted: set[str] = frozenset()) -> None:
-    """Cap a row by what the scenarios verified; flag a claimed pass the scenarios contradict.
+def apply_verdict(row: Row, verdict: dict | None, flags: list[str], contradicted: set[str] = frozenset(),
+                  stub: bool = False) -> None:
+    """A row's points from what the grader verified itself: at most ``weight * matched / scenarios``.
 
-    An ``unverified`` row (a hole its scenarios run failed its own) keeps its test points, unless
-    one of those holes is in ``contradicted``: its tests reported a pass its scenarios disagree with.
-    The tests of that checkout are then not believed either, and the row is capped like a failed one."""
+    The sandboxed tests' report (which learner code could write) only ever lowers a row: its points
+    are the smaller of the tests' share and the scenarios' share. A row with no scenario earns
+    nothing, and so does a hole whose body is still the stub, whatever the tests or scenarios say.
+    A row the tests reported as passing while its own scenarios fail is FLAGGED (a contradiction);
+    an ``unverified`` row (its scenarios failed behind a hole that failed its own) gets only the
+    scenarios that matched."""
     row.verified = verdict["verified"] if verdict else "no scenario"
     row.matched, row.scenarios = (verdict["matched"], verdict["total"]) if verdict else (0, 0)
-    if not verdict or verdict["verified"] == "ok":
+    if stub:
+        row.score, row.status = 0.0, NOT_STARTED
+        row.feedback.append("the hole's body is still the stub: no points")
         return
+    if not verdict or not verdict["total"]:
+        row.score = 0.0
+        row.feedback.append("no scenario of the grader's checked it: no points")
+        return
+    cap, suspect = round(row.weight * verdict["matched"] / verdict["total"], 2), []
     if verdict["verified"] == "unverified":
-        suspect = sorted(set(verdict["unverified_because"]) & set(contradicted))
         row.feedback.append("not verified: it depends on " + ", ".join(verdict["unverified_because"])
                             + ", which failed its own checks")
-        if not suspect:
-            return
-        row.feedback.append(f"capped: the tests of {', '.join(suspect)} reported a pass its scenarios contradict")
-    cap = round(row.weight * verdict["matched"] / verdict["total"], 2)
-    row.feedback += verdict["messages"]
-    if row.total and row.passed == row.total:
-        flags.append(f"{row.name}: the tests reported a pass, the verified scenarios disagree "
-                     f"({verdict['matched']}/{verdict['total']} matched)")
-        row.status = "flagged"
-    if row.score > cap:
-        row.score = cap
+        suspect = sorted(set(verdict["unverified_because"]) & set(contradicted))
+        if suspect:
+            row.feedback.append(f"the tests of {', '.join(suspect)} reported a pass its scenarios contradict")
+    else:
+        row.feedback += verdict["messages"]
+    if verdict["verified"] == "fail" or verdict["verified"] == "unverified" and suspect:
+        if row.total and row.passed == row.total:
+            flags.append(f"{row.name}: the tests reported a pass, the verified scenarios disagree "
+                         f"({verdict['matched']}/{verdict['total']} matched)")
+            row.status = "flagged"
+    row.score = min(row.score, cap)
 
 
 def _commit(checkout: Path) -> str | None:

@@ -18,6 +18,7 @@ has it, the first that exists.
 from __future__ import annotations
 
 import ast
+import builtins
 import importlib
 import os
 import subprocess
@@ -208,8 +209,14 @@ def edits_in(mine_text: str, course_text: str, rel: str) -> list[str]:
 
     def added(body, scope: str) -> None:
         for node in body:
+            name = getattr(node, "name", "")
+            qual = name if scope == "module" else f"{scope}.{name}"
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and qual not in course \
+                    and (why := _why_not_inert(node, set(), in_class=scope != "module")):
+                edits.append(f"engine/{rel}: an added definition in {scope} runs code at import "
+                             f"(line {node.lineno}): {why}: {_line(node)}")
             if isinstance(node, ast.ClassDef):
-                added(node.body, node.name)
+                added(node.body, qual)
             elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
                     and (scope, ast.unparse(node)) not in known and _reaches_out(node, given):
                 edits.append(f"engine/{rel}: an added statement in {scope} reaches outside the file "
@@ -285,3 +292,236 @@ def filled_files(solutions: Path = ROOT / "solutions", engine_texts: dict[str, s
         bodies, imports = answers(rel, solutions)
         out[rel] = fill(text, bodies, imports)
     return out
+
+
+# ----- the graded module: the course's file with the learner's holes and own definitions put in -----
+SAFE_DECORATORS = {"staticmethod", "classmethod", "property"}  # builtins that run nothing of the learner's
+IMPORT_HOOKS = {"__init_subclass__", "__set_name__", "__class_getitem__", "__mro_entries__", "__prepare__"}
+
+
+def _inert_value(node: ast.AST | None) -> bool:
+    """A literal: a constant, a signed number, or a tuple / list / set / dict of literals (runs nothing)."""
+    if node is None or isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        return isinstance(node.operand, ast.Constant)
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return all(_inert_value(e) for e in node.elts)
+    if isinstance(node, ast.Dict):
+        return all(k is not None and _inert_value(k) for k in node.keys) and all(map(_inert_value, node.values))
+    return False
+
+
+def _dotted(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) or isinstance(node, ast.Attribute) and _dotted(node.value)
+
+
+def _why_not_inert(node: ast.stmt, taken: set[str], in_class: bool) -> str | None:
+    """None when defining ``node`` runs no code of the learner's (it only binds a new name); else why not.
+    ``taken``: names the learner may not rebind (the course file's names; builtins at module level);
+    the decorators allowed are never rebindable."""
+    taken = taken | SAFE_DECORATORS
+    if isinstance(node, (ast.Expr,)) and isinstance(node.value, ast.Constant) or isinstance(node, ast.Pass):
+        return None
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        if in_class:
+            return "an import inside a class"
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        if any(n.split(".")[0] in ("course", "solutions") for n in names) or getattr(node, "level", 0):
+            return "an import of the course's or the answers' code"
+        if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
+            return "a star import"
+        if {(a.asname or a.name).split(".")[0] for a in node.names} & taken:
+            return "an import that rebinds a name of the chapter file"
+        return None
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        if node.name in taken:
+            return f"a definition that rebinds {node.name}"
+        if node.name in IMPORT_HOOKS:
+            return f"{node.name} runs when a class is made"
+        if any(not (isinstance(d, ast.Name) and d.id in SAFE_DECORATORS and in_class) for d in node.decorator_list):
+            return "a decorator runs at import"
+        if isinstance(node, ast.ClassDef):
+            if node.keywords or not all(_dotted(b) for b in node.bases):
+                return "a class whose bases or keywords run code"
+            return None  # its body is checked statement by statement
+        if not all(_inert_value(d) for d in [*node.args.defaults, *node.args.kw_defaults]):
+            return "a default value that is not a constant runs at import"
+        return None
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if not all(isinstance(t, ast.Name) and t.id not in taken for t in targets):
+            return "an assignment to a name of the chapter file or into an object"
+        return None if _inert_value(node.value) else "a statement that runs at import"
+    return "a statement that runs at import"
+
+
+def _given_names(tree: ast.Module) -> set[str]:
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} | \
+        {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))} | \
+        {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+         for a in n.names}
+
+
+def _kept_class(node: ast.ClassDef, where: str, left_out: list[str]) -> ast.ClassDef:
+    """A new class with only its inert statements (the others listed in ``left_out``)."""
+    body = []
+    for stmt in node.body:
+        why = _why_not_inert(stmt, set(), in_class=True)
+        if why:
+            left_out.append(f"{where}.{node.name} (line {stmt.lineno}): {why}: {_line(stmt)}")
+        else:
+            body.append(_kept_class(stmt, f"{where}.{node.name}", left_out) if isinstance(stmt, ast.ClassDef) else stmt)
+    return ast.ClassDef(node.name, node.bases, node.keywords, body or [ast.Pass()], node.decorator_list,
+                        **({"type_params": node.type_params} if hasattr(node, "type_params") else {}))
+
+
+def _line(node: ast.AST) -> str:
+    try:
+        return ast.unparse(node).splitlines()[0][:60]
+    except (RecursionError, ValueError, IndexError):
+        return "(a statement too deep to show)"
+
+
+def assemble(mine_text: str, course_text: str, rel: str) -> tuple[str, list[str]]:
+    """The graded module of one chapter file, and what of the learner's file it leaves out.
+
+    The course's copy of the file (``course_text``: given code, decorators, defaults and module
+    statements, all as the course has them), with: each hole's body replaced by the learner's (the
+    course's signature kept); the learner's new imports after the course's; the learner's new
+    functions and classes (inside a course class: new methods and constants) and new constants. A
+    new definition is put in only when defining it runs nothing of the learner's (no decorator but
+    staticmethod / classmethod / property in a class, only literal default values and class
+    constants, plain dotted bases, no class keywords, no class-creation hooks); anything else —
+    a module- or class-level statement, a decorator, a computed default — is left out and listed,
+    as are given code and hole signatures that differ (the course's are graded). A file that does
+    not parse is graded as the course's copy."""
+    try:
+        return _assemble(ast.parse(mine_text), course_text, rel)
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        return course_text, [f"engine/{rel}: does not parse or is too deep to read ({type(exc).__name__}): "
+                             "graded as the course's copy"]
+
+
+def _assemble(mine_tree: ast.Module, course_text: str, rel: str) -> tuple[str, list[str]]:
+    course_tree = ast.parse(course_text)
+    holes = set(holes_of(course_text))
+    edits = _given_edits(mine_tree, course_tree, rel, holes)
+    course_defs, mine_defs = _defs(course_tree), _defs(mine_tree)
+    taken = _given_names(course_tree) | set(dir(builtins))
+    left_out: list[str] = []
+    members: dict[str, list[ast.stmt]] = {}  # course class -> the learner's new members
+    module_new: list[ast.stmt] = []
+    imports: list[str] = []
+
+    def consider(stmt: ast.stmt, scope: str, in_class: bool, own_taken: set[str]) -> ast.stmt | None:
+        if isinstance(stmt, (ast.Expr,)) and isinstance(stmt.value, ast.Constant) or isinstance(stmt, ast.Pass):
+            return None
+        why = _why_not_inert(stmt, own_taken, in_class)
+        if why:
+            left_out.append(f"{scope} (line {stmt.lineno}): {why}: {_line(stmt)}")
+            return None
+        return _kept_class(stmt, scope, left_out) if isinstance(stmt, ast.ClassDef) else stmt
+
+    course_module_text = {ast.unparse(n) for n in course_tree.body}
+    for stmt in mine_tree.body:
+        name = getattr(stmt, "name", None)
+        if isinstance(stmt, ast.ImportFrom) and stmt.module == "__future__":
+            continue
+        if name is not None and isinstance(course_defs.get(name), ast.ClassDef) and isinstance(stmt, ast.ClassDef):
+            course_cls = course_defs[name]
+            own = {getattr(n, "name", None) for n in course_cls.body} | {
+                t.id for n in course_cls.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+            known = {ast.unparse(n) for n in course_cls.body}
+            for sub in stmt.body:
+                if getattr(sub, "name", None) in own or _safe_unparse(sub) in known:
+                    continue  # a hole or given code: the course's (holes get their bodies below)
+                kept = consider(sub, f"class {name}", True, own - {None})
+                if kept is not None:
+                    members.setdefault(name, []).append(kept)
+            continue
+        if name is not None and name in course_defs:
+            continue  # a hole or given code at module level
+        if _safe_unparse(stmt) in course_module_text:
+            continue  # a given statement
+        kept = consider(stmt, "module", False, taken)
+        if kept is None:
+            continue
+        if isinstance(kept, (ast.Import, ast.ImportFrom)):
+            imports.append(ast.unparse(kept))
+        else:
+            module_new.append(kept)
+    edits += [f"engine/{rel}: left out of the graded module, in {w}" for w in left_out]
+
+    text = course_text
+    if members:
+        lines = text.splitlines(keepends=True)
+        for cls in sorted(members, key=lambda c: -course_defs[c].end_lineno):
+            node = course_defs[cls]
+            indent = " " * node.body[0].col_offset
+            block = "".join("\n" + _indented(ast.unparse(m), indent) for m in members[cls])
+            lines[node.end_lineno:node.end_lineno] = [block]
+        text = "".join(lines)
+    bodies = {}
+    for q in holes:
+        fn = mine_defs.get(q)
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and _body(fn) and not is_stub(fn):
+            indent = " " * (course_defs[q].body[0].col_offset)
+            bodies[q] = _indented("\n".join(ast.unparse(s) for s in _body(fn)), indent) + "\n"
+    text = fill(text, bodies, imports)
+    if module_new:
+        text = text.rstrip("\n") + "\n\n\n# ----- the learner's own definitions -----\n" + \
+            "".join(ast.unparse(n) + "\n\n\n" for n in module_new)
+    return text, edits
+
+
+def _safe_unparse(node: ast.AST) -> str:
+    try:
+        return ast.unparse(node)
+    except (RecursionError, ValueError):
+        return ""
+
+
+def _indented(src: str, indent: str) -> str:
+    return "".join(indent + line if line.strip() else line for line in src.splitlines(keepends=True)).rstrip("\n")
+
+
+def _given_edits(mine_tree: ast.Module, course_tree: ast.Module, rel: str, holes: set[str]) -> list[str]:
+    """Given code that differs or is missing, hole signatures that differ, given statements changed."""
+    mine, course = _defs(mine_tree), _defs(course_tree)
+    edits = []
+    for q, node in course.items():
+        if q not in mine:
+            edits.append(f"engine/{rel}: {q} is missing (graded as the course's)")
+        elif _shape(mine[q], q in holes) != _shape(node, q in holes):
+            edits.append(f"engine/{rel}: " + (f"the signature of hole {q} differs (graded with the course's)"
+                                               if q in holes else f"{q} (given code) differs from the chapter's "
+                                               "(graded as the course's)"))
+    for (scope, text), _ in (_statements(course_tree) - _statements(mine_tree)).items():
+        edits.append(f"engine/{rel}: a given statement in {scope} was changed or removed (graded as the "
+                     f"course's): {text[:60]}")
+    return edits
+
+
+def assemble_files(files: dict[str, str], course: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Every chapter file's graded module (``assemble``) and all the edits, file by file."""
+    out, edits = {}, []
+    for rel, course_text in course.items():
+        text, found = assemble(files.get(rel, course_text), course_text, rel)
+        out[rel], edits = text, edits + found
+    return out, edits
+
+
+def stub_holes(files: dict[str, str]) -> set[str]:
+    """The holes whose body in ``files`` (rel -> text) is still the stub, or missing, or unparsable."""
+    left = set()
+    for hole in all_holes():
+        try:
+            defs = _defs(ast.parse(files.get(hole.file.removeprefix("engine/"), "")))
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            defs = {}
+        fn = defs.get(hole.qualname)
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or is_stub(fn):
+            left.add(hole.qualname)
+    return left
