@@ -62,9 +62,10 @@ def _penalised(logits: torch.Tensor, prompt: list[int], out: list[int], rep: flo
     return logits
 
 
-PENALTIES = {"repetition": dict(repetition_penalty=1.5), "presence": dict(presence_penalty=1.0),
-             "frequency": dict(frequency_penalty=0.8), "encouraging": dict(repetition_penalty=0.5, presence_penalty=-1.0),
-             "all three": dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5)}
+# End to end on values that bite within the first few prompts (a random model seldom repeats a
+# token, so a penalty on repeats seldom changes its run); every sign is checked on the logits above.
+PENALTIES = {"repetition": dict(repetition_penalty=1.5), "presence": dict(presence_penalty=-1.0),
+             "all three": dict(repetition_penalty=1.5, presence_penalty=-1.0, frequency_penalty=0.5)}
 
 
 def test_penalised_logits_match_the_oracle():
