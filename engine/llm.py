@@ -373,11 +373,15 @@ class LLM(VllmExtras):
                         delta = state.take_delta()
                 if delta is not None:
                     text, tokens = delta
+                    lp = None
+                    if state.logprobs is not None:  # the entries of this delta's tokens
+                        end = len(state.token_ids)
+                        lp = self._sample_logprobs(state.logprobs[end - len(tokens):end], params.detokenize)
                     if state.finished:
-                        yield StreamDelta(text, tokens, state.finish_reason, state.stop_reason)
+                        yield StreamDelta(text, tokens, state.finish_reason, state.stop_reason, lp)
                         return
                     if text or tokens:
-                        yield StreamDelta(text, tokens)
+                        yield StreamDelta(text, tokens, logprobs=lp)
         finally:  # the caller stopped early (or failed): leave no request behind
             self._release([state])
 
@@ -540,6 +544,10 @@ class LLM(VllmExtras):
         first = states[0]
         out.outputs = [CompletionOutput(s.index, s.text, s.token_ids, finish_reason=s.finish_reason,
                                         stop_reason=s.stop_reason) for s in states]
+        for c, s in zip(out.outputs, states):
+            if s.logprobs is not None:  # vLLM: both stay None unless logprobs was asked for
+                c.logprobs = self._sample_logprobs(s.logprobs, s.params.detokenize)
+                c.cumulative_logprob = sum(e[t] for e, t in zip(s.logprobs, s.token_ids))
         out.finished = True
         out.num_cached_tokens = first.num_cached_tokens
         out.metrics = first.metrics
@@ -550,16 +558,19 @@ class LLM(VllmExtras):
     def _prompt_logprobs(self, prompt: list[int], entries: list[dict[int, float]], k: int,
                          detokenize: bool) -> list[dict[int, Logprob] | None]:
         """The core's [{token: logprob}] (entry i scores prompt token i + 1) in vLLM's form: None
-        for the first token, then {token: Logprob} with ranks (1 = most likely) for the top k."""
+        for the first token, then {token: Logprob} with ranks (1 = most likely): the prompt
+        token's among the whole vocabulary, 1 .. k for the top k."""
+        return [None] + self._sample_logprobs(entries, detokenize)
+
+    def _sample_logprobs(self, entries: list[dict[int, float]], detokenize: bool) -> list[dict[int, Logprob]]:
+        """The core's entries (``engine/serve/logprobs.py``: the scored token first, then the top
+        k, with ``ranks``) as vLLM's [{token: Logprob}]."""
         tok = self.tokenizer if detokenize else None
-        result: list[dict[int, Logprob] | None] = [None]
-        for target, entry in zip(prompt[1:], entries):
-            top = sorted((t for t in entry if t != target or len(entry) <= k), key=lambda t: -entry[t])[:k]
-            ranks = {t: r + 1 for r, t in enumerate(sorted(entry, key=lambda t: -entry[t])[:k])}
-            row = {}
-            for t in [target] + [t for t in top if t != target]:
-                row[t] = Logprob(entry[t], ranks.get(t), None if tok is None else tok.decode([t], skip_special_tokens=False))
-            result.append(row)
+        result: list[dict[int, Logprob]] = []
+        for entry in entries:
+            ranks = getattr(entry, "ranks", {})
+            result.append({t: Logprob(v, ranks.get(t), None if tok is None else tok.decode([t], skip_special_tokens=False))
+                           for t, v in entry.items()})
         return result
 
 

@@ -36,7 +36,7 @@ HARMLESS: dict[str, str] = {
     "max_seq_len_to_capture": "no CUDA graphs (chapter 33)",
     "disable_async_output_proc": "outputs are processed in the caller's thread",
     "aggregate_engine_logging": "nothing is logged",
-    "max_logprobs": "sampled-token logprobs are chapter 34's",
+    "max_logprobs": "logprobs=k is bounded by the vocabulary only",
     "prefix_caching_hash_algo": "the prefix cache always hashes with BLAKE2b, a cryptographic hash",
 }
 

@@ -64,6 +64,8 @@ class CompletionState:
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
         self.prompt_logprobs = None
+        # params.logprobs set: one entry per token of token_ids (the core's TokenLogprobs)
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.metrics = RequestMetrics(time.monotonic() if arrival_time is None else arrival_time)
         self._taken_tokens = 0  # how much of token_ids / text a stream has been given
         self._taken_chars = 0
@@ -82,6 +84,8 @@ class CompletionState:
             self.metrics.first_token_time = now
         base = len(self.token_ids)
         self.token_ids.extend(new)
+        if self.logprobs is not None:
+            self.logprobs.extend(getattr(out, "new_logprobs", None) or [])
         p = self.params
         stop_terminated = out.finished and out.finish_reason == "stop"  # EOS or a stop token
         hit = None

@@ -2,8 +2,8 @@
 
 The names, field order and defaults follow vLLM's ``vllm.outputs`` (``tests/vllm_surface.json``
 records them), so code that reads vLLM's outputs reads ours. Fields the course engine does not
-compute are present and say so: ``cumulative_logprob`` and ``logprobs`` are None (sampled-token
-logprobs need chapter 34's sampler), ``lora_request`` is None (chapter 43).
+compute are present and say so (``lora_request`` is None: chapter 43). ``cumulative_logprob``
+and ``logprobs`` are None unless ``SamplingParams.logprobs`` asks for them, as in vLLM.
 """
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None = None  # needs sampled-token logprobs (chapter 34)
-    logprobs: list[dict[int, Logprob]] | None = None  # chapter 34
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' raw logprobs (logprobs set)
+    logprobs: list[dict[int, Logprob]] | None = None  # per output token: it and its top-k (logprobs set)
     routed_experts: Any = None  # MoE routing is not returned by the course engine
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -124,3 +124,4 @@ class StreamDelta:
     token_ids: list[int]
     finish_reason: str | None = None  # set on the last delta
     stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # params.logprobs set: one entry per token_ids

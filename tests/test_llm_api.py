@@ -118,8 +118,7 @@ def test_tiny_temperature_is_raised_to_the_documented_minimum(llm, model, tok):
 
 @pytest.mark.parametrize("name", sorted(FULL_SAMPLER_FIELDS))
 def test_chapter34_fields_are_accepted_then_refused_at_add_request(llm, tok, name):
-    value = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "min_p": 0.1,
-             "logprobs": 2, "logprob_token_ids": [4], "logit_bias": {4: 1.0}, "allowed_token_ids": [4, 5],
+    value = {"logprob_token_ids": [4], "logit_bias": {4: 1.0}, "allowed_token_ids": [4, 5],
              "bad_words": ["fox"], "structured_outputs": {"regex": "a+"}, "thinking_token_budget": 8}[name]
     params = SamplingParams(**{name: value})
     with pytest.raises(ValueError, match=rf"{name}=.* needs chapter 34's full sampler.*leave {name}="):
@@ -266,7 +265,7 @@ def test_outputs_carry_vllms_fields(llm, model, tok):
     prompt = _prompt(8, tok, n=9)
     [a] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(prompt_logprobs=2, **GREEDY))
     assert a.finished and a.outputs[0].finished() and a.outputs[0].cumulative_logprob is None
-    assert a.outputs[0].logprobs is None and a.num_cached_tokens == 0
+    assert a.outputs[0].logprobs is None and a.num_cached_tokens == 0  # None unless logprobs is asked for
     m = a.metrics
     assert m.arrival_time <= m.first_token_time <= m.finish_time and m.num_generation_tokens == MAX_NEW
     # prompt logprobs against a plain forward pass

@@ -60,7 +60,7 @@ def test_every_observer_is_called_and_the_sampler_keeps_its_attributes():
     assert first == second == list(PHASES)
     assert core.sampler.name == "simple" and core.sampler.generator is core.generator
     with pytest.raises(ValueError, match="full sampler"):  # add_request still checks through the sampler
-        core.add_request("x", [1, 2], SamplingParams(max_tokens=2, min_p=0.5))
+        core.add_request("x", [1, 2], SamplingParams(max_tokens=2, logit_bias={1: 0.5}))
 
 
 def test_an_engine_nobody_observes_is_not_touched():

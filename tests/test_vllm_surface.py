@@ -50,13 +50,18 @@ SERVED_FIELDS = {
     "max_tokens": "test_llm_api.py::test_max_tokens_none_runs_to_the_context_limit",
     "min_tokens": "test_llm_api.py::test_stop_strings_wait_for_min_tokens",
     "prompt_logprobs": "test_llm_api.py::test_outputs_carry_vllms_fields",
+    "logprobs": "test_sampling_features.py::test_logprobs_match_a_float64_forward_pass",
+    "presence_penalty": "test_sampling_features.py::test_penalties_match_a_float64_oracle",
+    "frequency_penalty": "test_sampling_features.py::test_penalties_match_a_float64_oracle",
+    "repetition_penalty": "test_sampling_features.py::test_penalties_match_a_float64_oracle",
+    "min_p": "test_sampling_features.py::test_min_p_draws_from_the_oracles_distribution",
     "detokenize": "test_llm_api.py::test_detokenize_off_and_special_tokens",
     "skip_special_tokens": "test_llm_api.py::test_detokenize_off_and_special_tokens",
     "include_stop_str_in_output": "test_llm_api.py::test_stop_string_across_a_token_boundary",
 }
 # fields that change nothing here, as in vLLM for the same set-up -> why (test_no_effect_fields).
 NO_EFFECT_FIELDS = {
-    "flat_logprobs": "it only shapes sampled-token logprobs, which need chapter 34",
+    "flat_logprobs": "it only changes the container vLLM returns logprobs in; here always a list of dicts",
     "skip_clone": "a copying hint for vLLM's internals",
     "output_kind": "offline generate() returns finished requests whatever it says, in vLLM too",
     "extra_args": "for custom samplers; no built-in sampler reads it, in vLLM either",

@@ -10,6 +10,7 @@ from torch import nn
 
 from engine.serve.blocks import BlockManager, encode_cache_key
 from engine.serve.config import EngineConfig
+from engine.serve.logprobs import token_logprobs
 from engine.serve.observer import Observer, install as install_observer
 from engine.serve.params import SEED_MAX, SEED_MIN, SamplingParams
 from engine.serve.registry import get_backend, get_flat_model
@@ -31,6 +32,8 @@ class RequestOutput:
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
+    # params.logprobs set: one entry per new token (engine/serve/logprobs.py's TokenLogprobs)
+    new_logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
 
 
 class EngineCore:
@@ -150,6 +153,9 @@ class EngineCore:
         if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
             raise ValueError(f"request {request_id!r}: prompt_logprobs={params.prompt_logprobs} asks for more "
                              f"alternatives than the vocabulary has ({vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"request {request_id!r}: logprobs={params.logprobs} asks for more alternatives "
+                             f"than the vocabulary has ({vocab}); -1 means all of them")
         if params.seed is not None and not SEED_MIN <= params.seed <= SEED_MAX - (params.n - 1):
             # SamplingParams checked this when it was built; it may have been changed since
             raise ValueError(f"request {request_id!r}: seed {params.seed} is outside [0, 2**64 - n]; child i of an "
@@ -283,7 +289,8 @@ class EngineCore:
         self.blocks.unpublish_uncomputed(req for req, _ in plan.scheduled)
 
     def _prompt_logprobs(self, batch, logits: torch.Tensor) -> dict[str, list[dict[int, float]]]:
-        """Per request: for each predicted prompt token, {token: logprob} plus the top-k alternatives."""
+        """Per request: for each predicted prompt token, {token: logprob} plus the top-k
+        alternatives, with ranks (``engine/serve/logprobs.py``'s TokenLogprobs)."""
         result: dict[str, list[dict[int, float]]] = {}
         if logits.shape[0] == 0:
             return result
@@ -292,20 +299,20 @@ class EngineCore:
         for req, _, targets in batch.prompt_spans:
             k = req.params.prompt_logprobs
             for t in targets:
-                entry = {int(t): float(logprobs[row, t])}
-                if k:
-                    top = torch.topk(logprobs[row], k)
-                    entry.update({int(i): float(v) for v, i in zip(top.values, top.indices)})
-                result.setdefault(req.request_id, []).append(entry)
+                result.setdefault(req.request_id, []).append(token_logprobs(logprobs[row], int(t), k))
                 row += 1
         return result
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         reason = req.status.finish_reason  # None while the request runs
         finished = reason is not None
+        new_logprobs = None
+        if req.params.logprobs is not None and req.logprobs is not None:
+            n = req.num_output_tokens
+            new_logprobs = req.logprobs[n - len(new):n]
         return RequestOutput(
             req.request_id, new, req.output_token_ids, finished, reason, req.stop_reason,
-            req.num_cached_tokens, req.prompt_logprobs if finished else None)
+            req.num_cached_tokens, req.prompt_logprobs if finished else None, new_logprobs)
 
     def run_until_done(self, max_steps: int = 1_000_000) -> dict[str, list[int]]:
         """Step until idle; returns every finished request's output tokens by id."""

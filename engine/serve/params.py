@@ -4,12 +4,13 @@ The fields, their names and their defaults are vLLM's (``tests/vllm_surface.json
 0.32's and ``tests/test_vllm_surface.py`` compares), so an offline script written for vLLM runs
 here unchanged and means the same thing. A field falls in one of three groups:
 
-* served here: ``n``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``max_tokens``,
-  ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs`` (the engine core), and
-  ``stop``, ``include_stop_str_in_output``, ``detokenize``, ``skip_special_tokens``,
-  ``spaces_between_special_tokens``, ``truncate_prompt_tokens``, ``output_kind`` (``LLM``, the
-  front end, like vLLM's output processor);
-* shaping the logits or reporting sampled-token logprobs — chapter 34's full sampler: accepted
+* served here: ``n``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``presence_penalty``,
+  ``frequency_penalty``, ``repetition_penalty``, ``seed``, ``max_tokens``, ``min_tokens``,
+  ``stop_token_ids``, ``ignore_eos``, ``logprobs``, ``prompt_logprobs`` (the engine core: the
+  sampler and ``engine/serve/logits_processors.py``), and ``stop``, ``include_stop_str_in_output``,
+  ``detokenize``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
+  ``truncate_prompt_tokens``, ``output_kind`` (``LLM``, the front end, like vLLM's output processor);
+* constraining the vocabulary or the output's form — chapter 34's full sampler: accepted
   here by name and refused at ``add_request`` while set to anything but their neutral value
   (``FULL_SAMPLER_FIELDS``), with one message naming the field and the chapter;
 * not part of the course at all (``UNSUPPORTED_FIELDS``): refused right here, by name.
@@ -36,11 +37,6 @@ MAX_N = 4096  # completions per prompt: past this, one call would queue more req
 
 # field -> its neutral value: anything else needs chapter 34's full sampler.
 FULL_SAMPLER_FIELDS: dict[str, Any] = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
-    "logprobs": None,
     "logprob_token_ids": None,
     "logit_bias": None,
     "allowed_token_ids": None,
@@ -83,8 +79,12 @@ class SamplingParams:
     boundaries too) and cut from it unless ``include_stop_str_in_output``; ``stop_reason`` is then
     the string. ``truncate_prompt_tokens=k`` keeps the prompt's last k tokens (-1: the last
     ``max_model_len``). ``prompt_logprobs=k``: for every prompt token after the first, its logprob
-    and the k most likely alternatives. See the module docstring for the fields that chapter 34
-    brings.
+    and rank and the k most likely alternatives. ``logprobs=k`` (-1: the whole vocabulary): the
+    same for every sampled token, from the raw logits, plus ``cumulative_logprob``. Penalties
+    (``repetition_penalty`` > 0, 1 = none; ``presence_penalty`` and ``frequency_penalty`` in
+    [-2, 2]), the ``min_tokens`` mask on EOS and stop ids, and ``min_p`` in [0, 1]:
+    ``engine/serve/logits_processors.py``. See the module docstring for the fields that chapter
+    34 brings.
 
     Invariant after construction: ``stop``, ``stop_token_ids`` and ``bad_words`` are lists, and
     re-constructing from ``self.__dict__`` gives an equal object (the engine copies params per

@@ -61,6 +61,8 @@ class Request:
     stop_reason: int | None = None  # the stop token that ended the request, if any
     # params.prompt_logprobs set: entry i scores prompt token i + 1 ({token: logprob} + top-k), filled step by step
     prompt_logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
+    # params.logprobs set: entry i scores output token i (engine/serve/logprobs.py), written by the sampler
+    logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
     extra: dict[str, Any] = field(default_factory=dict)  # for later chapters' features
 
     def __post_init__(self) -> None:

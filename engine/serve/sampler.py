@@ -1,4 +1,5 @@
-"""SimpleSampler: one token per sample row — argmax for greedy rows, chapter 8 for the rest."""
+"""SimpleSampler: one token per sample row — argmax for greedy rows, chapter 8 for the rest,
+with vLLM's per-request logits shaping (``logits_processors.py``) and sampled-token logprobs."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,6 +8,8 @@ import warnings
 import torch
 
 from engine.sampling import sample_token
+from engine.serve.logits_processors import apply_min_p, apply_penalties, mask_stop_tokens, needs_shaping
+from engine.serve.logprobs import token_logprobs
 from engine.serve.params import FULL_SAMPLER_FIELDS, SamplingParams
 from engine.serve.request import Request
 
@@ -14,7 +17,15 @@ from engine.serve.request import Request
 class SimpleSampler:
     """Greedy rows are answered by one batched argmax; sampled rows one at a time with chapter 8's
     ``sample_token``, drawing from the request's own generator when it has a seed (so its tokens
-    don't depend on its batch-mates) and from the engine's shared generator otherwise."""
+    don't depend on its batch-mates) and from the engine's shared generator otherwise.
+
+    A row whose request sets ``min_tokens`` (not yet reached), a penalty or ``min_p`` is shaped
+    first (``logits_processors.py``: min_tokens mask, penalties, then for sampled rows temperature
+    and min_p); a row with neutral params is never touched, so greedy defaults stay the argmax.
+    A request with ``params.logprobs`` set gets, for each sampled token, its entry
+    (``logprobs.token_logprobs``: raw logprobs, rank, top-k) written to ``request.logprobs`` at
+    the index of that output token — overwriting what a failed step left there.
+    """
 
     name = "simple"
 
@@ -43,10 +54,39 @@ class SimpleSampler:
         if logits.shape[0] == 0:
             return []
         tokens = torch.argmax(logits, dim=-1).tolist()
-        sampled = [i for i, req in enumerate(requests) if req.params.temperature != 0.0]  # not greedy
-        for i in sampled:
-            req = requests[i]
+        for i, req in enumerate(requests):
             p = req.params
+            greedy = p.temperature == 0.0
+            shaped = needs_shaping(p, req.num_output_tokens)
+            if greedy and not shaped:
+                continue
+            row = self.shaped_logits(logits[i], req) if shaped else logits[i]
+            if greedy:
+                tokens[i] = int(torch.argmax(row))
+                continue
             gen = generators.get(req.request_id, self.generator)
-            tokens[i] = sample_token(logits[i], p.temperature, p.top_k, p.top_p, gen)
+            if p.min_p > 0.0:  # min_p comes after the temperature, before top-k / top-p
+                scaled = apply_min_p(row.float() / p.temperature, p.min_p)
+                tokens[i] = sample_token(scaled, 1.0, p.top_k, p.top_p, gen)
+            else:
+                tokens[i] = sample_token(row, p.temperature, p.top_k, p.top_p, gen)
+        if any(req.params.logprobs is not None for req in requests):
+            self._record_logprobs(logits, requests, tokens)
         return tokens
+
+    @staticmethod
+    def shaped_logits(logits: torch.Tensor, req: Request) -> torch.Tensor:
+        """logits [V] of ``req``'s next token after the min_tokens mask and the penalties (a copy)."""
+        row = logits.clone()
+        mask_stop_tokens(row, req.params, req.eos_token_id, req.num_output_tokens)
+        return apply_penalties(row, req.params, req.prompt_token_ids, req.output_token_ids)
+
+    @staticmethod
+    def _record_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> None:
+        rows = [i for i, req in enumerate(requests) if req.params.logprobs is not None]
+        logprobs = torch.log_softmax(logits[rows], dim=-1)  # [R, V] raw, in the logits' precision
+        for j, i in enumerate(rows):
+            req = requests[i]
+            entry = token_logprobs(logprobs[j], tokens[i], req.params.logprobs)
+            kept = (req.logprobs or [])[:req.num_output_tokens]  # entry i scores output token i
+            req.logprobs = kept + [entry]
