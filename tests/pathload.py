@@ -18,3 +18,14 @@ def load_by_path(name: str, relpath: str) -> types.ModuleType:
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+def ascii_tokenizer(folder: Path, chat_template: str):
+    """scripts/tiny_hf_checkpoint.py's byte-level BPE over printable ASCII (every id decodes to
+    ASCII text), 160 ids, written to ``folder``, with ``chat_template`` set."""
+    from engine.tokenizer import Tokenizer
+
+    load_by_path("tiny_hf_checkpoint", "scripts/tiny_hf_checkpoint.py").write_tokenizer(folder, vocab_size=160)
+    tok = Tokenizer.from_pretrained(folder)
+    tok.chat_template = chat_template
+    return tok

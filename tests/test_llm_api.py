@@ -24,7 +24,7 @@ from engine.models.tiny import tiny_model
 from engine.serve import SamplingParams
 from engine.serve.params import FULL_SAMPLER_FIELDS, MIN_TEMPERATURE, SEED_MAX, UNSUPPORTED_FIELDS
 from engine.tokenizer import Tokenizer
-from pathload import load_by_path
+from pathload import ascii_tokenizer, load_by_path
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -35,14 +35,8 @@ GREEDY = dict(temperature=0.0, ignore_eos=True, max_tokens=MAX_NEW)
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> Tokenizer:
-    """scripts/tiny_hf_checkpoint.py's byte-level BPE over printable ASCII (every id decodes to
-    ASCII text), with a chat template that also shows ``bos_token``."""
-    tiny = load_by_path("tiny_hf_checkpoint", "scripts/tiny_hf_checkpoint.py")
-    d = tmp_path_factory.mktemp("tok")
-    tiny.write_tokenizer(d, vocab_size=160)
-    t = Tokenizer.from_pretrained(d)
-    t.chat_template = CHAT_TEMPLATE
-    return t
+    """The ASCII tokenizer, with a chat template that also shows ``bos_token``."""
+    return ascii_tokenizer(tmp_path_factory.mktemp("tok"), CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from engine.llm import LLM
 from engine.models.tiny import tiny_model
 from engine.serve import SamplingParams
 from engine.tokenizer import Tokenizer
-from pathload import load_by_path
+from pathload import ascii_tokenizer
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -38,12 +38,7 @@ WAIT_STEPS = 2000  # bounded waits: at most this many 10 ms naps
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> Tokenizer:
-    tiny = load_by_path("tiny_hf_checkpoint", "scripts/tiny_hf_checkpoint.py")
-    d = tmp_path_factory.mktemp("tok")
-    tiny.write_tokenizer(d, vocab_size=160)
-    t = Tokenizer.from_pretrained(d)
-    t.chat_template = CHAT_TEMPLATE
-    return t
+    return ascii_tokenizer(tmp_path_factory.mktemp("tok"), CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -264,3 +259,37 @@ def test_bench_serve_measures_every_request(served):
     for q in (50, 90, 99):
         assert math.isclose(summary[f"p{q}_ttft_ms"], 1000 * float(np.percentile(ttft, q)), rel_tol=1e-9)
     assert "TTFT" in sb.table(summary)
+
+
+def test_logprobs_equal_the_engines_own(served, oracle, tok):
+    """Completions' parallel lists and chat's entries carry the offline engine's logprobs: the sampled
+    token's and its top-k, under the tokens' texts; streamed chunks carry the same per token."""
+    prompt = _prompts(tok, 1, seed=3)[0]
+    expected = oracle.generate([prompt], _greedy(logprobs=2), use_tqdm=False)[0].outputs[0]
+    text = lambda t: tok.decode([t], skip_special_tokens=False)  # noqa: E731
+    want = [{text(k): v.logprob for k, v in e.items()} for e in expected.logprobs]
+    sampled = [e[t].logprob for t, e in zip(expected.token_ids, expected.logprobs)]
+    r = served.client.completions.create(model=NAME, prompt=prompt, logprobs=2, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [text(t) for t in expected.token_ids]
+    assert lp.token_logprobs == pytest.approx(sampled, abs=1e-9)
+    assert [dict(d) for d in lp.top_logprobs] == [pytest.approx(w, abs=1e-9) for w in want]
+    chunks = served.client.completions.create(model=NAME, prompt=prompt, logprobs=2, stream=True, **GREEDY)
+    streamed = [x for c in chunks for x in (c.choices[0].logprobs.token_logprobs if c.choices and c.choices[0].logprobs else [])]
+    assert streamed == pytest.approx(sampled, abs=1e-9)
+    assert r.choices[0].text == expected.text
+    plain = served.client.completions.create(model=NAME, prompt=prompt, **GREEDY)
+    assert plain.choices[0].logprobs is None, "no logprobs unless asked for"
+
+
+def test_chat_logprobs_name_the_sampled_token_and_its_alternatives(served, oracle):
+    messages = [{"role": "user", "content": "the river said"}]
+    expected = oracle.chat(messages, _greedy(logprobs=2), use_tqdm=False)[0].outputs[0]
+    r = served.client.chat.completions.create(model=NAME, messages=messages, logprobs=True, top_logprobs=2, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(expected.token_ids)
+    for entry, t, e in zip(content, expected.token_ids, expected.logprobs):
+        assert entry.logprob == pytest.approx(e[t].logprob, abs=1e-9)
+        assert bytes(entry.bytes).decode() == entry.token
+        best = sorted((v.logprob for v in e.values()), reverse=True)[:2]  # the 2 most likely, the sampled one or not
+        assert [a.logprob for a in entry.top_logprobs] == pytest.approx(best, abs=1e-9)

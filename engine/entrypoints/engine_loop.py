@@ -43,6 +43,7 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None  # params.logprobs set: one entry per token_ids
 
 
 @dataclass
@@ -191,7 +192,9 @@ class EngineLoop:
                     text, tokens = delta
                     if tokens:
                         self._time_tokens(tracked, index, state, now, len(tokens))
-                    tracked.sink(Delta(index, text, tokens, state.finish_reason, state.stop_reason))
+                    end = len(state.token_ids)  # take_delta's tokens are the last len(tokens) of them
+                    lps = None if state.logprobs is None else list(state.logprobs[end - len(tokens):end])
+                    tracked.sink(Delta(index, text, tokens, state.finish_reason, state.stop_reason, lps))
                 done += state.finished
             if done == len(tracked.states):
                 del self._tracked[key]

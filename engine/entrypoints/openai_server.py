@@ -39,6 +39,9 @@ def build_app(llm: LLM, model_name: str, capacity: int = 256) -> FastAPI:
     """The FastAPI app serving ``llm`` as ``model_name``; ``capacity``: the most completions
     queued or running at once (past it: 503). The engine thread runs while the app is served."""
     loop = EngineLoop(llm, capacity)
+    tok = llm.tokenizer  # logprobs name their tokens by text, or "token_id:N" without a tokenizer (as vLLM)
+    shapes = _Logprobs((lambda t: tok.decode([t], skip_special_tokens=False)) if tok is not None
+                      else (lambda t: f"token_id:{t}"))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -123,14 +126,16 @@ def build_app(llm: LLM, model_name: str, capacity: int = 256) -> FastAPI:
     async def completions(request: Request):
         body = await read_body(request)
         prompts, params = protocol.completion_request(body)
+        shape = shapes.per(params)
         stream, usage = protocol.stream_flags(body)
         key, queue, lengths = await submit(
             lambda llm_: _add_all(llm_, llm_._normalize(prompts), params), len(prompts) * params.n)
         meta = _Meta("cmpl-" + uuid.uuid4().hex, int(time.time()), model_name, "text_completion")
         if stream:
-            return _sse(loop, key, _completion_chunks(queue, meta, len(prompts) * params.n, lengths, usage))
-        choices, finish, tokens = await _collect(loop, key, queue, len(prompts) * params.n)
-        return {**meta.head(), "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": finish[i],
+            return _sse(loop, key, _completion_chunks(queue, meta, len(prompts) * params.n, lengths, usage, shape))
+        choices, finish, tokens, ids, lps = await _collect(loop, key, queue, len(prompts) * params.n)
+        return {**meta.head(), "choices": [{"index": i, "text": t, "logprobs": shape.completion(ids[i], lps[i]),
+                                            "finish_reason": finish[i],
                                             "stop_reason": None}
                                            for i, t in enumerate(choices)],
                 "usage": _usage(lengths, tokens)}
@@ -139,15 +144,16 @@ def build_app(llm: LLM, model_name: str, capacity: int = 256) -> FastAPI:
     async def chat(request: Request):
         body = await read_body(request)
         messages, template, params = protocol.chat_request(body)
+        shape = shapes.per(params)
         stream, usage = protocol.stream_flags(body)
         key, queue, lengths = await submit(
             lambda llm_: _add_all(llm_, _chat_items(llm_, messages, template), params), params.n)
         meta = _Meta("chatcmpl-" + uuid.uuid4().hex, int(time.time()), model_name, "chat.completion")
         if stream:
-            return _sse(loop, key, _chat_chunks(queue, meta, params.n, lengths, usage))
-        choices, finish, tokens = await _collect(loop, key, queue, params.n)
+            return _sse(loop, key, _chat_chunks(queue, meta, params.n, lengths, usage, shape))
+        choices, finish, tokens, ids, lps = await _collect(loop, key, queue, params.n)
         return {**meta.head(), "choices": [{"index": i, "message": {"role": "assistant", "content": t},
-                                            "logprobs": None, "finish_reason": finish[i]}
+                                            "logprobs": shape.chat(ids[i], lps[i]), "finish_reason": finish[i]}
                                            for i, t in enumerate(choices)],
                 "usage": _usage(lengths, tokens)}
 
@@ -211,21 +217,60 @@ async def _next(queue) -> Delta:
     return item
 
 
-async def _collect(loop: EngineLoop, key: int, queue, count: int) -> tuple[list[str], list[str | None], list[int]]:
-    """Every completion's whole text, finish reason and token count."""
+class _Logprobs:
+    """The engine's per-token logprobs (``{token id: logprob}``, the sampled token among them) in
+    OpenAI's two shapes: completions' parallel lists, chat's list of entries."""
+
+    def __init__(self, decode: Callable[[int], str], top: int | None = None) -> None:
+        self.decode, self.top = decode, top  # top: the request's logprobs=k (-1: every token)
+
+    def per(self, params) -> "_Logprobs":
+        return _Logprobs(self.decode, params.logprobs)
+
+    def completion(self, ids: list[int], entries: list[dict[int, float]] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        return {"tokens": [self.decode(t) for t in ids],
+                "token_logprobs": [e.get(t) for t, e in zip(ids, entries)],
+                "top_logprobs": [{self.decode(k): v for k, v in e.items()} for e in entries],
+                "text_offset": None}
+
+    def chat(self, ids: list[int], entries: list[dict[int, float]] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+
+        def one(t: int, lp: float | None) -> dict[str, Any]:
+            text = self.decode(t)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        def top(e: dict[int, float]) -> list[dict[str, Any]]:  # the k most likely (the sampled one among them or not)
+            best = sorted(e.items(), key=lambda kv: -kv[1])
+            return [one(k, v) for k, v in (best if self.top is None or self.top < 0 else best[:self.top])]
+
+        return {"content": [{**one(t, e.get(t)), "top_logprobs": top(e)} for t, e in zip(ids, entries)]}
+
+
+async def _collect(loop: EngineLoop, key: int, queue, count: int
+                   ) -> tuple[list[str], list[str | None], list[int], list[list[int]], list[list | None]]:
+    """Every completion's whole text, finish reason, token count, token ids and logprobs."""
     texts, finish, tokens = [""] * count, [None] * count, [0] * count
+    ids: list[list[int]] = [[] for _ in range(count)]
+    lps: list[list | None] = [None] * count
     done = 0
     try:
         while done < count:
             d = await _next(queue)
             texts[d.index] += d.text
             tokens[d.index] += len(d.token_ids)
+            ids[d.index] += d.token_ids
+            if d.logprobs is not None:
+                lps[d.index] = (lps[d.index] or []) + d.logprobs
             if d.finish_reason is not None:
                 finish[d.index] = d.finish_reason
                 done += 1
     finally:
         loop.abort(key)  # a no-op once all are finished
-    return texts, finish, tokens
+    return texts, finish, tokens, ids, lps
 
 
 def _sse(loop: EngineLoop, key: int, chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
@@ -242,19 +287,20 @@ def _sse(loop: EngineLoop, key: int, chunks: AsyncIterator[dict[str, Any]]) -> S
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-async def _completion_chunks(queue, meta: _Meta, count: int, lengths: list[int], usage: bool):
+async def _completion_chunks(queue, meta: _Meta, count: int, lengths: list[int], usage: bool, shape: _Logprobs):
     tokens, done = [0] * count, 0
     while done < count:
         d = await _next(queue)
         tokens[d.index] += len(d.token_ids)
         done += d.finish_reason is not None
-        yield {**meta.head(), "choices": [{"index": d.index, "text": d.text, "logprobs": None,
+        yield {**meta.head(), "choices": [{"index": d.index, "text": d.text,
+                                           "logprobs": shape.completion(d.token_ids, d.logprobs),
                                            "finish_reason": d.finish_reason}]}
     if usage:
         yield {**meta.head(), "choices": [], "usage": _usage(lengths, tokens)}
 
 
-async def _chat_chunks(queue, meta: _Meta, count: int, lengths: list[int], usage: bool):
+async def _chat_chunks(queue, meta: _Meta, count: int, lengths: list[int], usage: bool, shape: _Logprobs):
     obj = "chat.completion.chunk"
     for i in range(count):  # OpenAI's first chunk of each choice names the role
         yield {**meta.head(obj), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -265,6 +311,7 @@ async def _chat_chunks(queue, meta: _Meta, count: int, lengths: list[int], usage
         tokens[d.index] += len(d.token_ids)
         done += d.finish_reason is not None
         yield {**meta.head(obj), "choices": [{"index": d.index, "delta": {"content": d.text} if d.text else {},
-                                              "logprobs": None, "finish_reason": d.finish_reason}]}
+                                              "logprobs": shape.chat(d.token_ids, d.logprobs),
+                                              "finish_reason": d.finish_reason}]}
     if usage:
         yield {**meta.head(obj), "choices": [], "usage": _usage(lengths, tokens)}
