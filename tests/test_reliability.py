@@ -56,13 +56,20 @@ def greedy_oracle(prompt: tuple[int, ...]) -> list[int]:
 
 
 @functools.lru_cache(maxsize=None)
-def sampled_oracle(prompt: tuple[int, ...], temperature: float, top_k: int, top_p: float, seed: int) -> list[int]:
-    """Token-by-token sampling with a generator seeded like the request's: no engine involved."""
-    model, gen = model64(), torch.Generator().manual_seed(seed)
+def stepwise_oracle(prompt: tuple[int, ...], temperature: float, top_k: int, top_p: float, seed: int | None,
+                    masked: tuple[int, ...], min_tokens: int) -> list[int]:
+    """Token by token on the plain model, no engine involved: ``masked`` (EOS and the stop ids) get
+    -inf while fewer than ``min_tokens`` are out (vLLM's min_tokens rule); greedy at temperature 0,
+    else drawn with a generator seeded like the request's."""
+    model = model64()
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
     tokens, out = list(prompt), []
     with torch.inference_mode():
         for _ in range(MAX_NEW):
-            t = sample_token(model(torch.tensor(tokens))[-1], temperature, top_k, top_p, gen)
+            logits = model(torch.tensor(tokens))[-1].clone()
+            if len(out) < min_tokens and masked:
+                logits[list(masked)] = float("-inf")
+            t = int(torch.argmax(logits)) if temperature == 0.0 else sample_token(logits, temperature, top_k, top_p, gen)
             out.append(t)
             tokens.append(t)
     return out
@@ -78,11 +85,13 @@ def cut_at_stop(tokens: list[int], p: SamplingParams, eos: int | None) -> tuple[
 
 def expected_output(prompt: tuple[int, ...], p: SamplingParams, eos: int | None) -> tuple[list[int], str] | None:
     """The oracle's answer, or None for unseeded sampling (no oracle can predict it)."""
-    if p.greedy:
+    if not p.greedy and p.seed is None:
+        return None
+    masked = tuple(sorted({*p.stop_token_ids, *([eos] if eos is not None else [])})) if p.min_tokens else ()
+    if p.greedy and not masked:
         return cut_at_stop(greedy_oracle(prompt), p, eos)
-    if p.seed is not None:
-        return cut_at_stop(sampled_oracle(prompt, p.temperature, p.top_k, p.top_p, p.seed), p, eos)
-    return None
+    return cut_at_stop(stepwise_oracle(prompt, p.temperature if not p.greedy else 0.0, p.top_k, p.top_p,
+                                       p.seed, masked, p.min_tokens), p, eos)
 
 
 # ===== 1. BlockManager against a list-based model =================================================
@@ -590,8 +599,8 @@ def _seeded_run(cfg: EngineConfig, batch_mates: int, delay_victim: bool = False)
 
 
 def test_seeded_sampling_is_the_same_alone_batched_and_preempted():
-    want = sampled_oracle(tuple(PREFIXES[2] + SUFFIXES[3]), SEEDED.temperature, SEEDED.top_k, SEEDED.top_p,
-                          SEEDED.seed)
+    want = stepwise_oracle(tuple(PREFIXES[2] + SUFFIXES[3]), SEEDED.temperature, SEEDED.top_k, SEEDED.top_p,
+                           SEEDED.seed, (), 0)
     alone, _ = _seeded_run(EngineConfig(block_size=4, num_blocks=64), 0)
     assert alone == want, "a seeded request alone differs from sampling token by token with its seed"
     batched, _ = _seeded_run(EngineConfig(block_size=4, num_blocks=200), 8)
