@@ -25,17 +25,9 @@ def _run_guarded(fn, argv: list[str]) -> int:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except NotImplementedError as exc:
-        from course.learner.holes import unfilled_holes
+        from course.learner.holes import unfinished_message
 
-        left = unfilled_holes()
-        lines = [f"Your engine is not finished yet: {exc}."]
-        if left:
-            first = left[0]
-            lines.append(f"{len(left)} hole(s) still raise NotImplementedError; the first to fill is "
-                         f"{first.qualname} in {first.file} "
-                         f"(check it with: pytest tests/test_ch31_engine_v2.py --hole {first.qualname}).")
-        lines.append("Or pass --impl solution to run the reference.")
-        print("\n".join(lines), file=sys.stderr)
+        print(unfinished_message(str(exc), "Or pass --impl solution to run the reference."), file=sys.stderr)
         return 2
 
 

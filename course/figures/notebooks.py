@@ -69,17 +69,10 @@ def strip(paths: list[Path], verify: bool = False) -> int:
 def unfinished_message(exc) -> str:
     """What run.py says when a hole is still a stub, for a notebook cell that raised
     NotImplementedError: how many holes are left, the first to fill, how to check it."""
-    from course.learner.holes import unfilled_holes
+    from course.learner.holes import unfinished_message as message
 
-    lines = [f"Your engine is not finished yet: {' '.join(str(getattr(exc, 'evalue', '')).split())}."]
-    left = unfilled_holes()
-    if left:
-        first = left[0]
-        lines.append(f"{len(left)} hole(s) still raise NotImplementedError; the first to fill is "
-                     f"{first.qualname} in {first.file} "
-                     f"(check it with: .venv/bin/python -m pytest tests/test_ch31_engine_v2.py --hole {first.qualname}).")
-    lines.append("Or run the notebook on the reference: make notebooks (IMPL=solution).")
-    return "\n".join(lines)
+    return message(" ".join(str(getattr(exc, "evalue", "")).split()),
+                   "Or run the notebook on the reference: make notebooks (IMPL=solution).")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,6 +88,21 @@ def unfilled_holes(engine_dir: Path = ROOT / "engine") -> list[Hole]:
     return left
 
 
+def unfinished_message(reason: str, otherwise: str) -> str:
+    """What a command says when the learner's engine raised NotImplementedError (``reason``, its
+    text): how many holes are left, the first to fill and how to check it, then ``otherwise`` (how
+    to run the reference instead)."""
+    lines = [f"Your engine is not finished yet: {reason}."]
+    left = unfilled_holes()
+    if left:
+        first = left[0]
+        lines.append(f"{len(left)} hole(s) still raise NotImplementedError; the first to fill is "
+                     f"{first.qualname} in {first.file} "
+                     f"(check it with: .venv/bin/python -m pytest tests/test_ch31_engine_v2.py --hole {first.qualname}).")
+    lines.append(otherwise)
+    return "\n".join(lines)
+
+
 def course_copy(rel: str) -> str | None:
     """The course's own text of ``engine/<rel>`` (None when neither source has it)."""
     if os.environ.get(COPY_VAR):
@@ -192,16 +207,8 @@ def edits_in(mine_text: str, course_text: str, rel: str) -> list[str]:
     """The edits outside the holes of one chapter file (see the module docstring)."""
     course_tree, mine_tree = ast.parse(course_text), ast.parse(mine_text)
     holes = set(holes_of(course_text))
-    mine, course = _defs(mine_tree), _defs(course_tree)
-    edits = []
-    for q, node in course.items():
-        if q not in mine:
-            edits.append(f"engine/{rel}: {q} is missing")
-        elif _shape(mine[q], q in holes) != _shape(node, q in holes):
-            edits.append(f"engine/{rel}: " + (f"the signature of hole {q} differs" if q in holes
-                                               else f"{q} (given code) differs from the chapter's"))
-    for (scope, text), _ in (_statements(course_tree) - _statements(mine_tree)).items():
-        edits.append(f"engine/{rel}: a given statement in {scope} was changed or removed: {text[:60]}")
+    course = _defs(course_tree)
+    edits = _given_edits(mine_tree, course_tree, rel, holes, graded=False)
     given = {n.id for n in ast.walk(course_tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} | \
         {q.split(".")[0] for q in course} | {(a.asname or a.name).split(".")[0] for n in ast.walk(course_tree)
                                              if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
@@ -487,20 +494,21 @@ def _indented(src: str, indent: str) -> str:
     return "".join(indent + line if line.strip() else line for line in src.splitlines(keepends=True)).rstrip("\n")
 
 
-def _given_edits(mine_tree: ast.Module, course_tree: ast.Module, rel: str, holes: set[str]) -> list[str]:
-    """Given code that differs or is missing, hole signatures that differ, given statements changed."""
+def _given_edits(mine_tree: ast.Module, course_tree: ast.Module, rel: str, holes: set[str],
+                 graded: bool = True) -> list[str]:
+    """Given code that differs or is missing, hole signatures that differ, given statements changed;
+    ``graded``: the messages say what the grader's module uses instead."""
+    as_course, with_course = (" (graded as the course's)", " (graded with the course's)") if graded else ("", "")
     mine, course = _defs(mine_tree), _defs(course_tree)
     edits = []
     for q, node in course.items():
         if q not in mine:
-            edits.append(f"engine/{rel}: {q} is missing (graded as the course's)")
+            edits.append(f"engine/{rel}: {q} is missing{as_course}")
         elif _shape(mine[q], q in holes) != _shape(node, q in holes):
-            edits.append(f"engine/{rel}: " + (f"the signature of hole {q} differs (graded with the course's)"
-                                               if q in holes else f"{q} (given code) differs from the chapter's "
-                                               "(graded as the course's)"))
+            edits.append(f"engine/{rel}: " + (f"the signature of hole {q} differs{with_course}" if q in holes
+                                               else f"{q} (given code) differs from the chapter's{as_course}"))
     for (scope, text), _ in (_statements(course_tree) - _statements(mine_tree)).items():
-        edits.append(f"engine/{rel}: a given statement in {scope} was changed or removed (graded as the "
-                     f"course's): {text[:60]}")
+        edits.append(f"engine/{rel}: a given statement in {scope} was changed or removed{as_course}: {text[:60]}")
     return edits
 
 
