@@ -61,3 +61,18 @@ def test_every_plan_keeps_the_budget_and_the_shown_batch_follows_the_formulas(re
     want = [spans[r + 1] - 1 for r, (rid, c, n) in enumerate(plan) if c + n == totals[rid]]
     assert batch.logits_indices.tolist() == want == [0, 6]
     assert tables[0][:2] == tables[1][:2], "alice and bob share the system prompt's two blocks"
+
+
+def test_the_prose_around_the_example_quotes_the_same_run(result):
+    """The figures the chapter's sentences repeat (not only its fenced output) come from the run."""
+    text = " ".join(README.read_text().split())  # line breaks of the prose do not matter
+    batch = result.batches[example.SHOWN_STEP - 1]
+    [(_, _, alice_n), (_, bob_c, bob_n), (_, _, carol_n)] = result.plans[example.SHOWN_STEP - 1]
+    bob_slot_12 = batch.meta.slot_mapping.tolist()[alice_n + 12 - bob_c]
+    for quoted in (f"The token it produces, {result.outputs['alice'][0]},",
+                   f"Bob starts at c = {bob_c}, not 0",
+                   f"12 − {alice_n} − {bob_n} = {carol_n} of her 20 tokens",
+                   f"at offset 0: slot {bob_slot_12}",
+                   f"*query_start_loc* `{batch.meta.query_start_loc_cpu.tolist()}`",
+                   f"`logits_indices` is `{batch.logits_indices.tolist()}`"):
+        assert quoted in text, f"the chapter's prose no longer matches the run: {quoted!r}"
