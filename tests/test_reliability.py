@@ -621,6 +621,7 @@ def test_the_soak_judges_a_min_tokens_request_by_the_masked_continuation():
     first = soak.greedy(prompt)[0]
     p = SamplingParams(max_tokens=2, min_tokens=1, stop_token_ids=[first], temperature=0.0)
     core = EngineCore(soak.model, EngineConfig(block_size=4, num_blocks=32))
+    soak.core = core
     core.add_request("q", list(prompt), p)
     tracked, final = Tracked(prompt, p, "q"), None
     while core.has_unfinished():
