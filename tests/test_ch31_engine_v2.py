@@ -208,6 +208,32 @@ def test_build_batch_rejects_more_tokens_than_exist():
         build_batch([(r, 4)], [[0]], 16)
 
 
+@hole("build_batch")
+def test_build_batch_rejects_a_table_too_short_for_the_positions():
+    r = req("r", range(20), computed=14)  # positions 14, 15, 16: two blocks of 16, but the table holds one
+    try:
+        build_batch([(r, 3)], [[3]], 16)
+    except ValueError as exc:
+        assert "'r'" in str(exc), f"the ValueError names the request (its id 'r'): {exc}"
+    except Exception as exc:  # noqa: BLE001 - any other error is the bug this test is for
+        pytest.fail(f"a table of 1 block (16 slots) for positions 14..16 must be a ValueError naming the request, "
+                    f"raised before any slot is looked up; got {type(exc).__name__}: {exc} (check "
+                    f"len(table) * block_size >= c + n first)", pytrace=False)
+    else:
+        pytest.fail("a table of 1 block (16 slots) cannot hold position 16: build_batch must raise ValueError "
+                    "(len(table) * block_size < c + n)", pytrace=False)
+
+
+@hole("build_batch")
+def test_build_batch_block_table_of_empty_tables_has_no_columns():
+    dummies = build_batch([], [], 16, pad_to=2)
+    assert tuple(dummies.meta.block_table.shape) == (2, 0), \
+        "two dummies, each with an empty table: block_table is [2, 0] (as wide as the longest table, no padded column)"
+    none = build_batch([], [], 16)
+    assert tuple(none.meta.block_table.shape) == (0, 0), "no request at all: block_table is [0, 0]"
+    assert none.meta.block_table.dtype == torch.int32 and dummies.meta.block_table.dtype == torch.int32
+
+
 # ===================================================================== write_kv
 @hole("write_kv")
 def test_write_kv_scatters_rows_to_their_slots_and_padding_to_scratch():
@@ -224,6 +250,21 @@ def test_write_kv_scatters_rows_to_their_slots_and_padding_to_scratch():
         for o in range(4):
             if (b, o) not in written:
                 assert not k_pool[b, o].any(), f"slot {b * 4 + o} was not in slot_mapping but changed"
+
+
+@hole("write_kv")
+def test_write_kv_casts_rows_to_the_pools_dtype():
+    k_pool = torch.zeros(2, 4, 1, 3, dtype=torch.bfloat16)  # 1 block + scratch, block_size 4, Hkv 1, D 3
+    v_pool = torch.zeros_like(k_pool)
+    k = torch.tensor([[[1.0 + 2 ** -10, 3.14159, -2.71828]], [[0.1, 0.2, 0.3]]])  # float32, not exact in bfloat16
+    try:
+        write_kv(k_pool, v_pool, k, -k, torch.tensor([1, 2]))
+    except RuntimeError as exc:
+        pytest.fail(f"float32 rows into a bfloat16 pool: write_kv must cast the rows to the pool's dtype "
+                    f"(rows.to(pool.dtype)) before index_copy_; got RuntimeError: {exc}", pytrace=False)
+    assert k_pool.dtype == torch.bfloat16, "the pool keeps its dtype"
+    assert torch.equal(k_pool[0, 1:3], k.to(torch.bfloat16)) and torch.equal(v_pool[0, 1:3], (-k).to(torch.bfloat16)), \
+        "slots 1 and 2 hold the rows rounded to the pool's dtype"
 
 
 # ===================================================================== ReferenceBackend.forward
@@ -375,6 +416,37 @@ def test_flat_attention_uses_the_models_sliding_window():
 
     assert_rows_close(got, want, "FlatModel logits of a sliding-window model (chunks of 6 and 7) against the "
                       "model's own forward", rows=[("r", p) for p in range(len(prompt))], cause=cause)
+
+
+class RecordingBackend(ReferenceBackend):
+    """The reference backend, recording each ``write`` it is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def write(self, cache, k, v, meta) -> None:
+        self.writes.append((k.clone(), v.clone()))
+        super().write(cache, k, v, meta)
+
+
+@hole("FlatModel.attention")
+def test_flat_attention_writes_through_the_backend():
+    model = model64()
+    flat, attn = FlatModel(model), model.model.layers[0].self_attn
+    x = torch.randn(5, model.cfg.hidden_size, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    cos, sin = rope_cos_sin(torch.arange(5), model.cfg.head_dim, model.cfg.rope_theta, torch.float64)
+    backend = RecordingBackend()
+    cache = backend.allocate((3, 4, model.cfg.num_key_value_heads, model.cfg.head_dim), torch.float64, "cpu")
+    batch = build_batch([(req("r", range(6)), 5)], [[1, 0]], 4)
+    flat.attention(attn, x, cos, sin, cache, batch.meta, backend)
+    _, k, v = attn.qkv(x, cos, sin)
+    assert len(backend.writes) == 1, \
+        f"FlatModel.attention must write this step's K/V through backend.write(kv_cache, k, v, meta), once " \
+        f"(a backend may keep its own pool layout; write_kv is the reference backend's); it was called " \
+        f"{len(backend.writes)} times"
+    assert torch.equal(backend.writes[0][0], k) and torch.equal(backend.writes[0][1], v), \
+        "backend.write gets k (after q/k-norm and RoPE) and v, in that order"
 
 
 @hole("FlatModel.forward")
@@ -635,6 +707,21 @@ def test_allocate_slots_rejects_cached_blocks_for_a_request_that_holds_blocks():
     assert (list(bm.req_blocks["b"]), list(bm.ref_count), list(bm.free_queue), dict(bm.num_published)) == before, \
         "cached_blocks are adopted at admission only: for a request that already holds blocks it is a " \
         "ValueError, and nothing changes"
+
+
+@hole("BlockManager.allocate_slots")
+def test_allocate_slots_an_empty_table_holds_no_blocks():
+    bm = BlockManager(8, 4)
+    cached = published(bm, req("a", range(12)), 12)[:2]  # a's first two blocks, full and published
+    b = req("b", list(range(8)) + [50, 51])
+    assert bm.allocate_slots(b, 0) and bm.req_blocks.get("b") == [], "room for 0 tokens: b's entry exists, empty"
+    try:
+        ok = bm.allocate_slots(b, 2, cached)
+    except ValueError as exc:
+        pytest.fail(f"b's req_blocks entry exists but is empty, so b holds no blocks yet and may adopt cached "
+                    f"blocks; allocate_slots raised ValueError: {exc}", pytrace=False)
+    assert ok and bm.req_blocks["b"][:2] == cached and len(bm.req_blocks["b"]) == 3, \
+        "b adopts a's two cached blocks, then one new block for its last 2 tokens"
 
 
 @hole("BlockManager.allocate_slots")
@@ -1212,6 +1299,28 @@ def test_check_stop_ignore_eos_keeps_stop_token_ids():
         "stop_token_ids are checked before EOS: an EOS listed there sets stop_reason"
 
 
+@hole("EngineCore.check_stop")
+def test_check_stop_with_no_output_yet_finishes_nothing():
+    assert stop_status([1, 2, 3, 9], eos=9) == (None, None), \
+        "zero outputs: the prompt's last token is 9 (the EOS) but no output exists yet, so check_stop returns None"
+    assert stop_status([1, 2, 3, 7], stop_token_ids=[7]) == (None, None), \
+        "zero outputs: a prompt ending in a stop token finishes nothing"
+    assert stop_status(list(range(12)), prompt_len=12) == (None, None), \
+        "zero outputs: a prompt that fills max_model_len=12 finishes nothing either (check_stop returns None)"
+
+
+@hole("EngineCore.check_stop")
+def test_check_stop_eos_is_the_requests_own():
+    e = core(EngineConfig(max_model_len=12), eos=5)  # the engine's default EOS: 5
+    mine = req("r", [1, 2, 3, 4, 9], prompt_len=4)
+    mine.eos_token_id = 9
+    assert e.check_stop(mine) == Status.FINISHED_STOPPED, "the request's own eos_token_id (9) stops it"
+    other = req("s", [1, 2, 3, 4, 5], prompt_len=4)
+    other.eos_token_id = 9
+    assert e.check_stop(other) is None, \
+        "5 is the engine's default EOS, but this request's eos_token_id is 9: the EOS rule reads request.eos_token_id"
+
+
 @hole("EngineCore.step")
 def test_step_runs_one_forward_per_step_and_reports_only_produced_tokens():
     e = core(EngineConfig(max_num_batched_tokens=16, block_size=4))
@@ -1394,6 +1503,29 @@ def test_step_prompt_logprobs_are_replaced_after_a_recompute_preemption():
         want = torch.log_softmax(model64()(torch.tensor(p)), -1)
     for i, entry in enumerate(lp):
         assert math.isclose(entry[p[i + 1]], float(want[i, p[i + 1]]), abs_tol=1e-9), f"entry {i} scores prompt token {i + 1}"
+
+
+@hole("EngineCore.step")
+def test_step_prompt_logprobs_of_a_one_token_prompt_is_an_empty_list():
+    e = core(EngineConfig(block_size=4))
+    e.add_request("a", [7], SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY))
+    (out,) = e.step()
+    assert out.finished and out.prompt_logprobs == [], \
+        "a one-token prompt has no prompt token to score: after its first step its prompt_logprobs is [] (asked " \
+        f"for, nothing in it), not None; got {out.prompt_logprobs!r}"
+
+
+@hole("EngineCore.step")
+def test_step_runs_the_sampler_even_when_no_row_samples():
+    e = core(EngineConfig(block_size=4, max_num_batched_tokens=8))
+    e.add_request("a", prompts([20], seed=9)[0], SamplingParams(max_tokens=1, **GREEDY))
+    calls = []
+    sampler = e.sampler
+    e.sampler = lambda logits, reqs, generators: calls.append((logits.shape[0], list(reqs))) or \
+        sampler(logits, reqs, generators)
+    assert e.step() == [], "the first step runs 8 of 20 prompt tokens: no row samples, nothing to report"
+    assert calls == [(0, [])], \
+        f"the sampler runs in every step that ran a forward pass, with 0 rows when none samples; got calls {calls}"
 
 
 # ===== gaps found by the bug corpus (course/quality/bug_corpus.py, docs/bug-corpus.md): bugs a learner made
