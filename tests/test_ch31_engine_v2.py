@@ -301,17 +301,34 @@ def test_reference_forward_matches_plain_attention_per_request(window):
     out = backend.forward(q, cache, batch.meta, window=window)
     qsl = batch.meta.query_start_loc_cpu.tolist()
 
-    def plain(w: int) -> torch.Tensor:  # the oracle: chapter 5's attention on each request's own K/V
-        return torch.cat([causal_attention(q[qsl[i]:qsl[i + 1]], ks[i], vs[i], torch.arange(ctx)[ctx - t:],
+    def plain(w: int, kv=lambda i, ctx: (ks[i], vs[i])) -> torch.Tensor:
+        """The oracle: chapter 5's attention on each request's own K/V (``kv``: what it reads instead)."""
+        return torch.cat([causal_attention(q[qsl[i]:qsl[i + 1]], *kv(i, ctx), torch.arange(ctx)[ctx - t:],
                                            torch.arange(ctx), window=w) for i, (ctx, t) in enumerate(lens)])
 
     want, rows = plain(window), batch_rows(batch)
 
+    def read_at(slot_of):  # request i's K/V read back from the pool at slot_of(table, p), p < ctx
+        flat_k, flat_v = (pool.view(-1, *pool.shape[2:]) for pool in cache)
+
+        def kv(i: int, ctx: int):
+            table = batch.meta.block_table[i].tolist()
+            slots = torch.tensor([slot_of(table, p) for p in range(ctx)])
+            return flat_k[slots], flat_v[slots]
+        return kv
+
     def cause(bad: list[int]) -> str:
         differ = sorted({rows[i][0] for i in bad})
+        bs = batch.meta.block_size
         if window and torch.allclose(out, plain(0), atol=1e-10):
             return (f"the output equals attention WITHOUT the window: with window={window} a query at position q "
                     f"sees only keys at positions > q - {window} (pass window on to the attention)")
+        if torch.allclose(out, plain(window, lambda i, ctx: (ks[i], ks[i])), atol=1e-10):
+            return ("the output equals attention whose VALUES are the keys: the values come from the V pool "
+                    "(cache[1]), the keys from the K pool (cache[0])")
+        if torch.allclose(out, plain(window, read_at(lambda tb, p: tb[p // bs] + p % bs)), atol=1e-10):
+            return (f"the output equals attention over K/V read at slot table[p // block_size] + p % block_size: a "
+                    f"position's slot is table[p // block_size] * block_size + p % block_size (block_size {bs})")
         return (f"requests {differ} differ: request r's t queries are the LAST t positions of its seq_len-token "
                 f"context (query i at seq_len - t + i), its keys are read through its block table"
                 + (f", and with window={window} only keys at positions > q - {window} count" if window else ""))
@@ -349,9 +366,10 @@ def test_reference_forward_leaves_padding_rows_zero():
 
 
 # ===================================================================== FlatModel
-def run_flat(model, prompt, chunks, block_size=4):
-    """Run one prompt through FlatModel in the given chunk sizes; returns each step's logits of all rows."""
-    flat = FlatModel(model)
+def run_flat(model, prompt, chunks, block_size=4, flat: FlatModel | None = None):
+    """Run one prompt through FlatModel (``flat``, or a new one) in the given chunk sizes; returns each
+    step's logits of all rows."""
+    flat = flat or FlatModel(model)
     layers, hkv, d = flat.kv_spec()
     backend = ReferenceBackend()
     nb = -(-len(prompt) // block_size)
@@ -386,11 +404,18 @@ def test_flat_attention_writes_rotated_k_and_matches_plain_attention():
     k = apply_rope(attn.k_norm(attn.k_proj(x).view(6, hkv, d)), cos, sin)
     v = attn.v_proj(x).view(6, hkv, d)
     want = attn.o_proj(causal_attention(q, k, v, pos, pos).reshape(6, -1))
-    assert_rows_close(out, want, "FlatModel.attention against q/k-norm, RoPE, causal attention and o_proj by hand",
-                      atol=1e-10, rows=batch_rows(batch),
-                      cause="the pool must hold this step's K/V before attention reads it; q and k get the "
-                            "per-head RMSNorm, then RoPE at each row's position; scale=attn.scale; then o_proj")
     slots = [("r", p) for p in range(6)]
+
+    def cause(bad: list[int]) -> str:
+        k_pool, v_pool = torch.cat([cache[0][2], cache[0][0, :2]]), torch.cat([cache[1][2], cache[1][0, :2]])
+        if torch.allclose(k_pool, v, atol=1e-10) and torch.allclose(v_pool, k, atol=1e-10):
+            return ("the K pool holds v and the V pool holds k: write them in that order, "
+                    "backend.write(kv_cache, k, v, meta)")
+        return ("the pool must hold this step's K/V before attention reads it; q and k get the per-head RMSNorm, "
+                "then RoPE at each row's position; scale=attn.scale; then o_proj")
+
+    assert_rows_close(out, want, "FlatModel.attention against q/k-norm, RoPE, causal attention and o_proj by hand",
+                      atol=1e-10, rows=batch_rows(batch), cause=cause)
     assert_rows_close(torch.cat([cache[0][2], cache[0][0, :2]]), k, "the K pool at the request's slots", rows=slots,
                       atol=1e-10, cause="the pool must hold k AFTER q/k-norm and RoPE, at the slots of the block table")
     assert_rows_close(torch.cat([cache[1][2], cache[1][0, :2]]), v, "the V pool at the request's slots", rows=slots,
@@ -454,12 +479,35 @@ def test_flat_attention_writes_through_the_backend():
 def test_flat_forward_equals_the_models_own_forward(moe):
     model = model64(moe)
     prompt = prompts([13], seed=5)[0]
-    (logits,), _, _ = run_flat(model, prompt, [13])
+    flat, rope_dtypes = FlatModel(model), set()
+    attention = flat.attention  # recorded on the way through: the dtype of the RoPE tables forward built
+    flat.attention = lambda attn, x, cos, sin, *rest: rope_dtypes.add(cos.dtype) or attention(attn, x, cos, sin, *rest)
+    (logits,), _, _ = run_flat(model, prompt, [13], flat=flat)
     want = model(torch.tensor(prompt))
+
+    def cause(bad: list[int]) -> str:
+        if rope_dtypes - {torch.float64}:
+            return (f"the RoPE tables (cos, sin) handed to attention are {sorted(map(str, rope_dtypes))} in a float64 "
+                    "model: build them in the hidden states' dtype, rope_cos_sin(positions, head_dim, rope_theta, "
+                    "hidden.dtype) (float32 tables cost float32's precision everywhere after)")
+        with torch.no_grad():
+            if torch.allclose(logits, model(torch.arange(13)), atol=1e-9):
+                return ("the logits equal the model's on the tokens 0..12, the rows' POSITIONS: embed the rows' token "
+                        "ids (embed_tokens(input_ids)), not their positions")
+            before_norm = []
+            hook = model.model.norm.register_forward_hook(lambda mod, args, out: before_norm.append(args[0]))
+            try:
+                model(torch.tensor(prompt))
+            finally:
+                hook.remove()
+            if torch.allclose(logits, flat.compute_logits(before_norm[-1]), atol=1e-9):
+                return ("the logits equal the LM head on hidden + residual BEFORE the final norm: return the normed "
+                        "output of the last add_norm (the model's final norm over hidden + residual)")
+        return ("each layer: input norm, attention on ITS OWN pool, residual add, post-attention norm, MLP (or MoE), "
+                "residual; then the final norm over hidden + residual")
+
     assert_rows_close(logits, want, f"FlatModel.forward ({'Qwen3-MoE' if moe else 'Qwen3'}, one 13-token pass) against "
-                      "the model's own forward", rows=[("r", p) for p in range(13)],
-                      cause="each layer: input norm, attention on ITS OWN pool, residual add, post-attention norm, "
-                            "MLP (or MoE), residual; then the final norm over hidden + residual")
+                      "the model's own forward", rows=[("r", p) for p in range(13)], cause=cause)
 
 
 @hole("FlatModel.forward")
