@@ -52,18 +52,17 @@ class Mutant:
     own: bool = True
 
 
-def _mutant(r: dict) -> Mutant:
-    return Mutant(r["name"], r["file"] or FILE_OF[r["holes"][0]], r["holes"], r["find"], r["replace"], r["why"],
-                  r["keyword"], r["own"])
+def _file(r: dict) -> str:
+    return r["file"] or FILE_OF[r["holes"][0]]  # a record names its file only where it is not its hole's
 
 
 def load_mutants(path: Path = DATA / "mutants.toml") -> list[Mutant]:
     """The mutants of ``path`` (its head says what each field means), checked by ``records.load``."""
     fields = {"name": (str, REQUIRED), "holes": (tuple, REQUIRED), "file": (str, ""), "why": (str, REQUIRED),
               "find": (str, REQUIRED), "replace": (str, REQUIRED), "keyword": (str, ""), "own": (bool, True)}
-    where = lambda r: (filled().get(r["file"] or FILE_OF[r["holes"][0]], ""),  # noqa: E731
-                       f"the filled engine/{r['file'] or FILE_OF[r['holes'][0]]}")
-    return [_mutant(r) for r in load(path, "mutant", fields, where)]
+    records = load(path, "mutant", fields, lambda r: (filled().get(_file(r), ""), f"the filled engine/{_file(r)}"))
+    return [Mutant(r["name"], _file(r), r["holes"], r["find"], r["replace"], r["why"], r["keyword"], r["own"])
+            for r in records]
 
 
 MUTANTS: list[Mutant] = load_mutants()
