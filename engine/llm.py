@@ -95,10 +95,13 @@ class LLM(VllmExtras):
     ) -> None:
         from engine.serve import EngineConfig, EngineCore
         from engine.fast.choose import fastest_options
-        from engine.serve.sizing import num_blocks_for_memory
 
         known = set(EngineConfig.field_names())
         options, front = split_options({**engine_options, "kv_cache_memory_bytes": kv_cache_memory_bytes}, known)
+        if front.get("kv_cache_memory_bytes") is not None:  # vLLM's name for the pool's bytes: the engine sizes it
+            if options.get("kv_cache_bytes") is not None:
+                raise ValueError("LLM: 'kv_cache_memory_bytes' and 'kv_cache_bytes' are the same option; give one")
+            options["kv_cache_bytes"] = front["kv_cache_memory_bytes"]
         config = EngineConfig(**options)  # checked before loading: a typo should not cost a multi-GB load
         self.chat_template = read_template(chat_template)
         if isinstance(dtype, str):
@@ -140,19 +143,9 @@ class LLM(VllmExtras):
         if fastest:  # the configuration not named: this machine's fastest for the model's device and dtype
             config = dataclasses.replace(config, **fastest)
 
-        if front.get("kv_cache_memory_bytes") is not None:
-            from engine.serve.flat import FlatModel
-
-            layers, kv_heads, head_dim = FlatModel(self.model).kv_spec()
-            dt = next(self.model.parameters()).dtype
-            blocks = num_blocks_for_memory(front["kv_cache_memory_bytes"], layers, kv_heads, head_dim,
-                                           config.cache.block_size, dt)
-            if blocks < 1:
-                raise ValueError(f"LLM: kv_cache_memory_bytes={front['kv_cache_memory_bytes']} holds no "
-                                 f"{config.cache.block_size}-token block of this model's K/V")
-            config = dataclasses.replace(config, num_blocks=blocks)
         eos = tokenizer.eos_token_id if tokenizer is not None else None
         self.engine = EngineCore(self.model, config, eos_token_id=eos)
+        self.processor = self.engine.processor  # checks every request before the core queues it
         self._next_id = 0
         self._lock = threading.RLock()
         self._live: dict[str, CompletionState] = {}  # engine request id -> its completion
@@ -359,7 +352,7 @@ class LLM(VllmExtras):
             raise ValueError("stream takes a single prompt, not a list; use generate() for many")
         [(_, ids, cache_key)] = self._normalize(prompt)
         [params] = self._params_list(sampling_params, 1)
-        self.engine.sampler.check(params)  # invalid fields (set after construction) first
+        self.processor.check_sampling(params)  # invalid fields (set after construction) first
         if params.n != 1:
             raise ValueError(f"stream produces one completion; got SamplingParams(n={params.n})")
         with self._lock:
@@ -389,7 +382,7 @@ class LLM(VllmExtras):
 
     def _normalize(self, prompts: PromptType | Sequence[PromptType],
                    tokenization_kwargs: dict[str, Any] | None = None) -> list[tuple[str | None, list[int], tuple]]:
-        return normalize_prompts(prompts, self.get_tokenizer, self.engine.max_model_len, tokenization_kwargs)
+        return normalize_prompts(prompts, self.get_tokenizer, self.processor.max_model_len, tokenization_kwargs)
 
 
     def _params_list(self, sampling_params: Any, n: int) -> list[Any]:
@@ -421,7 +414,7 @@ class LLM(VllmExtras):
         ``truncate_prompt_tokens`` in the params keeps the prompt's last k tokens.
         """
         if params.truncate_prompt_tokens is not None:
-            prompt_ids = truncate_ids(prompt_ids, params.truncate_prompt_tokens, "left", self.engine.max_model_len)
+            prompt_ids = truncate_ids(prompt_ids, params.truncate_prompt_tokens, "left", self.processor.max_model_len)
         tok = self.tokenizer
         if tok is not None and not params.ignore_eos:
             extra = [t for t in tok.eos_token_ids
@@ -493,7 +486,7 @@ class LLM(VllmExtras):
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(items)):
             raise ValueError(f"priority must be a list of {len(items)} ints (one per prompt), got {priority!r}")
         for p in params:
-            self.engine.sampler.check(p)  # before anything is queued
+            self.processor.check_sampling(p)  # before anything is queued
         batch: list[tuple[RequestOutput, list[CompletionState]]] = []
         try:
             with self._lock:
