@@ -14,7 +14,8 @@ The same script runs on vLLM with only the import line changed (``docs/from-the-
 ``LLM`` owns one tokenizer and one ``EngineCore``. ``generate`` queues every prompt at once and
 steps the core until they are done, so the prompts share batches and the prefix cache as
 concurrent users of a server would; results come back in prompt order whatever order they
-finished in. Around it: ``engine.prompts`` turns prompts into token ids, ``engine.output_processor``
+finished in. Around it: ``engine.prompts`` turns prompts into token ids, the core's
+``engine.serve.processor`` checks each request before it is queued, ``engine.output_processor``
 does the front end's work (detokenizing, stop strings, holding back stream text),
 ``engine.llm_options`` sorts the constructor's vLLM names, and ``engine.llm_compat`` holds the
 rest of vLLM's methods (stats, and those refused by name).

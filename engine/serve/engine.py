@@ -39,8 +39,10 @@ class RequestOutput:
 class EngineCore:
     """The chapter's engine: add requests, call ``step()`` until ``has_unfinished()`` is False.
 
-    Owns ``runner`` (model + pools), ``blocks`` (BlockManager), ``scheduler`` and ``sampler``.
-    ``steps`` counts steps that ran a forward pass; ``preemptions`` counts preemptions.
+    Owns ``runner`` (model + pools), ``blocks`` (BlockManager), ``scheduler``, ``sampler`` and
+    ``processor`` (the front door: a request is checked, and n > 1 fanned out, before it is
+    queued). ``steps`` counts steps that ran a forward pass; ``preemptions`` counts preemptions.
+    Invariant: ``parent_of`` maps exactly the child ids of the ``parents`` still running.
     """
 
     def __init__(self, model: nn.Module, config: EngineConfig | None = None,
