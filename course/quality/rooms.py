@@ -6,7 +6,9 @@ room the work is in: the module of the innermost engine frame (library frames su
 dataclasses' are seen through). A call from one room into a function of another ENTERS that
 room; entering a room that was entered before, and left since, is a RETURN: the reader following
 the configuration through the code has to go back to a file already read. Returning from a call
-to its caller is not an entry (the reader is only finishing the paragraph they left).
+to its caller is not an entry (the reader is only finishing the paragraph they left), nor is a
+run of calls from one frame into the same room (``flat.device`` then ``flat.dtype``: one visit),
+nor a loop's repeated call (``Trace`` names each kind).
 
 ``python -m course.quality.rooms`` builds the 2-layer test model, then traces
 ``EngineCore(model, EngineConfig())`` (the default configuration; modules already imported by
