@@ -14,7 +14,8 @@ The same script runs on vLLM with only the import line changed (``docs/from-the-
 ``LLM`` owns one tokenizer and one ``EngineCore``. ``generate`` queues every prompt at once and
 steps the core until they are done, so the prompts share batches and the prefix cache as
 concurrent users of a server would; results come back in prompt order whatever order they
-finished in. Around it: ``engine.prompts`` turns prompts into token ids, ``engine.output_processor``
+finished in. Around it: ``engine.prompts`` turns prompts into token ids, the core's
+``engine.serve.processor`` checks each request before it is queued, ``engine.output_processor``
 does the front end's work (detokenizing, stop strings, holding back stream text),
 ``engine.llm_options`` sorts the constructor's vLLM names, and ``engine.llm_compat`` holds the
 rest of vLLM's methods (stats, and those refused by name).
@@ -95,10 +96,13 @@ class LLM(VllmExtras):
     ) -> None:
         from engine.serve import EngineConfig, EngineCore
         from engine.fast.choose import fastest_options
-        from engine.serve.sizing import num_blocks_for_memory
 
         known = set(EngineConfig.field_names())
         options, front = split_options({**engine_options, "kv_cache_memory_bytes": kv_cache_memory_bytes}, known)
+        if front.get("kv_cache_memory_bytes") is not None:  # vLLM's name for the pool's bytes: the engine sizes it
+            if options.get("kv_cache_bytes") is not None:
+                raise ValueError("LLM: 'kv_cache_memory_bytes' and 'kv_cache_bytes' are the same option; give one")
+            options["kv_cache_bytes"] = front["kv_cache_memory_bytes"]
         config = EngineConfig(**options)  # checked before loading: a typo should not cost a multi-GB load
         self.chat_template = read_template(chat_template)
         if isinstance(dtype, str):
@@ -140,19 +144,9 @@ class LLM(VllmExtras):
         if fastest:  # the configuration not named: this machine's fastest for the model's device and dtype
             config = dataclasses.replace(config, **fastest)
 
-        if front.get("kv_cache_memory_bytes") is not None:
-            from engine.serve.flat import FlatModel
-
-            layers, kv_heads, head_dim = FlatModel(self.model).kv_spec()
-            dt = next(self.model.parameters()).dtype
-            blocks = num_blocks_for_memory(front["kv_cache_memory_bytes"], layers, kv_heads, head_dim,
-                                           config.cache.block_size, dt)
-            if blocks < 1:
-                raise ValueError(f"LLM: kv_cache_memory_bytes={front['kv_cache_memory_bytes']} holds no "
-                                 f"{config.cache.block_size}-token block of this model's K/V")
-            config = dataclasses.replace(config, num_blocks=blocks)
         eos = tokenizer.eos_token_id if tokenizer is not None else None
         self.engine = EngineCore(self.model, config, eos_token_id=eos)
+        self.processor = self.engine.processor  # checks every request before the core queues it
         self._next_id = 0
         self._lock = threading.RLock()
         self._live: dict[str, CompletionState] = {}  # engine request id -> its completion
@@ -359,7 +353,7 @@ class LLM(VllmExtras):
             raise ValueError("stream takes a single prompt, not a list; use generate() for many")
         [(_, ids, cache_key)] = self._normalize(prompt)
         [params] = self._params_list(sampling_params, 1)
-        self.engine.sampler.check(params)  # invalid fields (set after construction) first
+        self.processor.check_sampling(params)  # invalid fields (set after construction) first
         if params.n != 1:
             raise ValueError(f"stream produces one completion; got SamplingParams(n={params.n})")
         with self._lock:
@@ -389,7 +383,7 @@ class LLM(VllmExtras):
 
     def _normalize(self, prompts: PromptType | Sequence[PromptType],
                    tokenization_kwargs: dict[str, Any] | None = None) -> list[tuple[str | None, list[int], tuple]]:
-        return normalize_prompts(prompts, self.get_tokenizer, self.engine.max_model_len, tokenization_kwargs)
+        return normalize_prompts(prompts, self.get_tokenizer, self.processor.max_model_len, tokenization_kwargs)
 
 
     def _params_list(self, sampling_params: Any, n: int) -> list[Any]:
@@ -421,7 +415,7 @@ class LLM(VllmExtras):
         ``truncate_prompt_tokens`` in the params keeps the prompt's last k tokens.
         """
         if params.truncate_prompt_tokens is not None:
-            prompt_ids = truncate_ids(prompt_ids, params.truncate_prompt_tokens, "left", self.engine.max_model_len)
+            prompt_ids = truncate_ids(prompt_ids, params.truncate_prompt_tokens, "left", self.processor.max_model_len)
         tok = self.tokenizer
         if tok is not None and not params.ignore_eos:
             extra = [t for t in tok.eos_token_ids
@@ -493,7 +487,7 @@ class LLM(VllmExtras):
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(items)):
             raise ValueError(f"priority must be a list of {len(items)} ints (one per prompt), got {priority!r}")
         for p in params:
-            self.engine.sampler.check(p)  # before anything is queued
+            self.processor.check_sampling(p)  # before anything is queued
         batch: list[tuple[RequestOutput, list[CompletionState]]] = []
         try:
             with self._lock:

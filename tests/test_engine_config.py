@@ -95,6 +95,24 @@ def test_profiled_pool_gets_what_the_peak_leaves_and_the_profile_pool_is_freed()
         runner.profile_run(10)
 
 
+def test_a_pool_given_in_bytes_is_not_profiled_and_with_pool_sizes_once():
+    """``kv_cache_bytes`` (vLLM's ``kv_cache_memory_bytes``) decides the pool on the CUDA path too:
+    no profiling step runs; ``ModelRunner.with_pool`` sizes and allocates in one call, and a given
+    ``num_blocks`` wins over both."""
+    runner = _runner()
+    forwards = []
+    runner.flat.forward = lambda *a, **k: forwards.append(a) or pytest.fail("a profiling step ran")
+    per_block = kv_bytes_per_block(*runner.flat.kv_spec(), 4, torch.float64)
+    cache = CacheConfig(block_size=4, kv_cache_bytes=7 * per_block, gpu_memory_utilization=0.5)
+    assert runner.determine_num_blocks(cache, 10, mem_info=lambda: (0, 1000 * per_block), peak_bytes=lambda: 0) == 7
+    assert forwards == [] and runner.kv_caches == []
+    sized = ModelRunner.with_pool(FlatModel(model64()), get_backend("reference"), cache, max_num_tokens=10)
+    assert sized.num_blocks == 7 and sized.kv_caches[0][0].shape[0] == 8, "7 blocks plus the scratch block"
+    given = ModelRunner.with_pool(FlatModel(model64()), get_backend("reference"),
+                                  dataclasses.replace(cache, num_blocks=3), max_num_tokens=10)
+    assert given.num_blocks == 3
+
+
 def test_a_runner_given_num_blocks_allocates_at_once_and_the_engine_serves_from_a_sized_pool():
     flat = FlatModel(model64())
     runner = ModelRunner(flat, get_backend("reference"), 16, 4)
@@ -104,3 +122,17 @@ def test_a_runner_given_num_blocks_allocates_at_once_and_the_engine_serves_from_
     prompt = [5, 17, 99, 3, 250, 42, 7]
     core.add_request("a", prompt, SamplingParams(max_tokens=6, temperature=0.0))
     assert run_checked(core)["a"] == oracle(tuple(prompt), 6)
+
+
+def test_llms_kv_cache_memory_bytes_is_the_engines_kv_cache_bytes():
+    """One sizing path: ``LLM(kv_cache_memory_bytes=...)`` hands vLLM's name to the engine's own
+    ``kv_cache_bytes`` (the pool is sized once, by the runner); both at once is refused."""
+    from engine.llm import LLM
+
+    per_block = kv_bytes_per_block(*FlatModel(model64()).kv_spec(), 4, torch.float64)
+    llm = LLM(model64(), block_size=4, kv_cache_memory_bytes=9 * per_block, attention_backend="reference",
+              flat_model="flat")
+    assert llm.engine.config.cache.kv_cache_bytes == 9 * per_block and llm.engine.blocks.num_blocks == 9
+    assert llm.processor is llm.engine.processor, "the LLM checks requests with its core's processor"
+    with pytest.raises(ValueError, match="same option; give one"):
+        LLM(model64(), kv_cache_memory_bytes=9 * per_block, kv_cache_bytes=9 * per_block)

@@ -120,7 +120,8 @@ def engine_violations(core: Any) -> list[str]:
     num_tokens - 1); only running requests hold blocks; a waiting request has nothing computed
     unless it is swapped out; ``runner.swapped`` holds K/V exactly for swapped-out requests, one
     saved block per computed block; ``generators`` exist exactly for live seeded requests;
-    every ``children`` entry still has a live child; nobody runs past max_tokens or max_num_seqs.
+    every ``parents`` entry still has a live child and counts them; nobody runs past max_tokens or
+    max_num_seqs.
     """
     sched, blocks, runner = core.scheduler, core.blocks, core.runner
     bad = block_violations(blocks)
@@ -204,20 +205,18 @@ def engine_violations(core: Any) -> list[str]:
     seeded = {rid for rid, r in sched.requests.items() if r.params.seed is not None}
     if set(core.generators) != seeded:
         bad.append(f"generators kept for {sorted(core.generators)}; live seeded requests are {sorted(seeded)}")
-    for parent, ids in core.children.items():
+    for pid, parent in core.parents.items():
+        ids = parent.child_ids
         if not any(i in sched.requests for i in ids):
-            bad.append(f"children[{parent!r}] kept after all of {ids} finished")
-        if parent in sched.requests:
-            bad.append(f"parent id {parent!r} of an n > 1 request is also a live request id")
-        live = sum(1 for i in ids if i in sched.requests and core.parent_of.get(i) == parent)
-        if core.live_children.get(parent) != live:
-            bad.append(f"live_children[{parent!r}] is {core.live_children.get(parent)} but {live} of its "
-                       "children are live")
-    want_parent = {c: p for p, ids in core.children.items() for c in ids}
+            bad.append(f"parents[{pid!r}] kept after all of {ids} finished")
+        if pid in sched.requests:
+            bad.append(f"parent id {pid!r} of an n > 1 request is also a live request id")
+        live = sum(1 for i in ids if i in sched.requests and core.parent_of.get(i) is parent)
+        if parent.num_live != live:
+            bad.append(f"parents[{pid!r}].num_live is {parent.num_live} but {live} of its children are live")
+    want_parent = {c: parent for parent in core.parents.values() for c in parent.child_ids}
     if core.parent_of != want_parent:
         bad.append("parent_of does not map exactly the children of live n > 1 requests to their parent")
-    if set(core.live_children) != set(core.children):
-        bad.append(f"live_children kept for {sorted(core.live_children)}, children for {sorted(core.children)}")
     return bad
 
 
@@ -232,8 +231,8 @@ def idle_violations(core: Any) -> list[str]:
     leftovers = {
         "scheduler.requests": sched.requests, "scheduler.waiting": sched.waiting,
         "scheduler.running": sched.running, "generators": core.generators,
-        "runner.swapped": core.runner.swapped, "children": core.children,
-        "parent_of": core.parent_of, "live_children": core.live_children,
+        "runner.swapped": core.runner.swapped, "parents": core.parents,
+        "parent_of": core.parent_of,
         "blocks.req_blocks": blocks.req_blocks, "blocks.num_published": blocks.num_published,
         "blocks.pending_lookups": blocks.pending_lookups,
     }

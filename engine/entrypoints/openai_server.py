@@ -91,7 +91,7 @@ def build_app(llm: LLM, model_name: str, capacity: int = 256) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "engine-course", "root": model_name,
-                                            "max_model_len": llm.engine.max_model_len}]}
+                                            "max_model_len": llm.processor.max_model_len}]}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -110,7 +110,7 @@ def build_app(llm: LLM, model_name: str, capacity: int = 256) -> FastAPI:
             if not isinstance(prompt, str):
                 raise bad_request("'prompt' must be a string (or give 'messages')", param="prompt")
             ids = await _call(loop, lambda: llm.get_tokenizer().encode(prompt, add_special_tokens=bool(special)))
-        return {"tokens": ids, "count": len(ids), "max_model_len": llm.engine.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.processor.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
@@ -164,7 +164,7 @@ def build_app(llm: LLM, model_name: str, capacity: int = 256) -> FastAPI:
 
 def _add_all(llm: LLM, items: list[tuple[str | None, list[int], tuple]], params) -> list:
     """Queue every prompt with ``params`` (all or nothing): per prompt (token ids, states)."""
-    llm.engine.sampler.check(params)
+    llm.processor.check_sampling(params)
     added: list = []
     try:
         for _, ids, cache_key in items:

@@ -50,8 +50,9 @@ class CacheConfig:
     """How the block pool is laid out and sized.
 
     ``num_blocks=None`` sizes the pool from memory (``ModelRunner.determine_num_blocks``):
-    ``kv_cache_bytes`` on a CPU (None: sized for the model, ``sizing.default_kv_cache_bytes``),
-    profiling plus ``gpu_memory_utilization`` on CUDA.
+    ``kv_cache_bytes`` when given (any device; vLLM's ``kv_cache_memory_bytes``), else sized for
+    the model on a CPU (``sizing.default_kv_cache_bytes``) and by profiling plus
+    ``gpu_memory_utilization`` on CUDA.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE

@@ -1,18 +1,18 @@
 """EngineCore: one scheduler, one block pool, one flattened forward pass per step."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
-from engine.serve.blocks import BlockManager, encode_cache_key
+from engine.serve.blocks import BlockManager
 from engine.serve.config import EngineConfig
 from engine.serve.logprobs import token_logprobs
 from engine.serve.observer import Observer, install as install_observer
-from engine.serve.params import SEED_MAX, SEED_MIN, SamplingParams
+from engine.serve.parallel_sampling import ParentRequest
+from engine.serve.params import SamplingParams
+from engine.serve.processor import Processor
 from engine.serve.registry import get_backend, get_flat_model
 from engine.serve.request import Request, Status
 from engine.serve.runner import ModelRunner
@@ -39,8 +39,10 @@ class RequestOutput:
 class EngineCore:
     """The chapter's engine: add requests, call ``step()`` until ``has_unfinished()`` is False.
 
-    Owns ``runner`` (model + pools), ``blocks`` (BlockManager), ``scheduler`` and ``sampler``.
-    ``steps`` counts steps that ran a forward pass; ``preemptions`` counts preemptions.
+    Owns ``runner`` (model + pools), ``blocks`` (BlockManager), ``scheduler``, ``sampler`` and
+    ``processor`` (the front door: a request is checked, and n > 1 fanned out, before it is
+    queued). ``steps`` counts steps that ran a forward pass; ``preemptions`` counts preemptions.
+    Invariant: ``parent_of`` maps exactly the child ids of the ``parents`` still running.
     """
 
     def __init__(self, model: nn.Module, config: EngineConfig | None = None,
@@ -49,32 +51,31 @@ class EngineCore:
         self.model = model
         self.eos_token_id = eos_token_id
         self.flat = get_flat_model(config.flat_model, model)  # "flat": the chapter's FlatModel
+        backend = get_backend(config.attention_backend)
         cfg = model.cfg
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"{cfg.max_position_embeddings} positions")
-        backend = get_backend(config.attention_backend)
-        # The runner sizes the pool (the largest step it will run, against the memory left), then
-        # allocates it; the block manager keeps the bookkeeping of those same blocks.
+        # The pool, sized once (the largest step the scheduler will run, against the memory left)
+        # and allocated by the runner; the block manager keeps the bookkeeping of those same blocks.
         cache = config.cache
-        self.runner = ModelRunner(self.flat, backend, num_blocks=None, block_size=cache.block_size)
-        num_blocks = cache.num_blocks or self.runner.determine_num_blocks(
-            cache, max_num_tokens=min(config.scheduler.max_num_batched_tokens, self.max_model_len))
-        self.runner.initialize_kv_cache(num_blocks)
-        self.blocks = BlockManager(num_blocks=num_blocks, block_size=cache.block_size,
+        max_num_tokens = min(config.scheduler.max_num_batched_tokens, self.max_model_len)
+        self.runner = ModelRunner.with_pool(self.flat, backend, cache, max_num_tokens)
+        self.blocks = BlockManager(num_blocks=self.runner.num_blocks, block_size=cache.block_size,
                                    enable_prefix_caching=cache.enable_prefix_caching)
         scheduler = Scheduler(config.scheduler_config(), block_manager=self.blocks)
         scheduler.on_finish = self._on_finish  # a finished request's swapped K/V and generator go too
         self.scheduler = scheduler
-        self.generator = torch.Generator(device=self.flat.device).manual_seed(config.seed)
+        self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self.sampler = sampler or SimpleSampler(self.generator)
         self.generators: dict[str, torch.Generator] = {}
-        # n > 1: parent id -> its child ids, kept (so the ids stay reserved) while any child lives;
-        # child id -> parent id for those children; parent id -> how many children still live.
-        self.children: dict[str, list[str]] = {}
-        self.parent_of: dict[str, str] = {}
-        self.live_children: dict[str, int] = {}
+        # The front door: every request is checked (and n > 1 fanned out) before it is queued.
+        self.processor = Processor(cfg.vocab_size, self.max_model_len, self.sampler, eos_token_id)
+        # n > 1: parent id -> its ParentRequest, kept (so the ids stay reserved) while any child
+        # lives; child id -> its parent, for those children.
+        self.parents: dict[str, ParentRequest] = {}
+        self.parent_of: dict[str, ParentRequest] = {}
         self.steps = 0
 
     @property
@@ -93,102 +94,37 @@ class EngineCore:
         """Queue a request; returns the ids the engine will report under (n > 1 -> "{id}:{i}").
 
         ValueError, with nothing queued, for: an empty or non-integer prompt, token ids outside the
-        vocabulary, a duplicate id, prompt + max_tokens beyond ``max_model_len`` or the pool, or a
-        sampling feature the sampler cannot serve.
+        vocabulary, prompt + max_tokens beyond ``max_model_len`` or a sampling feature the sampler
+        cannot serve (``self.processor``), a duplicate id, or a request the pool can never hold.
         """
-        params = params or SamplingParams()
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        prompt = self._checked_prompt(request_id, prompt_token_ids)
-        params = self._checked_params(request_id, params, len(prompt))
-        self._check_queue_keys(request_id, priority, cache_key, arrival_time)
-        ids = self._new_ids(request_id, params.n)
-        reqs = []
-        for i, rid in enumerate(ids):
-            child = SamplingParams(**{**params.__dict__, "n": 1,
-                                      "seed": None if params.seed is None else params.seed + i})
-            reqs.append(Request(rid, prompt, child, self.eos_token_id, priority, cache_key=cache_key,
-                                **({} if arrival_time is None else {"arrival_time": arrival_time})))
-        for req in reqs:  # all or nothing: check every child before queueing any
+        parent, children = self.processor.process_inputs(request_id, prompt_token_ids, params, priority,
+                                                         cache_key, arrival_time)
+        self._check_ids_free(parent)
+        for req in children:  # all or nothing: check every child before queueing any
             self.scheduler.check(req)
-        for req in reqs:
+        for req in children:
             self.scheduler.add(req)
             if req.params.seed is not None:
-                self.generators[req.request_id] = torch.Generator(device=self.flat.device).manual_seed(req.params.seed)
-        if params.n > 1:
-            self.children[request_id] = ids
-            self.live_children[request_id] = len(ids)
-            self.parent_of.update((rid, request_id) for rid in ids)
-        return ids
+                self.generators[req.request_id] = torch.Generator(device=self.runner.device).manual_seed(req.params.seed)
+        if len(children) > 1:
+            self.parents[request_id] = parent
+            self.parent_of.update((rid, parent) for rid in parent.child_ids)
+        return parent.child_ids
 
-    def _checked_prompt(self, request_id: str, prompt_token_ids: Any) -> list[int]:
-        """The prompt as a list of token ids inside the vocabulary, or ValueError."""
-        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
-            raise ValueError(f"request {request_id!r}: prompt_token_ids must be a list of token ids (ints), "
-                             f"got {type(prompt_token_ids).__name__}; tokenize text first")
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: prompt_token_ids is empty; give at least one token")
-        vocab = self.model.cfg.vocab_size
-        for t in prompt:
-            if not isinstance(t, int) or isinstance(t, bool):
-                raise ValueError(f"request {request_id!r}: token ids must be ints, got {t!r}")
-            if not 0 <= t < vocab:
-                raise ValueError(f"request {request_id!r}: token id {t} is outside the vocabulary [0, {vocab})")
-        return prompt
+    @property
+    def children(self) -> dict[str, list[str]]:
+        """Each live n > 1 request's child ids, by parent id."""
+        return {rid: parent.child_ids for rid, parent in self.parents.items()}
 
-    def _checked_params(self, request_id: str, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
-        """``params`` with ``max_tokens=None`` resolved to what the context allows; ValueError for a
-        length past ``max_model_len`` or a feature this engine cannot serve."""
-        if params.max_tokens is None:  # vLLM's "as many as the context allows"
-            params = SamplingParams(**{**params.__dict__, "max_tokens": max(1, self.max_model_len - num_prompt_tokens)})
-        if num_prompt_tokens + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: prompt ({num_prompt_tokens}) + max_tokens ({params.max_tokens}) "
-                f"exceeds max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens")
-        self.sampler.check(params)
-        vocab = self.model.cfg.vocab_size
-        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
-            raise ValueError(f"request {request_id!r}: prompt_logprobs={params.prompt_logprobs} asks for more "
-                             f"alternatives than the vocabulary has ({vocab})")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"request {request_id!r}: logprobs={params.logprobs} asks for more alternatives "
-                             f"than the vocabulary has ({vocab}); -1 means all of them")
-        if params.seed is not None and not SEED_MIN <= params.seed <= SEED_MAX - (params.n - 1):
-            # SamplingParams checked this when it was built; it may have been changed since
-            raise ValueError(f"request {request_id!r}: seed {params.seed} is outside [0, 2**64 - n]; child i of an "
-                             "n > 1 request uses seed + i, and generator seeds are 64-bit unsigned")
-        return params
-
-    @staticmethod
-    def _check_queue_keys(request_id: str, priority: Any, cache_key: Any, arrival_time: Any) -> None:
-        """ValueError unless the prefix cache can hash ``cache_key`` (it does at every block
-        boundary) and ``priority`` and ``arrival_time`` can be compared in the queues' sort keys
-        (a value that can't would fail mid-step)."""
-        try:
-            encode_cache_key(cache_key)
-        except ValueError as e:
-            raise ValueError(f"request {request_id!r}: {e}") from None
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"request {request_id!r}: priority must be an int (lower runs first), got {priority!r}")
-        if arrival_time is not None and (not isinstance(arrival_time, (int, float)) or isinstance(arrival_time, bool)
-                                         or not math.isfinite(arrival_time)):
-            raise ValueError(f"request {request_id!r}: arrival_time must be a finite number of seconds "
-                             f"(time.monotonic()) or None, got {arrival_time!r}")
-
-    def _new_ids(self, request_id: str, n: int) -> list[str]:
-        """The ids a request of ``n`` completions reports under; ValueError if one (or, for n > 1,
-        the parent id) is in use."""
-        ids = [request_id] if n == 1 else [f"{request_id}:{i}" for i in range(n)]
-        for rid in ids + ([request_id] if n > 1 else []):
-            if rid in self.scheduler.requests or rid in self.children or rid in self.parent_of:
+    def _check_ids_free(self, parent: ParentRequest) -> None:
+        """ValueError if one of the ids ``parent`` reports under (or, for n > 1, its own) is in use."""
+        ids = parent.child_ids
+        for rid in ids + ([parent.request_id] if len(ids) > 1 else []):
+            if rid in self.scheduler.requests or rid in self.parents or rid in self.parent_of:
                 owner = self.parent_of.get(rid)
                 raise ValueError(f"request id {rid!r} is already in use"
-                                 + (f" (by n > 1 request {owner!r}, which is still running)" if owner else "")
+                                 + (f" (by n > 1 request {owner.request_id!r}, which is still running)" if owner else "")
                                  + "; pick a new id")
-        return ids
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (or all children of an n > 1 request); unknown or finished ids are ignored.
@@ -196,7 +132,8 @@ class EngineCore:
         A parent's child ids stay reserved until its last child finishes, so aborting the parent
         reaches its own children only, never a later request that took a finished child's id.
         """
-        for rid in self.children.get(request_id, [request_id]):
+        parent = self.parents.get(request_id)
+        for rid in parent.child_ids if parent is not None else [request_id]:
             self.scheduler.abort(rid)
 
     def has_unfinished(self) -> bool:
@@ -207,12 +144,10 @@ class EngineCore:
         self.runner.drop(rid)
         self.generators.pop(rid, None)
         parent = self.parent_of.get(rid)
-        if parent is not None:  # the last child to finish frees its parent's ids
-            self.live_children[parent] -= 1
-            if self.live_children[parent] == 0:
-                del self.live_children[parent]
-                for child in self.children.pop(parent):
-                    del self.parent_of[child]
+        if parent is not None and parent.child_finished():  # the last child frees its parent's ids
+            del self.parents[parent.request_id]
+            for child in parent.child_ids:
+                del self.parent_of[child]
 
     # ----- the step ------------------------------------------------------------------------
     def check_stop(self, request: Request) -> Status | None:

@@ -19,8 +19,9 @@ class ModelRunner:
 
     Holds one (K, V) pool per layer, each ``[num_blocks + 1, block_size, Hkv, D]`` (the +1 is the
     scratch block padding rows write to), and the host copies of swapped-out requests' K/V.
-    ``ModelRunner(flat, backend, num_blocks, block_size)`` allocates the pools at once; with
-    ``num_blocks=None`` the engine first asks ``determine_num_blocks`` how many fit, then calls
+    ``ModelRunner(flat, backend, num_blocks, block_size)`` allocates the pools at once;
+    ``ModelRunner.with_pool(flat, backend, cache, max_num_tokens)`` (the engine's one way) sizes
+    them from the configuration first. With ``num_blocks=None`` there is no pool until
     ``initialize_kv_cache``. Invariant: ``swapped`` holds an entry exactly for requests that are
     swapped out and not finished.
     """
@@ -32,16 +33,26 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device) if device is not None else flat.device
         self.dtype = dtype or flat.dtype
+        self.kv_spec = flat.kv_spec()  # (layers, kv_heads, head_dim): what one token keeps
         self.num_blocks: int | None = None
         self.kv_caches: list[KVCache] = []
         self.swapped: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         if num_blocks is not None:
             self.initialize_kv_cache(num_blocks)
 
+    @classmethod
+    def with_pool(cls, flat: FlatModel, backend: AttentionBackend, cache: CacheConfig,
+                  max_num_tokens: int) -> ModelRunner:
+        """A runner and its pool, sized once: ``cache.num_blocks`` if given, else what
+        ``determine_num_blocks`` finds room for (measured by a profiling run on CUDA)."""
+        runner = cls(flat, backend, None, cache.block_size)
+        runner.initialize_kv_cache(cache.num_blocks or runner.determine_num_blocks(cache, max_num_tokens))
+        return runner
+
     # ----- the pool ----------------------------------------------------------------------
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's (K, V) pool for ``num_blocks`` blocks (plus the scratch block)."""
-        layers, kv_heads, head_dim = self.flat.kv_spec()
+        layers, kv_heads, head_dim = self.kv_spec
         shape = (num_blocks + 1, self.block_size, kv_heads, head_dim)
         self.kv_caches = [self.backend.allocate(shape, self.dtype, self.device) for _ in range(layers)]
         self.num_blocks = num_blocks
@@ -49,14 +60,16 @@ class ModelRunner:
     def determine_num_blocks(self, cache: CacheConfig, max_num_tokens: int,
                              mem_info: Callable[[], tuple[int, int]] | None = None,
                              peak_bytes: Callable[[], int] | None = None) -> int:
-        """How many blocks the pool can have: on a CPU ``cache.kv_cache_bytes`` (None: sized for the
-        model, ``sizing.cpu_num_blocks``) over the bytes per block; on CUDA, what ``profile_run(max_num_tokens)`` leaves of ``gpu_memory_utilization``.
+        """How many blocks the pool can have: ``cache.kv_cache_bytes`` over the bytes per block
+        when given (on any device, as vLLM's ``kv_cache_memory_bytes``); otherwise on a CPU the
+        model-sized default (``sizing.cpu_num_blocks``), on CUDA what ``profile_run(max_num_tokens)``
+        leaves of ``gpu_memory_utilization``.
 
         ``mem_info`` and ``peak_bytes`` (``profile_num_blocks``' fakes for tests) take the CUDA
         path on any device. Call it before ``initialize_kv_cache``: the measurement assumes no pool.
         """
-        layers, kv_heads, head_dim = self.flat.kv_spec()
-        if self.device.type != "cuda" and mem_info is None:
+        layers, kv_heads, head_dim = self.kv_spec
+        if cache.kv_cache_bytes is not None or (self.device.type != "cuda" and mem_info is None):
             return cpu_num_blocks(cache.kv_cache_bytes, layers, kv_heads, head_dim, self.block_size, self.dtype)
         per_block = kv_bytes_per_block(layers, kv_heads, head_dim, self.block_size, self.dtype)
         return profile_num_blocks(lambda: self.profile_run(max_num_tokens), per_block,

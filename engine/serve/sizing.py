@@ -4,10 +4,11 @@ Figures for the chapter: Qwen3-8B in BF16 keeps 2 (K and V) x 36 layers x 8 kv h
 x 2 bytes = 147,456 bytes per token. On an 80 GB H100 at 90% utilisation, 72 GB minus 16.4 GB of
 weights minus ~2 GB of activations leaves ~53 GB: ~360,000 tokens of K/V.
 
-On a CPU the pool is given in bytes (``kv_cache_bytes``, like vLLM-CPU's KV-cache space setting)
-or, by default, sized for the model: ``DEFAULT_KV_CACHE_TOKENS`` tokens of ITS K/V (Qwen3-0.6B in
-float32 keeps 2 x 28 x 8 x 128 x 4 = 229,376 bytes a token: 16,384 tokens are 3.5 GiB), capped at
-``DEFAULT_KV_CACHE_SHARE`` of the machine's physical memory. The engine prints what it got.
+A pool given in bytes (``kv_cache_bytes``, vLLM's ``kv_cache_memory_bytes``) gets that many on any
+device. On a CPU it is otherwise sized for the model: ``DEFAULT_KV_CACHE_TOKENS`` tokens of ITS K/V
+(Qwen3-0.6B in float32 keeps 2 x 28 x 8 x 128 x 4 = 229,376 bytes a token: 16,384 tokens are
+3.5 GiB), capped at ``DEFAULT_KV_CACHE_SHARE`` of the machine's physical memory. The engine prints
+what it got.
 """
 from __future__ import annotations
 
@@ -69,8 +70,8 @@ def default_kv_cache_bytes(bytes_per_token: int, total_memory: int | None = None
 
 def cpu_num_blocks(kv_cache_bytes: int | None, layers: int, kv_heads: int, head_dim: int, block_size: int,
                    dtype: torch.dtype, total_memory: int | None = None, announce: bool = True) -> int:
-    """Blocks of the CPU pool: ``kv_cache_bytes`` over the bytes per block, or with None the
-    model-sized default (``default_kv_cache_bytes``). With ``announce``, the resulting capacity is
+    """Blocks of a pool given in bytes: ``kv_cache_bytes`` over the bytes per block (any device),
+    or with None the CPU's model-sized default (``default_kv_cache_bytes``). With ``announce``, the resulting capacity is
     printed on stderr (once per distinct pool in a process)."""
     per_block = kv_bytes_per_block(layers, kv_heads, head_dim, block_size, dtype)
     nbytes = kv_cache_bytes
