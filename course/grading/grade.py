@@ -46,7 +46,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from course.learner.holes import all_holes, assemble_files, stub_holes
+from course.grading.parsing import CheckoutError, analyse
+from course.learner.holes import all_holes
 from course.learner.testrun import CHAPTER_TESTS, ROOT, TestRecord, chapter_files, skeleton_files, workspace
 
 PASS, PARTIAL, NOT_STARTED, FAIL, NO_TESTS = "pass", "partial", "not started", "fail", "no tests"
@@ -186,8 +187,9 @@ MAX_CHAPTER_FILE = 2 << 20  # bytes: the largest chapter file the grader takes (
 
 
 def read_checkout(checkout: Path) -> tuple[dict[str, str], list[str], list[str]]:
-    """The chapter files (never through a symlink, a plain file only, at most ``MAX_CHAPTER_FILE``
-    bytes: anything else is graded as the skeleton), problems, flags."""
+    """The chapter files (never through a symlink, a plain file only: anything else is graded as
+    the skeleton), problems, flags. A file over ``MAX_CHAPTER_FILE`` bytes is ``CheckoutError`` (an
+    error row): the grader reads no more of it than the cap."""
     from course.grading.sandbox import read_capped
 
     files, problems, flags = {}, [], []
@@ -198,9 +200,11 @@ def read_checkout(checkout: Path) -> tuple[dict[str, str], list[str], list[str]]
             files[rel] = skeleton_files()[rel]
         elif path.is_file():
             raw = read_capped(path, MAX_CHAPTER_FILE + 1)
-            if raw is None or len(raw) > MAX_CHAPTER_FILE:
-                problems.append(f"engine/{rel} is not a readable file of at most {MAX_CHAPTER_FILE >> 20} MiB: "
-                                "graded as the skeleton")
+            if raw is not None and len(raw) > MAX_CHAPTER_FILE:
+                raise CheckoutError(f"engine/{rel} is over the {MAX_CHAPTER_FILE >> 20} MiB the grader reads "
+                                    "of a chapter file")
+            if raw is None:
+                problems.append(f"engine/{rel} is not a readable plain file: graded as the skeleton")
                 files[rel] = skeleton_files()[rel]
             else:
                 files[rel] = raw.decode(errors="replace")
@@ -233,7 +237,8 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     groups = {n: group_of(t) for n, t in known.items()}
     top = Path(tempfile.mkdtemp(prefix="grade-"))
     try:
-        graded, edits = assemble_files(files, skeleton_files())  # the grader's module: course/learner/holes.py
+        parsed = analyse(files, skeleton_files())  # in a limited child: course/grading/parsing.py
+        graded, edits = parsed["graded"], parsed["edits"]  # the grader's module: course/learner/holes.py
         bed = place_chapter_files(top, graded)
         tests = run_tests(bed, top, session.bwrap, list(known), groups, opts.per_test_timeout, opts.timeout, limits,
                           threads, [], startup=opts.startup_timeout)
@@ -274,10 +279,10 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     checks = make_row("engine checks", " ".join(ENGINE_CHECKS), [t for t in records if t not in chapter])
     contradicted = {r.name for r in (*holes, milestone, checks) if r.total and r.passed == r.total
                     and checked.get(r.name, {}).get("verified") == "fail"}
-    stubs = stub_holes(files)
+    stubs = set(parsed["stubs"])
     for row in (*holes, milestone, checks):
         apply_verdict(row, checked.get(row.name), flags, contradicted, stub=row.name in stubs)
-    copied = copycheck.copied_holes(files)
+    copied = parsed["copied"]
     if copied:
         flags.append(f"{len(copied)} hole(s) equal to the reference after normalisation: {', '.join(copied)}")
     flags += [f"symlink: {s}" for s in copycheck.symlinks(checkout)]
@@ -302,7 +307,7 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
         "edits_outside_holes": edits,
         "problems": problems,
         "flags": flags,
-        "fingerprint": copycheck.fingerprint(files),
+        "fingerprint": parsed["fingerprint"],
         "files_sha256": files_sha256(files),
         "raw_output": (tests.output + scen.output)[-60000:],  # the instructor's eyes only
     }
@@ -428,7 +433,8 @@ def grade_or_error(checkout: Path, session, jobs: int = 1) -> dict:
             files = read_checkout(checkout)[0]
         except Exception:  # noqa: BLE001
             files = None
-        return error_doc(checkout, session, f"{type(exc).__name__} in the grader", files)
+        why = str(exc) if isinstance(exc, CheckoutError) else f"{type(exc).__name__} in the grader"
+        return error_doc(checkout, session, why, files)
 
 
 def checkout_id(checkout: Path) -> str:
