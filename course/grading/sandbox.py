@@ -107,7 +107,7 @@ class Sandbox:
                 a += [*_parents(d, made), "--ro-bind", str(d), str(d)]
         a += [*_parents(self.workspace, made), "--ro-bind", str(self.workspace), str(self.workspace),
               *_parents(self.scratch, made), "--bind", str(self.scratch), str(self.scratch),
-              *[x for h in self.hide for x in ("--tmpfs", str(h))],
+              *[x for h in self.hide if h.is_dir() for x in ("--tmpfs", str(h))],
               "--chdir", str(self.workspace), "--setenv", "HOME", str(self.scratch),
               "--setenv", "TMPDIR", str(self.scratch), "--"]
         if os.geteuid() == 0:  # root ignores RLIMIT_NPROC: the launcher sets it, then becomes nobody
