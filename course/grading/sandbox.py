@@ -1,12 +1,12 @@
 """Run learner code inside bubblewrap: the only place the grader lets it run.
 
 What a sandboxed command sees (``Sandbox.argv``): the system's programs and libraries and this
-course's Python environment, read-only; the workspace (a copy of the instructor's tree with the
-learner's chapter files in it), read-only; one private scratch folder, the only writable place
-(HOME, TMPDIR and the report files live there); a private /tmp, /dev and /proc; no network, no
-view of other processes, its own hostname, and an ``/etc/hostname`` that says ``sandbox``. Nothing
-else of the machine's file system exists for it: not the instructor's real tree, not other
-checkouts, not the grades.
+course's Python environment, read-only; the workspace (the allow-list of given files of
+``course/grading/allowlist.py`` with the grader's assembled chapter files in it), read-only; one
+private scratch folder (HOME, TMPDIR and the report files live there); a private /tmp, /dev/shm,
+/dev and /proc; no network, no view of other processes, its own hostname, and an ``/etc/hostname``
+that says ``sandbox``. Nothing else of the machine's file system exists for it: not the
+instructor's real tree, not other checkouts, not the grades.
 
 Limits (``Limits``), per process, set on the sandbox's first process and inherited by everything it
 starts: address space (RLIMIT_AS), CPU seconds (RLIMIT_CPU), file size (RLIMIT_FSIZE). For the
@@ -247,8 +247,9 @@ def prepare_dirs(top: Path, scratch: Path, limits: Limits | None = None) -> None
     scratch.mkdir(parents=True, exist_ok=True)
     if os.geteuid() == 0:
         uid = sandbox_uid()
-        if limits is not None:
-            _mount_tmpfs(scratch, limits.scratch_bytes, uid)
+        if limits is not None and not _mount_tmpfs(scratch, limits.scratch_bytes, uid):
+            _warn_once("warning: cannot mount a tmpfs for the sandbox's scratch here: its size is not capped "
+                       "(per-file cap only)")
         os.chown(scratch, uid, uid)
 
 
@@ -260,12 +261,18 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _mount_tmpfs(path: Path, size: int, uid: int) -> None:
-    """A size-capped tmpfs at ``path`` (OSError when this machine does not allow one)."""
+def _mount_tmpfs(path: Path, size: int, uid: int) -> bool:
+    """A size-capped tmpfs at ``path``; False where this machine does not allow one (no CAP_SYS_ADMIN)."""
     opts = f"size={size},nr_inodes=65536,mode=0700,uid={uid},gid={uid}".encode()
-    if _libc().mount(b"tmpfs", os.fsencode(path), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"could not mount the sandbox's scratch tmpfs at {path}: {os.strerror(err)}")
+    try:
+        return _libc().mount(b"tmpfs", os.fsencode(path), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def mounts_under(path: Path) -> list[str]:
