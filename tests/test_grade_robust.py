@@ -290,7 +290,8 @@ def test_a_chapter_file_not_a_plain_file_is_graded_as_the_skeleton_and_one_over_
 # --- parsing happens in a limited child (course/grading/parsing.py) --------------------------------------
 
 def _hostile_class(tmp_path: Path) -> Path:
-    """Three checkouts: a 20 MiB chapter file, a 600-term expression, and the course's own files."""
+    """Four checkouts: a 20 MiB chapter file, a 600-term expression, a 3 GiB file outside the chapter
+    files (read by the check for files changed outside them), and the course's own files."""
     from course.learner.testrun import skeleton_files
 
     folder = tmp_path / "class"
@@ -299,16 +300,19 @@ def _hostile_class(tmp_path: Path) -> Path:
     texts = {"huge": {rel: sk[rel] + "\nBIG = [" + "1, " * ((20 << 20) // 3) + "]\n"},
              "deep": {rel: sk[rel] + "\n\ndef _helper():\n    return " + "+".join(["1"] * 600) + "\n"},
              "fine": {}}
-    for name, files in texts.items():
+    for name, files in {**texts, "bigtest": {}}.items():
         for r, text in {**sk, **files}.items():
             (folder / name / "engine" / r).parent.mkdir(parents=True, exist_ok=True)
             (folder / name / "engine" / r).write_text(text)
+    (folder / "bigtest" / "tests").mkdir()
+    with open(folder / "bigtest" / "tests" / "conftest.py", "wb") as f:  # a course file, 3 GiB, sparse: no disk
+        f.truncate(3 << 30)
     return folder
 
 
-def test_a_20_mib_file_and_a_600_term_expression_are_error_rows_and_the_rest_still_grade(tmp_path, monkeypatch):
-    """The whole run (grade_main), the sandboxed runs replaced: the 20 MiB file and the expression too
-    deep for the syntax tree each give their own checkout an error row with a one-line reason, the
+def test_a_20_mib_file_a_600_term_expression_and_a_3_gib_file_are_error_rows_and_the_rest_still_grade(tmp_path, monkeypatch):
+    """The whole run (grade_main), the sandboxed runs replaced: the 20 MiB file, the expression too deep
+    for the syntax tree and the 3 GiB file each give their own checkout an error row with a one-line reason, the
     grader's own peak memory grows by far less than 1 GiB (parsing is in the child), and the course's
     own files grade as usual."""
     import resource
@@ -339,7 +343,8 @@ def test_a_20_mib_file_and_a_600_term_expression_are_error_rows_and_the_rest_sti
     rows = {r["checkout"].rsplit("/", 1)[-1]: r for r in _csv(out).values()}
     assert rows["huge"]["status"] == "error" and "MiB" in rows["huge"]["problems"]
     assert rows["deep"]["status"] == "error" and "too deep" in rows["deep"]["problems"]
-    assert "\n" not in rows["huge"]["problems"] + rows["deep"]["problems"]
+    assert rows["bigtest"]["status"] == "error" and "MemoryError" in rows["bigtest"]["problems"]
+    assert "\n" not in rows["huge"]["problems"] + rows["deep"]["problems"] + rows["bigtest"]["problems"]
     assert rows["fine"]["status"] != "error" and rows["fine"]["score"] == "0"
 
 
@@ -351,9 +356,9 @@ def test_the_parsing_child_has_a_time_and_a_memory_limit():
     rel = "serve/blocks.py"
     files = {**sk, rel: sk[rel] + "\nBIG = [" + "1, " * 300_000 + "]\n"}  # 0.9 MB: a few hundred MB of tree
     with pytest.raises(CheckoutError, match="limit"):
-        analyse(files, sk, ParseLimits(seconds=0.5))
+        analyse(files, sk, limits=ParseLimits(seconds=0.5))
     with pytest.raises(CheckoutError, match="MemoryError|memory"):
-        analyse(files, sk, ParseLimits(memory_bytes=160 << 20))
+        analyse(files, sk, limits=ParseLimits(memory_bytes=128 << 20, seconds=600, cpu_seconds=600))
 
 
 def test_grade_after_a_startup_hang_gives_the_scenarios_a_short_start_and_removes_a_deep_scratch(tmp_path, monkeypatch):

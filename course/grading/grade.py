@@ -224,7 +224,6 @@ def group_of(t: TestRecord) -> str:
 
 def grade(checkout: Path, session: Session | None = None, opts: Options | None = None, jobs: int = 1) -> dict:
     """Grade one checkout (the JSON document)."""
-    from course.grading import copycheck
     from course.grading.sandbox import GIB, Limits, remove_tree
     from course.grading.verify import verdicts
     from course.grading.watchdog import run_scenarios, run_tests
@@ -239,7 +238,7 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     groups = {n: group_of(t) for n, t in known.items()}
     top = Path(tempfile.mkdtemp(prefix="grade-"))
     try:
-        parsed = analyse(files, skeleton_files())  # in a limited child: course/grading/parsing.py
+        parsed = analyse(files, skeleton_files(), checkout)  # in a limited child: course/grading/parsing.py
         graded, edits = parsed["graded"], parsed["edits"]  # the grader's module: course/learner/holes.py
         bed = place_chapter_files(top, graded)
         tests = run_tests(bed, top, session.bwrap, list(known), groups, opts.per_test_timeout, opts.timeout, limits,
@@ -287,8 +286,8 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     copied = parsed["copied"]
     if copied:
         flags.append(f"{len(copied)} hole(s) equal to the reference after normalisation: {', '.join(copied)}")
-    flags += [f"symlink: {s}" for s in copycheck.symlinks(checkout)]
-    flags += [f"changed outside the chapter files: {c}" for c in copycheck.changed_outside(checkout, chapter_files())]
+    flags += [f"symlink: {s}" for s in parsed["symlinks"]]
+    flags += [f"changed outside the chapter files: {c}" for c in parsed["changed"]]
     rows = [*holes, milestone, checks]
     return {
         "checkout": str(checkout),

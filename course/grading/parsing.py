@@ -4,7 +4,9 @@ Everything the grader learns from a checkout's chapter files by parsing them (``
 ``ast.unparse``) happens here, in one child process per checkout: the graded module
 (``course/learner/holes.py`` ``assemble_files``) and its edits, the holes still left as the stub
 (``stub_holes``), and the copy check's reading of the hole bodies (``course/grading/copycheck.py``
-``copied_holes`` and ``fingerprint``). The child is the grader's own code (no learner code runs in
+``copied_holes`` and ``fingerprint``), and, given the checkout, its walk for symlinks and for files
+changed outside the chapter files (``symlinks``, ``changed_outside``: they read the checkout's other
+files, of any size). The child is the grader's own code (no learner code runs in
 it; parsing executes nothing) under limits set before it starts: ``PARSE_LIMITS`` (address space,
 CPU seconds, no file written) and a wall-clock limit enforced from here. It reads the texts as JSON
 on stdin and answers plain JSON on stdout, read up to a cap. Whatever goes wrong in it (a
@@ -12,8 +14,8 @@ RecursionError on a 600-term expression, a MemoryError or a kill on a huge liter
 crash) reaches the grader as ``CheckoutError`` with a one-line reason: that checkout's row says
 ``error``, and the run goes on with the others.
 
-    analyse(files, course) -> {"graded": {rel: text}, "edits": [...], "stubs": [...],
-                               "copied": [...], "fingerprint": "..."}
+    analyse(files, course, checkout) -> {"graded": {rel: text}, "edits": [...], "stubs": [...],
+                                         "copied": [...], "fingerprint": "...", "symlinks": [...], "changed": [...]}
 """
 from __future__ import annotations
 
@@ -48,9 +50,11 @@ _CHILD = ("import sys; sys.path.insert(0, sys.argv[1]); "
           "from course.grading.parsing import child_main; sys.exit(child_main())")
 
 
-def analyse(files: dict[str, str], course: dict[str, str], limits: ParseLimits = PARSE_LIMITS) -> dict:
+def analyse(files: dict[str, str], course: dict[str, str], checkout: Path | None = None,
+            limits: ParseLimits = PARSE_LIMITS) -> dict:
     """The grader's reading of one checkout's chapter files (``files``) against the course's own
-    (``course``), computed in a limited child; ``CheckoutError`` (one line) when it fails."""
+    (``course``), and of the ``checkout`` folder itself when given, computed in a limited child;
+    ``CheckoutError`` (one line) when it fails."""
     def setup() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
         resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds))
@@ -58,7 +62,7 @@ def analyse(files: dict[str, str], course: dict[str, str], limits: ParseLimits =
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
-    request = json.dumps({"files": files, "course": course}).encode()
+    request = json.dumps({"files": files, "course": course, "checkout": str(checkout) if checkout else None}).encode()
     try:
         proc = subprocess.Popen([sys.executable, "-I", "-c", _CHILD, str(ROOT)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd="/",
@@ -85,11 +89,11 @@ def analyse(files: dict[str, str], course: dict[str, str], limits: ParseLimits =
     except ValueError:
         raise CheckoutError("the parser's answer did not read as JSON") from None
     if "error" in answer:
-        raise CheckoutError(f"the chapter files cannot be read: {str(answer['error'])[:120]}")
+        raise CheckoutError(f"the grader's reading of the checkout failed: {str(answer['error'])[:120]}")
     return answer
 
 
-def _analysis(files: dict[str, str], course: dict[str, str]) -> dict:
+def _analysis(files: dict[str, str], course: dict[str, str], checkout: str | None = None) -> dict:
     """What the grader needs from the chapter files' text (runs in the child only)."""
     import ast
 
@@ -105,15 +109,21 @@ def _analysis(files: dict[str, str], course: dict[str, str]) -> dict:
             raise ValueError(f"engine/{rel} is too deep or too large for the syntax tree "
                              f"({type(exc).__name__})") from None
     graded, edits = assemble_files(files, course)
-    return {"graded": graded, "edits": edits, "stubs": sorted(stub_holes(files)),
-            "copied": list(copycheck.copied_holes(files)), "fingerprint": copycheck.fingerprint(files)}
+    out = {"graded": graded, "edits": edits, "stubs": sorted(stub_holes(files)),
+           "copied": list(copycheck.copied_holes(files)), "fingerprint": copycheck.fingerprint(files)}
+    if checkout is not None:
+        from course.learner.testrun import chapter_files
+
+        out["symlinks"] = list(copycheck.symlinks(Path(checkout)))
+        out["changed"] = list(copycheck.changed_outside(Path(checkout), chapter_files()))
+    return out
 
 
 def child_main() -> int:
     """The child: a request on stdin, the answer (or ``{"error": kind and message}``) on stdout."""
     try:
         request = json.loads(sys.stdin.buffer.read())
-        answer = _analysis(request["files"], request["course"])
+        answer = _analysis(request["files"], request["course"], request.get("checkout"))
         text = json.dumps(answer)
     except (Exception, RecursionError, MemoryError) as exc:  # noqa: BLE001 - the grader reads it as a reason
         first = str(exc).splitlines()[0] if str(exc) else ""
