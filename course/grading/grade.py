@@ -232,7 +232,8 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     opts = session.opts
     started = time.monotonic()
     files, problems, flags = read_checkout(checkout)
-    limits = Limits(memory_bytes=int(opts.memory_gib * GIB))
+    limits = Limits(memory_bytes=int(opts.memory_gib * GIB),  # the whole sandbox: 3 GiB, or more with --memory-gib
+                    sandbox_memory_bytes=max(Limits.sandbox_memory_bytes, int((opts.memory_gib + 0.5) * GIB)))
     threads = opts.threads or max(1, (os.cpu_count() or 1) // max(1, jobs))
     known = {t.nodeid: t for t in session.tests}
     groups = {n: group_of(t) for n, t in known.items()}
