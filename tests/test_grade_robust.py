@@ -402,3 +402,27 @@ def test_grade_after_a_startup_hang_gives_the_scenarios_a_short_start_and_remove
     assert "the test session hung at start-up" in doc["problems"]
     assert tops and not tops[0].exists()
     assert len(doc["files_sha256"]) == 64
+
+
+# --- the sandbox's view is an allow-list (course/grading/allowlist.py) ----------------------------------
+
+def test_the_grading_workspace_holds_only_the_allow_list_and_no_line_of_the_reference(tmp_path):
+    """The workspace the sandbox sees (the grader's own ``place_chapter_files``), without a sandbox: no
+    solutions/, .git or grades, no test file but the learner-facing ones, and no line of a reference
+    body that given code does not also have (tests/test_sandbox.py walks it from inside a sandbox)."""
+    from course.grading.allowlist import ROOT as COURSE
+    from course.learner.testrun import skeleton_files
+
+    bed = g.place_chapter_files(tmp_path, skeleton_files())
+    rels = sorted(p.relative_to(bed).as_posix() for p in bed.rglob("*") if p.is_file())
+    assert not [r for r in rels if r.split("/", 1)[0] in ("solutions", ".git", "grades")], rels
+    assert {r for r in rels if r.startswith("tests/")} == {
+        "tests/conftest.py", "tests/ch31_helpers.py", "tests/test_ch31_engine_v2.py", "tests/test_isolation.py",
+        "tests/test_reliability.py"}
+    given = "\n".join(p.read_text() for p in [*(COURSE / "engine").rglob("*.py"), *(COURSE / "tests").glob("*.py")])
+    needles = {line.strip() for p in (COURSE / "solutions").rglob("*.py") for line in p.read_text().splitlines()
+               if len(line.strip()) >= 30 and not line.strip().startswith(("#", '"', "def ", "class "))}
+    needles = {n for n in needles if n not in given}
+    assert len(needles) > 50
+    texts = {r: (bed / r).read_text(errors="replace") for r in rels}
+    assert not [(r, n) for r, t in texts.items() for n in needles if n in t]
