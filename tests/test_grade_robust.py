@@ -270,7 +270,8 @@ def test_files_sha256_depends_on_every_name_and_text():
                 g.files_sha256({"c.py": "x", "b.py": "y"})}) == 4
 
 
-def test_a_chapter_file_over_the_cap_or_not_a_plain_file_is_graded_as_the_skeleton(tmp_path):
+def test_a_chapter_file_not_a_plain_file_is_graded_as_the_skeleton_and_one_over_the_cap_is_an_error(tmp_path):
+    from course.grading.parsing import CheckoutError
     from course.learner.testrun import chapter_files, skeleton_files
 
     rels = sorted(chapter_files())
@@ -278,11 +279,86 @@ def test_a_chapter_file_over_the_cap_or_not_a_plain_file_is_graded_as_the_skelet
     big, pipe = tmp_path / "engine" / rels[0], tmp_path / "engine" / rels[1]
     big.parent.mkdir(parents=True, exist_ok=True)
     pipe.parent.mkdir(parents=True, exist_ok=True)
-    big.write_text("x = [" + "1, " * (g.MAX_CHAPTER_FILE // 3 + 10) + "]\n")
     os.mkfifo(pipe)
     files, problems, _ = g.read_checkout(tmp_path)
-    assert files[rels[0]] == skeleton_files()[rels[0]] and files[rels[1]] == skeleton_files()[rels[1]]
-    assert any(rels[0] in p and "MiB" in p for p in problems) and any(rels[1] in p for p in problems)
+    assert files[rels[1]] == skeleton_files()[rels[1]] and any(rels[1] in p for p in problems)
+    big.write_text("x = [" + "1, " * (g.MAX_CHAPTER_FILE // 3 + 10) + "]\n")
+    with pytest.raises(CheckoutError, match="MiB"):
+        g.read_checkout(tmp_path)
+
+
+# --- parsing happens in a limited child (course/grading/parsing.py) --------------------------------------
+
+def _hostile_class(tmp_path: Path) -> Path:
+    """Four checkouts: a 20 MiB chapter file, a 600-term expression, a 3 GiB file outside the chapter
+    files (read by the check for files changed outside them), and the course's own files."""
+    from course.learner.testrun import skeleton_files
+
+    folder = tmp_path / "class"
+    sk = skeleton_files()
+    rel = "serve/blocks.py"
+    texts = {"huge": {rel: sk[rel] + "\nBIG = [" + "1, " * ((20 << 20) // 3) + "]\n"},
+             "deep": {rel: sk[rel] + "\n\ndef _helper():\n    return " + "+".join(["1"] * 600) + "\n"},
+             "fine": {}}
+    for name, files in {**texts, "bigtest": {}}.items():
+        for r, text in {**sk, **files}.items():
+            (folder / name / "engine" / r).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name / "engine" / r).write_text(text)
+    (folder / "bigtest" / "tests").mkdir()
+    with open(folder / "bigtest" / "tests" / "conftest.py", "wb") as f:  # a course file, 3 GiB, sparse: no disk
+        f.truncate(3 << 30)
+    return folder
+
+
+def test_a_20_mib_file_a_600_term_expression_and_a_3_gib_file_are_error_rows_and_the_rest_still_grade(tmp_path, monkeypatch):
+    """The whole run (grade_main), the sandboxed runs replaced: the 20 MiB file, the expression too deep
+    for the syntax tree and the 3 GiB file each give their own checkout an error row with a one-line reason, the
+    grader's own peak memory grows by far less than 1 GiB (parsing is in the child), and the course's
+    own files grade as usual."""
+    import resource
+
+    from course.grading import watchdog as wd
+
+    class Session(FakeSession):
+        def __init__(self, opts):
+            super().__init__(opts)
+            self.specs, self.reference, self.tests, self.lock = [], {}, [], threading.Lock()
+
+    def small_bed(top, files):
+        for rel, text in files.items():
+            (top / "repo" / "engine" / rel).parent.mkdir(parents=True, exist_ok=True)
+            (top / "repo" / "engine" / rel).write_text(text)
+        return top / "repo"
+
+    folder = _hostile_class(tmp_path)
+    monkeypatch.setattr(g, "Session", Session)
+    monkeypatch.setattr(g, "place_chapter_files", small_bed)
+    monkeypatch.setattr(wd, "run_tests", lambda *a, **k: wd.Watched())
+    monkeypatch.setattr(wd, "run_scenarios", lambda *a, **k: wd.Watched())
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    out = tmp_path / "grades"
+    assert g.grade_main(["--folder", str(folder), "--out", str(out), "--unsafe"]) == 0
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown < (1 << 20), f"the grader's own peak memory grew by {grown >> 10} MiB"
+    rows = {r["checkout"].rsplit("/", 1)[-1]: r for r in _csv(out).values()}
+    assert rows["huge"]["status"] == "error" and "MiB" in rows["huge"]["problems"]
+    assert rows["deep"]["status"] == "error" and "too deep" in rows["deep"]["problems"]
+    assert rows["bigtest"]["status"] == "error" and "MemoryError" in rows["bigtest"]["problems"]
+    assert "\n" not in rows["huge"]["problems"] + rows["deep"]["problems"] + rows["bigtest"]["problems"]
+    assert rows["fine"]["status"] != "error" and rows["fine"]["score"] == "0"
+
+
+def test_the_parsing_child_has_a_time_and_a_memory_limit():
+    from course.grading.parsing import CheckoutError, ParseLimits, analyse
+    from course.learner.testrun import skeleton_files
+
+    sk = skeleton_files()
+    rel = "serve/blocks.py"
+    files = {**sk, rel: sk[rel] + "\nBIG = [" + "1, " * 300_000 + "]\n"}  # 0.9 MB: a few hundred MB of tree
+    with pytest.raises(CheckoutError, match="limit"):
+        analyse(files, sk, limits=ParseLimits(seconds=0.5))
+    with pytest.raises(CheckoutError, match="MemoryError|memory"):
+        analyse(files, sk, limits=ParseLimits(memory_bytes=128 << 20, seconds=600, cpu_seconds=600))
 
 
 def test_grade_after_a_startup_hang_gives_the_scenarios_a_short_start_and_removes_a_deep_scratch(tmp_path, monkeypatch):
@@ -326,3 +402,27 @@ def test_grade_after_a_startup_hang_gives_the_scenarios_a_short_start_and_remove
     assert "the test session hung at start-up" in doc["problems"]
     assert tops and not tops[0].exists()
     assert len(doc["files_sha256"]) == 64
+
+
+# --- the sandbox's view is an allow-list (course/grading/allowlist.py) ----------------------------------
+
+def test_the_grading_workspace_holds_only_the_allow_list_and_no_line_of_the_reference(tmp_path):
+    """The workspace the sandbox sees (the grader's own ``place_chapter_files``), without a sandbox: no
+    solutions/, .git or grades, no test file but the learner-facing ones, and no line of a reference
+    body that given code does not also have (tests/test_sandbox.py walks it from inside a sandbox)."""
+    from course.grading.allowlist import ROOT as COURSE
+    from course.learner.testrun import skeleton_files
+
+    bed = g.place_chapter_files(tmp_path, skeleton_files())
+    rels = sorted(p.relative_to(bed).as_posix() for p in bed.rglob("*") if p.is_file())
+    assert not [r for r in rels if r.split("/", 1)[0] in ("solutions", ".git", "grades")], rels
+    assert {r for r in rels if r.startswith("tests/")} == {
+        "tests/conftest.py", "tests/ch31_helpers.py", "tests/test_ch31_engine_v2.py", "tests/test_isolation.py",
+        "tests/test_reliability.py"}
+    given = "\n".join(p.read_text() for p in [*(COURSE / "engine").rglob("*.py"), *(COURSE / "tests").glob("*.py")])
+    needles = {line.strip() for p in (COURSE / "solutions").rglob("*.py") for line in p.read_text().splitlines()
+               if len(line.strip()) >= 30 and not line.strip().startswith(("#", '"', "def ", "class "))}
+    needles = {n for n in needles if n not in given}
+    assert len(needles) > 50
+    texts = {r: (bed / r).read_text(errors="replace") for r in rels}
+    assert not [(r, n) for r, t in texts.items() for n in needles if n in t]

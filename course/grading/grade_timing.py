@@ -4,6 +4,7 @@
     python -m course.grading.grade_timing --hang      # what a hung hole costs with the defaults
     python -m course.grading.grade_timing --threads   # the milestone's scenarios on the reference, 1 vs 2 torch threads
     python -m course.grading.grade_timing --phases    # where one complete checkout's time goes
+    python -m course.grading.grade_timing --parsing   # hostile chapter files: the grader's and the parsing child's cost
 
 Both sittings share one seed; prints each wall time, the ratio, and the CPU it ran on. The machine's
 load matters (a shared machine gives a noisy ratio): the load average is printed beside the figures.
@@ -34,7 +35,10 @@ def main() -> int:
     ap.add_argument("--hang", action="store_true", help="grade a complete checkout and one whose check_stop hangs")
     ap.add_argument("--threads", action="store_true", help="time the milestone's scenarios with 1 and 2 threads")
     ap.add_argument("--phases", action="store_true", help="the session's set-up, then one complete checkout by phase")
+    ap.add_argument("--parsing", action="store_true", help="a 20 MiB file, a 1.9 MiB literal, a 600-term expression")
     args = ap.parse_args()
+    if args.parsing:
+        return parsing_cost()
     if args.hang:
         return hang_cost()
     if args.phases:
@@ -53,6 +57,38 @@ def main() -> int:
             walls[jobs] = time.monotonic() - start
             print(f"--jobs {jobs}: {walls[jobs]:.0f} s for {args.checkouts} checkouts; load {os.getloadavg()}", flush=True)
         print(f"--jobs {args.jobs} / serial: {walls[args.jobs] / walls[1]:.2f}")
+    return 0
+
+
+def parsing_cost() -> int:
+    """``grade_or_error`` on checkouts whose engine/serve/blocks.py is the course's plus a hostile text
+    (the sandboxed runs are never reached): seconds, the grader's own peak RSS growth, the children's."""
+    import resource
+
+    import course.grading.grade as g
+    from course.learner.testrun import skeleton_files
+
+    class Session:
+        opts, seed, bwrap, specs, reference, tests = g.Options(unsafe=True), 1, None, [], {}, []
+
+    sk, rel = skeleton_files(), "serve/blocks.py"
+    cases = {"a 20 MiB list literal": sk[rel] + "\nBIG = [" + "1, " * ((20 << 20) // 3) + "]\n",
+             "a 1.9 MiB list literal": sk[rel] + "\nBIG = [" + "1, " * ((19 << 20) // 30) + "]\n",
+             "a 600-term expression": sk[rel] + "\n\ndef _h():\n    return " + "+".join(["1"] * 600) + "\n"}
+    print("| chapter file | MiB | seconds | grader MiB | children's peak MiB | row |")
+    for name, text in cases.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            for r, t in {**sk, rel: text}.items():
+                (Path(tmp) / "engine" / r).parent.mkdir(parents=True, exist_ok=True)
+                (Path(tmp) / "engine" / r).write_text(t)
+            before, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.monotonic()
+            doc = g.grade_or_error(Path(tmp), Session())
+            wall = time.monotonic() - start
+        grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10
+        print(f"| {name} | {len(text) / (1 << 20):.1f} | {wall:.1f} | {grown} | "
+              f"{resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss >> 10} | {g.status_of_doc(doc)}: "
+              f"{doc['problems'][0][:90] if doc['problems'] else ''} |", flush=True)
+    print(f"load {os.getloadavg()}")
     return 0
 
 

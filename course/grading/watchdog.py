@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course.grading.sandbox import Finished, Limits, Sandbox, prepare_dirs, read_capped, run_watched
+from course.grading.sandbox import (Finished, Limits, Sandbox, prepare_dirs, read_capped, release_mounts,
+                                    run_watched)
 from course.learner.testrun import LEAN, PLUGIN_DIR
 
 PLUGIN_REL = PLUGIN_DIR.relative_to(Path(__file__).resolve().parents[2])  # course/learner/pytest_plugins
@@ -72,16 +73,19 @@ def _launch(sandbox: Sandbox | None, cmd: list[str], cwd: Path, env: dict, limit
         from course.grading.sandbox import unsafe_preexec
 
         return run_watched(cmd, cwd, env, unsafe_preexec(limits), watch, timeout)
-    return run_watched(sandbox.argv(cmd), cwd, env, sandbox.preexec(limits), watch, timeout)
+    return sandbox.run(cmd, cwd, env, limits, watch, timeout)
 
 
 def _next_run(w: Watched, top: Path, label: str, bed: Path, bwrap: str | None, limits: Limits,
               hide: tuple[Path, ...] = ()) -> tuple[Path, Sandbox | None]:
-    """A fresh scratch folder (and sandbox) for the next child: nothing carries over between runs."""
+    """A fresh scratch folder (and sandbox) for the next child: nothing carries over between runs.
+    The previous run's scratch (read by now) is released: as root it is a tmpfs, unmounted here."""
+    if w.runs and bwrap:
+        release_mounts(top / f"scratch-{label}-{w.runs}")
     w.runs += 1
     scratch = top / f"scratch-{label}-{w.runs}"
-    prepare_dirs(top, scratch)
-    return scratch, (Sandbox(bwrap, bed, scratch, limits.processes, hide) if bwrap else None)
+    prepare_dirs(top, scratch, limits if bwrap else None)  # --unsafe: a plain folder
+    return scratch, (Sandbox(bwrap, bed, scratch, limits.processes, hide, limits.tmp_bytes) if bwrap else None)
 
 
 def run_tests(bed: Path, top: Path, bwrap: str | None, nodeids: list[str], group_of: dict[str, str],
