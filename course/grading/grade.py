@@ -277,9 +277,7 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     stubs = stub_holes(files)
     for row in (*holes, milestone, checks):
         apply_verdict(row, checked.get(row.name), flags, contradicted, stub=row.name in stubs)
-    copied = copycheck.copied_holes(files)
-    if copied:
-        flags.append(f"{len(copied)} hole(s) equal to the reference after normalisation: {', '.join(copied)}")
+    flags += copycheck.reference_flags(files)  # equal or similar to the reference, or delegating to given code
     flags += [f"symlink: {s}" for s in copycheck.symlinks(checkout)]
     flags += [f"changed outside the chapter files: {c}" for c in copycheck.changed_outside(checkout, chapter_files())]
     rows = [*holes, milestone, checks]
@@ -464,7 +462,7 @@ def gradescope(doc: dict) -> dict:
             "visibility": "visible", "stdout_visibility": "hidden", "tests": tests}
 
 
-COPY_FLAGS = ("equal to the reference", "near-identical")
+COPY_FLAGS = ("equal to the reference", "near-identical", "similar to", "hands its job to given code")
 CONTRADICTION_FLAGS = ("the tests reported a pass, the verified scenarios disagree",)
 
 
@@ -599,6 +597,9 @@ def grade_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="the scenarios' seed (default: a fresh secret one)")
     ap.add_argument("--scenarios", type=int, default=2, help="scenarios of each kind per hole")
     ap.add_argument("--unsafe", action="store_true", help="grade without a sandbox (marked unsafe)")
+    ap.add_argument("--prior", type=Path, default=os.environ.get("GRADE_PRIOR") or None,
+                    help="earlier submissions to compare with: a fingerprint store (OUT/fingerprints.json) or a "
+                         "folder of stores and checkouts (default: $GRADE_PRIOR)")
     ap.add_argument("-k", dest="keyword", default="", help="a trial: only the tests matching this pytest -k "
                     "expression (written under OUT/trials/, never over a real grade)")
     args = ap.parse_args(argv)
@@ -644,21 +645,15 @@ def grade_main(argv: list[str] | None = None) -> int:
               f"wrote {printable(out)}", flush=True)
         return doc
 
+    from course.grading import copycheck
+
+    prior = copycheck.load_prior(args.prior) if args.prior is not None else {}  # bad --prior: one line, first
     with ThreadPoolExecutor(args.jobs) as pool:
         docs = list(pool.map(one, paths))
-    from course.grading.copycheck import near_pairs
-
     by_id = {ids[p]: d for p, d in zip(paths, docs)}
-    try:
-        pairs = near_pairs({i: d["fingerprint"] for i, d in by_id.items() if d.get("fingerprint")})
-    except Exception as exc:  # noqa: BLE001 - the pair check failing must not lose the grades
-        print(f"warning: the near-identical check failed ({type(exc).__name__}); no pairs flagged", file=sys.stderr)
-        pairs = []
-    for a, b, ratio in pairs:
-        by_id[a]["flags"].append(f"near-identical holes to {b} ({ratio:.0%} similar)")
-        by_id[b]["flags"].append(f"near-identical holes to {a} ({ratio:.0%} similar)")
-        for i in (a, b):
-            write_json(out_root / i / "grade.json", by_id[i])
+    copycheck.cross_flags(by_id, prior, lambda i: (write_json(out_root / i / "grade.json", by_id[i]),
+                                                   write_json(out_root / i / "results.json", gradescope(by_id[i]))),
+                          out_root / "fingerprints.json" if not args.keyword else None)
     if len(docs) == 1:
         print(format_report(docs[0]))
     update_csv(out_root / "grades.csv", {i: csv_row(i, d) for i, d in by_id.items()})
