@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from course.learner.holes import _defs, is_stub
@@ -79,9 +81,33 @@ def hole_bodies(text: str, rel: str) -> dict[str, str]:
     """COUPLING POINT (learner layer): hole name -> normalised body, for the filled holes of one
     chapter file's text. The holes are the chapter's (``engine._impl.all_holes``, read from the
     markers in the instructor's engine/), found in ``text`` by qualname; a stub is not a body."""
+    return {q: a.body for q, a in _analysis(text, rel).items()}
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """What the copy checks need of one filled hole, computed once per file text (``_analysis``)."""
+    body: str  # normalised (``normalised``): compared for equality
+    prints: tuple[int, ...]  # winnowed k-gram hashes (``fingerprint.print_of``)
+    size: int  # tokens of the normalised stream
+    delegation: tuple[str, float] | None  # (callee, share) when it hands its job to given code
+
+
+@functools.lru_cache(maxsize=64)
+def _analysis(text: str, rel: str) -> dict[str, Analysis]:
+    from course.grading.fingerprint import expanded, tokens, winnow
+
     try:
         filled, helpers = _parsed_holes(text, _course_texts().get(rel, ""), rel)
-        return {q: normalised(fn, helpers) for q, fn in filled.items()}
+        out = {}
+        for q, fn in filled.items():
+            stmts, local = expanded(fn, helpers)  # edits this parse's tree: parsed for this call alone
+            toks = tokens(stmts, local, set(helpers))
+            deleg = _delegation(q, stmts, local, helpers)
+            body = ast.dump(_Rename().visit(ast.Module(body=stmts, type_ignores=[])), annotate_fields=False,
+                            include_attributes=False)
+            out[q] = Analysis(body, tuple(sorted(winnow(toks))), len(toks), deleg)
+        return out
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return {}  # a file too deep to read is graded as the course's copy (course/learner/holes.py)
 
@@ -91,7 +117,7 @@ def reference_bodies() -> dict[str, str]:
     holds only the holes' bodies (module functions, and methods inside classes of the same name),
     found there by the same qualnames."""
     out = {}
-    for rel in sorted(set(all_holes().values())):
+    for rel in sorted(set(_holes().values())):
         path = SOLUTIONS / rel
         if path.is_file():
             out.update(hole_bodies(path.read_text(), rel))
@@ -161,10 +187,16 @@ def _digest(path: Path) -> str:
 
 
 # ----- similarity: fingerprints of the normalised syntax tree (course/grading/fingerprint.py) -----
+@functools.lru_cache(maxsize=1)
 def _course_texts() -> dict[str, str]:
     from course.learner.testrun import skeleton_files
 
     return skeleton_files()
+
+
+@functools.lru_cache(maxsize=1)
+def _holes() -> dict[str, str]:
+    return dict(all_holes())
 
 
 def _parsed_holes(text: str, course_text: str, rel: str):
@@ -175,28 +207,20 @@ def _parsed_holes(text: str, course_text: str, rel: str):
         given = set(_defs(ast.parse(course_text)))
     except (SyntaxError, ValueError):
         given = set()
-    holes = [q for q, file in all_holes().items() if file == rel]
+    holes = [q for q, file in _holes().items() if file == rel]
     filled = {q: defs[q] for q in holes if isinstance(defs.get(q), ast.FunctionDef) and not is_stub(defs[q])}
     helpers = {q.rsplit(".", 1)[-1]: d for q, d in defs.items()
                if isinstance(d, ast.FunctionDef) and q not in given and q not in holes}
     return filled, helpers
 
 
-def hole_prints(files: dict[str, str], course: dict[str, str] | None = None) -> dict[str, dict]:
+def hole_prints(files: dict[str, str]) -> dict[str, dict]:
     """COUPLING POINT (learner layer): hole -> {"prints": sorted k-gram hashes, "size": tokens} for
     each filled hole of a checkout's chapter files (rel -> text). Plain data: no code is kept."""
-    from course.grading.fingerprint import print_of
-
-    course = course if course is not None else _course_texts()
     out = {}
     for rel, text in sorted(files.items()):
-        try:
-            filled, helpers = _parsed_holes(text, course.get(rel, ""), rel)
-            for q, fn in filled.items():
-                prints, size = print_of(fn, helpers)
-                out[q] = {"prints": prints, "size": size}
-        except (SyntaxError, ValueError, RecursionError, MemoryError):
-            continue  # graded as the course's copy (course/learner/holes.py): nothing of the learner's
+        for q, a in _analysis(text, rel).items():
+            out[q] = {"prints": list(a.prints), "size": a.size}
     return out
 
 
@@ -317,42 +341,38 @@ def similar_to_prior(prints: dict[str, dict], prior: dict[str, dict],
 
 
 # ----- delegation: a hole that hands its job to given code -----
-def delegations(files: dict[str, str], course: dict[str, str] | None = None) -> list[tuple[str, str, float]]:
+def delegations(files: dict[str, str]) -> list[tuple[str, str, float]]:
     """(hole, callee, share) for each filled hole whose body (no-ops dropped, the learner's helpers
     inlined) is mostly (``DELEGATE_SHARE`` of its tokens or more) calls to given code doing the
     hole's own job: a callable of the hole's own name that is not the learner's (``TorchBackend().forward``
     from ``ReferenceBackend.forward``), or one of ``SAME_JOB``'s. Calling the hole recursively on
     ``self`` is not delegation, and nor is calling another hole (the learner's own work)."""
-    from course.grading.fingerprint import _bound, expanded, tokens
+    return [(q, *a.delegation) for rel, text in sorted(files.items()) for q, a in _analysis(text, rel).items()
+            if a.delegation is not None]
 
-    course = course if course is not None else _course_texts()
-    hole_names = {q.rsplit(".", 1)[-1] for q in all_holes()}
-    out = []
-    for rel, text in sorted(files.items()):
-        try:
-            filled, helpers = _parsed_holes(text, course.get(rel, ""), rel)
-        except (SyntaxError, ValueError, RecursionError, MemoryError):
+
+def _delegation(q: str, stmts: list[ast.stmt], local: set[str], helpers: dict) -> tuple[str, float] | None:
+    from course.grading.fingerprint import tokens
+
+    job = q.rsplit(".", 1)[-1]
+    hole_names = {h.rsplit(".", 1)[-1] for h in _holes()}
+    own = set(helpers)
+    total = sum(len(tokens([s], local, own)) for s in stmts if not _plumbing(s, own))
+    calls, covered = [], 0
+    for node in [n for s in stmts for n in ast.walk(s)]:
+        if not isinstance(node, ast.Call):
             continue
-        for q, fn in filled.items():
-            job = q.rsplit(".", 1)[-1]
-            stmts, local = expanded(fn, helpers)
-            own = set(helpers)
-            total = sum(len(tokens([s], local, own)) for s in stmts if not _plumbing(s, own))
-            calls, covered = [], 0
-            for node in [n for s in stmts for n in ast.walk(s)]:
-                if not isinstance(node, ast.Call):
-                    continue
-                name = _callee(node.func)
-                on_self = isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
-                    and node.func.value.id in ("self", "cls")
-                same = name == job and not (on_self and "." in q) and name not in helpers
-                other = name in SAME_JOB.get(q, set()) and name not in helpers
-                if (same or other) and not (name in hole_names and name != job):
-                    calls.append(_dotted_name(node.func))
-                    covered = max(covered, len(tokens([ast.Expr(node)], local, set(helpers))))
-            if calls and total and covered / total >= DELEGATE_SHARE:
-                out.append((q, calls[0], round(covered / total, 3)))
-    return out
+        name = _callee(node.func)
+        on_self = isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
+            and node.func.value.id in ("self", "cls")
+        same = name == job and not (on_self and "." in q) and name not in own
+        other = name in SAME_JOB.get(q, set()) and name not in own
+        if (same or other) and not (name in hole_names and name != job):
+            calls.append(_dotted_name(node.func))
+            covered = max(covered, len(tokens([ast.Expr(node)], local, own)))
+    if calls and total and covered / total >= DELEGATE_SHARE:
+        return calls[0], round(covered / total, 3)
+    return None
 
 
 def _plumbing(stmt: ast.stmt, own: set[str]) -> bool:

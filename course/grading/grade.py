@@ -277,7 +277,7 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     stubs = stub_holes(files)
     for row in (*holes, milestone, checks):
         apply_verdict(row, checked.get(row.name), flags, contradicted, stub=row.name in stubs)
-    flags += copycheck.reference_flags(files)  # equal or similar to the reference, or delegating to given code
+    flags += copycheck.reference_flags(graded)  # the graded module: equal or similar to the reference, delegating
     flags += [f"symlink: {s}" for s in copycheck.symlinks(checkout)]
     flags += [f"changed outside the chapter files: {c}" for c in copycheck.changed_outside(checkout, chapter_files())]
     rows = [*holes, milestone, checks]
@@ -300,7 +300,7 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
         "edits_outside_holes": edits,
         "problems": problems,
         "flags": flags,
-        "fingerprint": copycheck.fingerprint(files),
+        "fingerprint": copycheck.fingerprint(graded),  # per hole: k-gram hashes and sizes, no code
         "files_sha256": files_sha256(files),
         "raw_output": (tests.output + scen.output)[-60000:],  # the instructor's eyes only
     }
