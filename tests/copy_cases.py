@@ -16,8 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from course.learner.holes import _defs, all_holes, fill  # noqa: E402
-from course.learner.testrun import reference_files  # noqa: E402
+from course.learner.holes import _defs, all_holes, fill, is_stub  # noqa: E402
+from course.learner.testrun import reference_files, skeleton_files  # noqa: E402
 from learner_fill import BODIES, indented  # noqa: E402
 
 
@@ -33,6 +33,17 @@ def honest() -> dict[str, str]:
     return files
 
 
+def learner(holes: set[str], base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: the skeleton, every hole a stub) with the named holes filled from
+    tests/learner_fill.py: a learner who has written those and no others."""
+    files = dict(base or skeleton_files())
+    for rel in BODIES:
+        mine = {q: b for q, b in indented(rel).items() if q in holes}
+        if mine:
+            files[rel] = fill(files[rel], mine)
+    return files
+
+
 def _insert_at_body_starts(files: dict[str, str], junk) -> dict[str, str]:
     """Each hole's body with the lines ``junk(qualname, pad, rng)`` put in at its top-level statements."""
     out = {}
@@ -42,6 +53,8 @@ def _insert_at_body_starts(files: dict[str, str], junk) -> dict[str, str]:
         rng = random.Random(rel)  # seeded: the same junk every run
         for q in _holes_of(rel):
             fn = _defs(tree)[q]
+            if is_stub(fn):
+                continue  # a hole left as the stub stays one
             body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
             for stmt, extra in junk(q, body, rng):
                 at.append((stmt.lineno - 1, "".join(" " * stmt.col_offset + x + "\n" for x in extra)))

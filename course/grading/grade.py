@@ -452,7 +452,8 @@ def gradescope(doc: dict) -> dict:
               "status": "passed" if r["score"] >= r["weight"] else "failed", "output": _feedback_lines(r)}
              for r in _rows(doc)]
     tests.append({"name": "instructor notes (hidden)", "score": 0, "max_score": 0, "visibility": "hidden",
-                  "output": "\n".join([*doc["flags"], *doc["problems"], f"seed {doc['seed']}",
+                  "output": "\n".join([f"status {status_of_doc(doc)}", *(f"{flag_kind(f)}: {f}" for f in doc["flags"]),
+                                       *doc["problems"], f"seed {doc['seed']}",
                                        doc["raw_output"][-20000:]])})
     notes = [clean(n) for n in [*(f"edit outside the holes: {e}" for e in doc["edits_outside_holes"][:20]),
                                 *doc["problems"][:20]]]
