@@ -120,3 +120,55 @@ def test_a_hole_that_hands_its_job_to_given_code_is_flagged(ref, body):
 def test_delegation_through_a_helper_is_flagged_and_honest_calls_are_not(ref, honest):
     assert [q for q, _, _ in cc.delegations(cases.delegating(ref))] == ["ReferenceBackend.forward"]
     assert cc.delegations(ref) == [] and cc.delegations(honest) == []  # FlatModel.attention calls backend.forward
+
+
+def test_a_folder_run_flags_the_pair_and_a_later_run_compares_with_the_stored_fingerprints(tmp_path, monkeypatch, honest):
+    """grade_main with grading stubbed (the sandboxed run is tests/test_gradescope.py): the pair's rows say
+    copy, the independent one ok; the run stores its fingerprints, and ``--prior`` on them flags a copy
+    handed in later."""
+    import csv
+
+    import course.grading.grade as g
+    from test_grade_outputs import fake_doc
+
+    class FakeSession:
+        def __init__(self, opts):
+            self.opts, self.seed = opts, 1
+
+    def fake_grade(checkout, session, jobs=1):
+        files = g.read_checkout(checkout)[0]
+        return {**fake_doc(checkout, 1.0), "flags": cc.reference_flags(files), "fingerprint": cc.fingerprint(files)}
+
+    monkeypatch.setattr(g, "Session", FakeSession)
+    monkeypatch.setattr(g, "grade", fake_grade)
+    mine = cases.learner(MINE)
+    folder = tmp_path / "class"
+    for who, files in (("alice", mine), ("bob", cases.renamed_with_junk(mine)),
+                       ("carol", cases.learner(set(), reference_files()))):
+        root = folder / who
+        for rel, text in files.items():
+            (root / "engine" / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / "engine" / rel).write_text(text)
+    out = tmp_path / "grades"
+    assert g.grade_main(["--folder", str(folder), "--out", str(out)]) == 0
+
+    def table(where):
+        with open(where / "grades.csv", newline="") as f:
+            return {r["checkout"].rsplit("/", 1)[-1]: r for r in csv.DictReader(f)}
+
+    rows = table(out)
+    assert {n: r["status"] for n, r in rows.items()} == {"alice": "copy", "bob": "copy", "carol": "copy"}
+    assert "copy: 8 hole(s) similar to " in rows["alice"]["flags"] and "carol" not in rows["alice"]["flags"]
+    assert rows["carol"]["flags"].startswith("copy: 14 hole(s) equal to the reference"), rows["carol"]["flags"]
+    notes = json.loads((out / rows["bob"]["id"] / "results.json").read_text())["tests"][-1]["output"]
+    assert "similar to " + rows["alice"]["id"] in notes  # results.json rewritten with the pair's flag
+    store = out / "fingerprints.json"
+    assert set(cc.load_prior(store)) == {rows["alice"]["id"], rows["bob"]["id"]}  # carol: all the reference's
+
+    later = tmp_path / "later"
+    (later / "dave").mkdir(parents=True)
+    (folder / "alice" / "engine").rename(later / "dave" / "engine")
+    out2 = tmp_path / "grades2"
+    assert g.grade_main(["--folder", str(later), "--out", str(out2), "--prior", str(store)]) == 0
+    dave = table(out2)["dave"]
+    assert dave["status"] == "copy" and "(an earlier submission)" in dave["flags"], dave["flags"]

@@ -435,9 +435,10 @@ def cross_flags(docs: dict[str, dict], prior: dict[str, dict], rewrite, store: P
             changed |= {i} if found else set()
         for i in sorted(changed):
             rewrite(i)
-        if store is not None and prints:
+        kept = {i: p for i, p in prints.items() if p}  # a checkout with no hole of its own adds nothing
+        if store is not None and kept:
             old = load_prior(store) if store.is_file() else {}
-            save_prints(store, {**old, **prints})
+            save_prints(store, {**old, **kept})
     except Exception as exc:  # noqa: BLE001 - the similarity checks failing must not lose the grades
         print(f"warning: the similarity checks between checkouts failed ({type(exc).__name__}: {str(exc)[:200]}); "
               "no pairs flagged", file=sys.stderr)
