@@ -74,6 +74,20 @@ JUNK = ["_ = None", "pass", "junk_a = 12345", "junk_b = len(str(junk_a)) * 2", "
         "assert True", "trace = []", "trace.append(len(trace))", "junk_e = {'k': junk_a}"]
 
 
+LIVE = ["print(end='')", "'x'.upper()", "getattr(len, '__name__', None)", "__import__('math').sqrt(4.0)"]
+
+
+def live_junk(files: dict[str, str], per_hole: int = 10) -> dict[str, str]:
+    """``per_hole`` lines per hole that run something (a call no normalisation may drop), spread over
+    its top-level statements: what is left for the k-grams to see through."""
+    def junk(q, body, rng):
+        out: dict[int, list[str]] = {}
+        for _ in range(per_hole):
+            out.setdefault(rng.randrange(len(body)), []).append(rng.choice(LIVE))
+        return [(body[i], extra) for i, extra in out.items()]
+    return _insert_at_body_starts(files, junk)
+
+
 def junk_lines(files: dict[str, str], per_hole: int = 10) -> dict[str, str]:
     """About ``per_hole`` junk lines spread over each hole's top-level statements: dead assignments,
     constant branches, and live ones (a list the body appends to and never uses)."""
@@ -188,13 +202,47 @@ def table() -> list[tuple[str, str, str, float]]:
     against("reference renamed + 10 junk lines", cc.hole_prints(renamed_with_junk(reference_files())), ref, "reference")
     against("classmate: honest renamed + 10 junk lines", cc.hole_prints(renamed_with_junk(honest())), base,
             "honest", mine)
+    against("reference + 10 live junk lines", cc.hole_prints(live_junk(reference_files())), ref, "reference")
+    against("classmate: honest + 10 live junk lines", cc.hole_prints(live_junk(honest())), base, "honest", mine)
     return rows
 
 
-if __name__ == "__main__":
+CASES = {"honest (learner_fill) vs ref": "honest", "ref + `_ = None` vs ref": "noop",
+         "ref renamed, reordered helpers vs ref": "helpers", "ref renamed + 10 junk vs ref": "junk",
+         "classmate: honest renamed + 10 junk vs honest": "pair", "ref + 10 live junk vs ref": "live",
+         "classmate: honest + 10 live junk vs honest": "live pair"}
+
+
+def main() -> None:
+    """The table of docs/grading.md: one row per hole, one column per case (similarity; ``=`` where
+    the bodies are also equal after normalisation; ``-`` where the case has no such hole)."""
     from course.grading import copycheck as cc
 
-    print(f"| case | hole | against | tokens | similarity |\n|---|---|---|---:|---:|")
-    for case, q, other, s, size in table():
-        print(f"| {case} | {q} | {other} | {size} | {s:.2f} |")
-    print("delegation:", cc.delegations(delegating(reference_files())))
+    got: dict[tuple[str, str], float] = {}
+    sizes: dict[str, int] = {}
+    for case, q, _other, s, size in table():
+        got[(case, q)] = s
+        sizes[q] = min(size, sizes.get(q, size))
+    names = ["honest (learner_fill)", "reference + `_ = None`", "reference renamed, in reordered helpers",
+             "reference renamed + 10 junk lines", "classmate: honest renamed + 10 junk lines",
+             "reference + 10 live junk lines", "classmate: honest + 10 live junk lines"]
+    equal = {names[1]: set(cc.copied_holes(no_op_per_hole(reference_files()))),
+             names[2]: set(cc.copied_holes(renamed_into_helpers(reference_files()))),
+             names[3]: set(cc.copied_holes(renamed_with_junk(reference_files()))),
+             names[0]: set(cc.copied_holes(honest())) & {q for rel in BODIES for q in BODIES[rel]}}
+    print("| hole | tokens | " + " | ".join(CASES) + " |")
+    print("|---|---:|" + "---:|" * len(CASES))
+    for h in all_holes():
+        q = h.qualname
+        cells = []
+        for n in names:
+            s = got.get((n, q))
+            cells.append("-" if s is None else f"{s:.2f}" + (" =" if q in equal.get(n, ()) else ""))
+        note = " (equality only)" if q in cc.CONSTRAINED or sizes.get(q, 0) < cc.MIN_TOKENS else ""
+        print(f"| {q}{note} | {sizes.get(q, '')} | " + " | ".join(cells) + " |")
+    print("\ndelegation (ReferenceBackend.forward through a helper to TorchBackend):",
+          cc.delegations(delegating(reference_files())))
+
+
+if __name__ == "__main__":
+    main()

@@ -37,7 +37,7 @@ REF_SIMILAR = 0.8  # a hole this similar to the reference's is flagged
 PAIR_SIMILAR = 0.8  # a hole this similar between two checkouts (or an earlier submission) is flagged
 # holes whose API leaves one way to write them: an independent body (tests/learner_fill.py) is this
 # similar to the reference's, so for them only equality after normalisation is flagged
-CONSTRAINED = {"FlatModel.attention": 0.92, "FlatModel.forward": 0.79}
+CONSTRAINED = {"FlatModel.attention": 0.86, "FlatModel.forward": 0.91}
 DELEGATE_SHARE = 0.5  # a hole whose tokens are mostly calls to given code of its own job is flagged
 # given code that does a hole's job under another name (besides any callable of the hole's own name)
 SAME_JOB = {"ReferenceBackend.forward": {"TorchBackend", "CPUBackend", "TritonBackend", "get_backend",
@@ -95,18 +95,18 @@ class Analysis:
 
 @functools.lru_cache(maxsize=64)
 def _analysis(text: str, rel: str) -> dict[str, Analysis]:
-    from course.grading.fingerprint import expanded, tokens, winnow
+    from course.grading.fingerprint import expanded, fingerprint_of
 
     try:
         filled, helpers = _parsed_holes(text, _course_texts().get(rel, ""), rel)
         out = {}
         for q, fn in filled.items():
             stmts, local = expanded(fn, helpers)  # edits this parse's tree: parsed for this call alone
-            toks = tokens(stmts, local, set(helpers))
+            grams, size = fingerprint_of(stmts, local, set(helpers))
             deleg = _delegation(q, stmts, local, helpers)
             body = ast.dump(_Rename().visit(ast.Module(body=stmts, type_ignores=[])), annotate_fields=False,
                             include_attributes=False)
-            out[q] = Analysis(body, tuple(sorted(winnow(toks))), len(toks), deleg)
+            out[q] = Analysis(body, tuple(sorted(grams)), size, deleg)
         return out
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return {}  # a file too deep to read is graded as the course's copy (course/learner/holes.py)

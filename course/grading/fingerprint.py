@@ -14,19 +14,22 @@ A hole's body becomes a stream of tokens, one per node of its normalised syntax 
   body does not bind (``len``, ``torch``, ``Status``) and an attribute (``.block_size``) keep their
   spelling, since a learner cannot rename the course's API; constants keep only their type.
 
-The fingerprint is the set of hashes of every ``K`` consecutive tokens (k-grams, winnowed: of each
-``WINDOW`` consecutive hashes the smallest is kept), so reordering statements or functions moves a
-few k-grams only. Two bodies' similarity is ``|A & B| / min(|A|, |B|)``: the share of the smaller
-one's fingerprint found in the other's, which junk lines in one of them (even live ones) do not lower.
-The hashes are blake2b, stable across processes: a store of fingerprints (no code) can be kept.
+The fingerprint is the set of hashes of every ``K`` consecutive tokens (k-grams) within each
+statement's unit (``units``: a statement at any depth, a compound one by its header alone), winnowed
+with a window of ``WINDOW`` (1: every k-gram is kept; hole bodies are small). Grams never span two
+statements, so junk put in between statements, even junk that runs something, and reordered
+statements or functions leave every gram of the copied code in place. Two bodies' similarity is
+``|A & B| / min(|A|, |B|)``: the share of the smaller one's fingerprint found in the other's, which
+junk in one of them cannot lower. The hashes are blake2b, stable across processes: a store of
+fingerprints (no code) can be kept for later sessions.
 """
 from __future__ import annotations
 
 import ast
 import hashlib
 
-K = 6  # tokens per k-gram (chosen by measurement: docs/grading.md, tests/test_copycheck.py)
-WINDOW = 2  # winnowing window (1: keep every k-gram)
+K = 6  # tokens per k-gram (chosen by measurement: docs/grading.md, `python tests/copy_cases.py`)
+WINDOW = 1  # winnowing window (1: keep every k-gram)
 PURE = {"len", "int", "float", "str", "bool", "list", "tuple", "dict", "set", "frozenset", "range", "min", "max",
         "abs", "sum", "sorted", "reversed", "isinstance", "round", "repr", "hash", "id", "type", "any", "all",
         "enumerate", "zip", "divmod", "pow", "bytes", "chr", "ord"}
@@ -155,11 +158,36 @@ def _bound(fn: ast.AST) -> set[str]:
     return out
 
 
-def tokens(stmts: list[ast.stmt], local: set[str], own: set[str]) -> list[str]:
-    """The token stream of ``stmts``: node types in pre-order; local and ``own`` names as ``N``."""
+def units(stmts: list[ast.stmt], local: set[str], own: set[str]) -> list[list[str]]:
+    """One token list per statement at every depth, in pre-order: a compound statement's unit is its
+    header (``For`` and its target and iterable, ``If`` and its test, ...), its blocks are units of
+    their own. Junk put in between statements, or statements reordered, leave every unit as it was."""
+    out: list[list[str]] = []
+
+    def visit(stmt: ast.stmt) -> None:
+        out.append(tokens([stmt], local, own, shallow=True))
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            for child in getattr(stmt, field, None) or []:
+                if isinstance(child, ast.ExceptHandler):
+                    out.append(["except"] + (tokens([ast.Expr(child.type)], local, own) if child.type else []))
+                    for s in child.body:
+                        visit(s)
+                elif isinstance(child, ast.stmt):
+                    visit(child)
+
+    for s in stmts:
+        visit(s)
+    return out
+
+
+def tokens(stmts: list[ast.stmt], local: set[str], own: set[str], shallow: bool = False) -> list[str]:
+    """The token stream of ``stmts``: node types in pre-order; local and ``own`` names as ``N``
+    (``shallow``: not into the statements inside them)."""
     out: list[str] = []
 
     def visit(node: ast.AST) -> None:
+        if shallow and isinstance(node, (ast.stmt, ast.excepthandler)) and node not in stmts:
+            return
         if isinstance(node, ast.expr_context):
             return
         kind = type(node).__name__
@@ -243,8 +271,19 @@ def _forwards(stmt: ast.stmt, helpers: dict[str, ast.FunctionDef]) -> bool:
     return name in helpers
 
 
+def fingerprint_of(stmts: list[ast.stmt], local: set[str], own: set[str]) -> tuple[set[int], int]:
+    """The k-gram hashes of each statement's unit (``units``; a unit shorter than ``K`` is one gram),
+    winnowed, and the size in tokens."""
+    grams: set[int] = set()
+    size = 0
+    for unit in units(stmts, local, own):
+        grams |= winnow(unit)
+        size += len(unit)
+    return grams, size
+
+
 def print_of(fn: ast.FunctionDef, helpers: dict[str, ast.FunctionDef]) -> tuple[list[int], int]:
     """A hole's fingerprint (sorted hashes) and its size in tokens."""
     stmts, local = expanded(fn, helpers)
-    toks = tokens(stmts, local, set(helpers))
-    return sorted(winnow(toks)), len(toks)
+    grams, size = fingerprint_of(stmts, local, set(helpers))
+    return sorted(grams), size
