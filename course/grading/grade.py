@@ -20,9 +20,10 @@ no scenario earns nothing, and a hole whose body is still the stub scores 0. The
 grader's: ``course/learner/holes.py``'s ``assemble`` (the course's chapter files with the learner's hole
 bodies and inert new definitions; code that would run at import is listed as an edit, not run). Feedback a learner sees (``results.json``) is written by the
 grader from verified results and the instructor's test names; raw output stays in ``grade.json`` and a
-hidden Gradescope test (instructor only). Copy detection (``course/grading/copycheck.py``): holes equal to the
-reference after normalisation, near-identical pairs of checkouts, symlinks, files changed outside the
-chapter files: all flagged.
+hidden Gradescope test (instructor only). Copy detection (``course/grading/copycheck.py``): holes equal or similar
+(fingerprints of the normalised syntax tree) to the reference, to a classmate's in the same run or to an
+earlier submission's (``--prior``), holes handing their job to given code, symlinks, files changed outside
+the chapter files: all flagged.
 
 Writes ``<out>/<id>/grade.json`` and ``results.json`` per checkout (``<id>``: from the path, or
 ``--roster`` CSV id,path) and updates those checkouts' rows of ``<out>/grades.csv``; a ``-k`` trial
