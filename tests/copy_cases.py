@@ -103,7 +103,8 @@ def junk_lines(files: dict[str, str], per_hole: int = 10) -> dict[str, str]:
 
 class _RenameLocals(ast.NodeTransformer):
     def __init__(self, names: set[str], fn: ast.AST | None = None) -> None:
-        imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))
+        imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(fn)
+                    if isinstance(n, (ast.Import, ast.ImportFrom))
                     for a in n.names} if fn is not None else set()
         self.names = names - imported  # an import keeps its name (the renamer does not rewrite aliases)
 

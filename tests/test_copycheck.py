@@ -136,7 +136,7 @@ def test_delegation_through_a_helper_is_flagged_and_honest_calls_are_not(ref, ho
     assert cc.delegations(ref) == [] and cc.delegations(honest) == []  # FlatModel.attention calls backend.forward
 
 
-def test_a_folder_run_flags_the_pair_and_a_later_run_compares_with_the_stored_fingerprints(tmp_path, monkeypatch, honest):
+def test_a_folder_run_flags_the_pair_and_a_later_run_compares_with_the_stored_fingerprints(tmp_path, monkeypatch):
     """grade_main with grading stubbed (the sandboxed run is tests/test_gradescope.py): the pair's rows say
     copy, the independent one ok; the run stores its fingerprints, and ``--prior`` on them flags a copy
     handed in later."""

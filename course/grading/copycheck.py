@@ -18,7 +18,6 @@ with ten junk lines per hole).
 from __future__ import annotations
 
 import ast
-import difflib
 import functools
 import hashlib
 import json
@@ -31,7 +30,6 @@ from engine._impl import all_holes
 
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = ROOT / "solutions"
-NEAR = 0.95  # kept for callers of the old whole-checkout ratio (near_pairs_legacy)
 MIN_TOKENS = 50  # holes shorter than this (normalised tokens) are compared for equality only
 REF_SIMILAR = 0.8  # a hole this similar to the reference's is flagged
 PAIR_SIMILAR = 0.8  # a hole this similar between two checkouts (or an earlier submission) is flagged
@@ -131,18 +129,6 @@ def copied_holes(files: dict[str, str]) -> list[str]:
     for rel, text in files.items():
         mine.update(hole_bodies(text, rel))
     return sorted(q for q, body in mine.items() if ref.get(q) == body)
-
-
-def near_pairs_legacy(prints: dict[str, str], threshold: float = NEAR, min_len: int = 2000) -> list[tuple[str, str, float]]:
-    """The old check: pairs of checkouts whose joined normalised bodies have a token ratio >= threshold."""
-    ids = sorted(k for k, v in prints.items() if len(v) >= min_len)
-    pairs = []
-    for i, a in enumerate(ids):
-        for b in ids[i + 1:]:
-            m = difflib.SequenceMatcher(None, prints[a].split(), prints[b].split(), autojunk=False)
-            if m.quick_ratio() >= threshold and (r := m.ratio()) >= threshold:
-                pairs.append((a, b, round(r, 3)))
-    return pairs
 
 
 def symlinks(checkout: Path) -> list[str]:
@@ -261,7 +247,10 @@ def fingerprint(files: dict[str, str]) -> dict[str, dict]:
     return {q: p for q, p in prints.items() if q not in ref}
 
 
-def similar_pairs(prints: dict[str, dict], threshold: float = PAIR_SIMILAR) -> list[tuple[str, str, list[tuple[str, float]]]]:
+Pair = tuple[str, str, list[tuple[str, float]]]  # (id, id, [(hole, similarity), ...])
+
+
+def similar_pairs(prints: dict[str, dict], threshold: float = PAIR_SIMILAR) -> list[Pair]:
     """(a, b, [(hole, similarity), ...]) for each pair of checkouts (id -> ``fingerprint``) with at
     least one hole of MIN_TOKENS or more that is ``threshold`` similar between them."""
     from course.grading.fingerprint import similarity
