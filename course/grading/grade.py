@@ -621,6 +621,9 @@ def grade_main(argv: list[str] | None = None) -> int:
     bad = [p for p in paths if not (p / "engine").is_dir()]
     if bad:
         raise ValueError(f"not a checkout of this course (no engine/ folder): {', '.join(printable(p) for p in bad)}")
+    from course.grading import copycheck
+
+    prior = copycheck.load_prior(args.prior) if args.prior is not None else {}  # a bad --prior: one line, first
     opts = Options(args.per_test_timeout, args.per_scenario_timeout, args.timeout, args.keyword, args.unsafe,
                    args.seed, args.scenarios, args.memory_gib)
     session = Session(opts)
@@ -647,9 +650,6 @@ def grade_main(argv: list[str] | None = None) -> int:
               f"wrote {printable(out)}", flush=True)
         return doc
 
-    from course.grading import copycheck
-
-    prior = copycheck.load_prior(args.prior) if args.prior is not None else {}  # bad --prior: one line, first
     with ThreadPoolExecutor(args.jobs) as pool:
         docs = list(pool.map(one, paths))
     by_id = {ids[p]: d for p, d in zip(paths, docs)}
