@@ -75,8 +75,10 @@ def bundled_files(root: Path = ROOT) -> list[str]:
     (what a clone plus the instructor's new files would hold), less ``LEFT_OUT``."""
     import subprocess
 
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root, check=True,
-                            capture_output=True).stdout.decode().split("\0")
+    got = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root, capture_output=True)
+    if got.returncode != 0:
+        raise ValueError(f"{root} is not a git checkout: the bundle takes git's list of the course's files")
+    listed = got.stdout.decode().split("\0")
     return sorted(f for f in listed if f and not f.startswith(LEFT_OUT) and f not in ("setup.sh", "run_autograder",
                                                                                       PRIOR, "autograder.zip")
                   and (root / f).is_file() and not (root / f).is_symlink())
