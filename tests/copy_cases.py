@@ -169,6 +169,33 @@ def renamed_with_junk(files: dict[str, str], per_hole: int = 10) -> dict[str, st
     return out
 
 
+class _Swap(ast.NodeTransformer):
+    """Every one-operator comparison written the other way round (``a < b`` as ``b > a``), and the
+    operands of every ``+`` and ``*`` swapped."""
+    FLIP = {ast.Lt: ast.Gt, ast.Gt: ast.Lt, ast.LtE: ast.GtE, ast.GtE: ast.LtE, ast.Eq: ast.Eq, ast.NotEq: ast.NotEq}
+
+    def visit_Compare(self, node: ast.Compare) -> ast.AST:
+        self.generic_visit(node)
+        if len(node.ops) == 1 and type(node.ops[0]) in self.FLIP:
+            return ast.Compare(node.comparators[0], [self.FLIP[type(node.ops[0])]()], [node.left])
+        return node
+
+    def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+        self.generic_visit(node)
+        return ast.BinOp(node.right, node.op, node.left) if isinstance(node.op, (ast.Add, ast.Mult)) else node
+
+
+def swapped(files: dict[str, str]) -> dict[str, str]:
+    """Each hole's comparisons mirrored and its sums and products swapped (``_Swap``)."""
+    out = {}
+    for rel, text in files.items():
+        tree = ast.parse(text)
+        for q in _holes_of(rel):
+            _Swap().visit(_defs(tree)[q])
+        out[rel] = ast.unparse(tree) + "\n"
+    return out
+
+
 def delegating(files: dict[str, str]) -> dict[str, str]:
     """ReferenceBackend.forward handed to the given TorchBackend, through a helper of the learner's."""
     rel = "serve/attention.py"
@@ -204,6 +231,7 @@ def table() -> list[tuple[str, str, str, float]]:
     against("classmate: honest renamed + 10 junk lines", cc.hole_prints(renamed_with_junk(honest())), base,
             "honest", mine)
     against("reference + 10 live junk lines", cc.hole_prints(live_junk(reference_files())), ref, "reference")
+    against("reference, operands swapped", cc.hole_prints(swapped(reference_files())), ref, "reference")
     against("classmate: honest + 10 live junk lines", cc.hole_prints(live_junk(honest())), base, "honest", mine)
     return rows
 
@@ -211,7 +239,7 @@ def table() -> list[tuple[str, str, str, float]]:
 CASES = {"honest (learner_fill) vs ref": "honest", "ref + `_ = None` vs ref": "noop",
          "ref renamed, reordered helpers vs ref": "helpers", "ref renamed + 10 junk vs ref": "junk",
          "classmate: honest renamed + 10 junk vs honest": "pair", "ref + 10 live junk vs ref": "live",
-         "classmate: honest + 10 live junk vs honest": "live pair"}
+         "classmate: honest + 10 live junk vs honest": "live pair", "ref, operands swapped vs ref": "swapped"}
 
 
 def main() -> None:
@@ -226,10 +254,12 @@ def main() -> None:
         sizes[q] = min(size, sizes.get(q, size))
     names = ["honest (learner_fill)", "reference + `_ = None`", "reference renamed, in reordered helpers",
              "reference renamed + 10 junk lines", "classmate: honest renamed + 10 junk lines",
-             "reference + 10 live junk lines", "classmate: honest + 10 live junk lines"]
+             "reference + 10 live junk lines", "classmate: honest + 10 live junk lines",
+             "reference, operands swapped"]
     equal = {names[1]: set(cc.copied_holes(no_op_per_hole(reference_files()))),
              names[2]: set(cc.copied_holes(renamed_into_helpers(reference_files()))),
              names[3]: set(cc.copied_holes(renamed_with_junk(reference_files()))),
+             names[7]: set(cc.copied_holes(swapped(reference_files()))),
              names[0]: set(cc.copied_holes(honest())) & {q for rel in BODIES for q in BODIES[rel]}}
     print("| hole | tokens | " + " | ".join(CASES) + " |")
     print("|---|---:|" + "---:|" * len(CASES))

@@ -40,7 +40,8 @@ def test_independent_bodies_are_not_flagged_against_the_reference(honest):
     assert not [f for f in flags if "similar to the reference" in f or "hands its job" in f], flags
 
 
-@pytest.mark.parametrize("build", [cases.no_op_per_hole, cases.renamed_into_helpers, cases.renamed_with_junk])
+@pytest.mark.parametrize("build", [cases.no_op_per_hole, cases.renamed_into_helpers, cases.renamed_with_junk,
+                                   cases.swapped])
 def test_the_reference_padded_renamed_or_split_into_helpers_is_flagged_at_every_hole(ref, build):
     assert _flagged(cc.reference_flags(build(ref))) == HOLES
 

@@ -10,6 +10,8 @@ A hole's body becomes a stream of tokens, one per node of its normalised syntax 
 - **the learner's own helpers are inlined**: a function or method the checkout adds to the chapter
   file (one the course's copy does not have) that the hole calls, directly or through other helpers,
   has its body appended to the hole's, so moving a body into helpers (in any order) changes little;
+- **operands are put in one order**: ``a > b`` as ``b < a``, the sides of ``==``, ``+``, ``*`` (and the
+  other symmetric operators) sorted, so swapping them changes nothing;
 - **names are abstracted**: a local name, an argument and a helper's name are all ``N``; a name the
   body does not bind (``len``, ``torch``, ``Status``) and an attribute (``.block_size``) keep their
   spelling, since a learner cannot rename the course's API; constants keep only their type.
@@ -257,7 +259,41 @@ def expanded(fn: ast.FunctionDef, helpers: dict[str, ast.FunctionDef]) -> tuple[
     for f in order:
         stmts += [s for s in strip_noops(f.body) if not _forwards(s, helpers)]
         local |= _bound(f)
-    return stmts, local
+    canon = _Canonical(local, set(helpers))
+    return [canon.visit(s) for s in stmts], local
+
+
+_MIRROR = {ast.Gt: ast.Lt, ast.GtE: ast.LtE}  # a > b is b < a
+_SYMMETRIC_CMP = (ast.Eq, ast.NotEq, ast.Is, ast.IsNot)
+_COMMUTATIVE = (ast.Add, ast.Mult, ast.BitAnd, ast.BitOr, ast.BitXor)
+
+
+class _Canonical(ast.NodeTransformer):
+    """Operands in one order: ``a > b`` as ``b < a``; the two sides of ``==``, ``!=``, ``is``,
+    ``+``, ``*``, ``&``, ``|``, ``^`` sorted by their abstracted tokens (so renaming cannot reorder
+    them). Swapping them is an edit that changes nothing a copy needs."""
+
+    def __init__(self, local: set[str], own: set[str]) -> None:
+        self.local, self.own = local, own
+
+    def _key(self, node: ast.AST) -> str:
+        return " ".join(tokens([ast.Expr(node)], self.local, self.own))
+
+    def visit_Compare(self, node: ast.Compare) -> ast.AST:
+        self.generic_visit(node)
+        if len(node.ops) == 1:
+            op, left, right = node.ops[0], node.left, node.comparators[0]
+            if type(op) in _MIRROR:
+                return ast.Compare(right, [_MIRROR[type(op)]()], [left])
+            if isinstance(op, _SYMMETRIC_CMP) and self._key(right) < self._key(left):
+                return ast.Compare(right, [op], [left])
+        return node
+
+    def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+        self.generic_visit(node)
+        if isinstance(node.op, _COMMUTATIVE) and self._key(node.right) < self._key(node.left):
+            return ast.BinOp(node.right, node.op, node.left)
+        return node
 
 
 def _forwards(stmt: ast.stmt, helpers: dict[str, ast.FunctionDef]) -> bool:
