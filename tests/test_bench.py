@@ -51,8 +51,18 @@ def test_bench_runs_and_engines_agree(tmp_path, capsys):
             assert r["output_tokens"] > 0 and r["output_tok_s"] > 0
     assert [p["requests"] for p in report["scaling"]] == [4, 4]
     assert out_png.stat().st_size > 0
-    assert "x fastest peer" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "x fastest peer" in out
     assert report["model"]["layers"] == 2 and report["model"]["hidden"] == 128, "--preset test is the tests' model"
+    # Which linear kernels the figures came from: every weight shape of the fused engine, with
+    # how its layout was decided (issue 35: a measured choice may differ between sittings).
+    layouts = report["linear_layouts"]
+    assert layouts and all(("measured" in line or "forced" in line or "only candidate" in line)
+                           and "thread(s)" in line for line in layouts), layouts
+    m = report["model"]
+    qkv = f"[{(m['heads'] + 2 * m['kv_heads']) * m['head_dim']}, {m['hidden']}]"  # the merged q/k/v weight
+    assert any(line.startswith(qkv) for line in layouts), (qkv, layouts)
+    assert "linear layouts chosen in this sitting:" in out
 
 
 def test_scaling_point_keeps_every_request_running():
@@ -426,3 +436,11 @@ def test_bench_dtype_option_builds_the_preset_in_that_dtype(tmp_path):
     report = json.loads(out_json.read_text())
     assert report["dtype"] == "bfloat16" and report["machine"]["cpu"]
     assert {r["engine"] for r in report["workloads"]["shared"]} == {"core/reference", "core/torch"}
+    # The sitting says whether the fused engine's bfloat16 matmuls ran in float32 here (no bf16
+    # units: its tokens may then differ from generate()'s) -- on this CPU, whichever it is.
+    from engine.fast.fused import fast_16bit_matmul
+
+    widened = not fast_16bit_matmul(torch.bfloat16, torch.device("cpu"))
+    assert (report["numerics"] is not None) == widened, report["numerics"]
+    if widened:
+        assert "matmuls in float32" in report["numerics"]

@@ -208,6 +208,32 @@ def test_build_batch_rejects_more_tokens_than_exist():
         build_batch([(r, 4)], [[0]], 16)
 
 
+@hole("build_batch")
+def test_build_batch_rejects_a_table_too_short_for_the_positions():
+    r = req("r", range(20), computed=14)  # positions 14, 15, 16: two blocks of 16, but the table holds one
+    try:
+        build_batch([(r, 3)], [[3]], 16)
+    except ValueError as exc:
+        assert "'r'" in str(exc), f"the ValueError names the request (its id 'r'): {exc}"
+    except Exception as exc:  # noqa: BLE001 - any other error is the bug this test is for
+        pytest.fail(f"a table of 1 block (16 slots) for positions 14..16 must be a ValueError naming the request, "
+                    f"raised before any slot is looked up; got {type(exc).__name__}: {exc} (check "
+                    f"len(table) * block_size >= c + n first)", pytrace=False)
+    else:
+        pytest.fail("a table of 1 block (16 slots) cannot hold position 16: build_batch must raise ValueError "
+                    "(len(table) * block_size < c + n)", pytrace=False)
+
+
+@hole("build_batch")
+def test_build_batch_block_table_of_empty_tables_has_no_columns():
+    dummies = build_batch([], [], 16, pad_to=2)
+    assert tuple(dummies.meta.block_table.shape) == (2, 0), \
+        "two dummies, each with an empty table: block_table is [2, 0] (as wide as the longest table, no padded column)"
+    none = build_batch([], [], 16)
+    assert tuple(none.meta.block_table.shape) == (0, 0), "no request at all: block_table is [0, 0]"
+    assert none.meta.block_table.dtype == torch.int32 and dummies.meta.block_table.dtype == torch.int32
+
+
 # ===================================================================== write_kv
 @hole("write_kv")
 def test_write_kv_scatters_rows_to_their_slots_and_padding_to_scratch():
@@ -224,6 +250,21 @@ def test_write_kv_scatters_rows_to_their_slots_and_padding_to_scratch():
         for o in range(4):
             if (b, o) not in written:
                 assert not k_pool[b, o].any(), f"slot {b * 4 + o} was not in slot_mapping but changed"
+
+
+@hole("write_kv")
+def test_write_kv_casts_rows_to_the_pools_dtype():
+    k_pool = torch.zeros(2, 4, 1, 3, dtype=torch.bfloat16)  # 1 block + scratch, block_size 4, Hkv 1, D 3
+    v_pool = torch.zeros_like(k_pool)
+    k = torch.tensor([[[1.0 + 2 ** -10, 3.14159, -2.71828]], [[0.1, 0.2, 0.3]]])  # float32, not exact in bfloat16
+    try:
+        write_kv(k_pool, v_pool, k, -k, torch.tensor([1, 2]))
+    except RuntimeError as exc:
+        pytest.fail(f"float32 rows into a bfloat16 pool: write_kv must cast the rows to the pool's dtype "
+                    f"(rows.to(pool.dtype)) before index_copy_; got RuntimeError: {exc}", pytrace=False)
+    assert k_pool.dtype == torch.bfloat16, "the pool keeps its dtype"
+    assert torch.equal(k_pool[0, 1:3], k.to(torch.bfloat16)) and torch.equal(v_pool[0, 1:3], (-k).to(torch.bfloat16)), \
+        "slots 1 and 2 hold the rows rounded to the pool's dtype"
 
 
 # ===================================================================== ReferenceBackend.forward
@@ -260,17 +301,34 @@ def test_reference_forward_matches_plain_attention_per_request(window):
     out = backend.forward(q, cache, batch.meta, window=window)
     qsl = batch.meta.query_start_loc_cpu.tolist()
 
-    def plain(w: int) -> torch.Tensor:  # the oracle: chapter 5's attention on each request's own K/V
-        return torch.cat([causal_attention(q[qsl[i]:qsl[i + 1]], ks[i], vs[i], torch.arange(ctx)[ctx - t:],
+    def plain(w: int, kv=lambda i, ctx: (ks[i], vs[i])) -> torch.Tensor:
+        """The oracle: chapter 5's attention on each request's own K/V (``kv``: what it reads instead)."""
+        return torch.cat([causal_attention(q[qsl[i]:qsl[i + 1]], *kv(i, ctx), torch.arange(ctx)[ctx - t:],
                                            torch.arange(ctx), window=w) for i, (ctx, t) in enumerate(lens)])
 
     want, rows = plain(window), batch_rows(batch)
 
+    def read_at(slot_of):  # request i's K/V read back from the pool at slot_of(table, p), p < ctx
+        flat_k, flat_v = (pool.view(-1, *pool.shape[2:]) for pool in cache)
+
+        def kv(i: int, ctx: int):
+            table = batch.meta.block_table[i].tolist()
+            slots = torch.tensor([slot_of(table, p) for p in range(ctx)])
+            return flat_k[slots], flat_v[slots]
+        return kv
+
     def cause(bad: list[int]) -> str:
         differ = sorted({rows[i][0] for i in bad})
+        bs = batch.meta.block_size
         if window and torch.allclose(out, plain(0), atol=1e-10):
             return (f"the output equals attention WITHOUT the window: with window={window} a query at position q "
                     f"sees only keys at positions > q - {window} (pass window on to the attention)")
+        if torch.allclose(out, plain(window, lambda i, ctx: (ks[i], ks[i])), atol=1e-10):
+            return ("the output equals attention whose VALUES are the keys: the values come from the V pool "
+                    "(cache[1]), the keys from the K pool (cache[0])")
+        if torch.allclose(out, plain(window, read_at(lambda tb, p: tb[p // bs] + p % bs)), atol=1e-10):
+            return (f"the output equals attention over K/V read at slot table[p // block_size] + p % block_size: a "
+                    f"position's slot is table[p // block_size] * block_size + p % block_size (block_size {bs})")
         return (f"requests {differ} differ: request r's t queries are the LAST t positions of its seq_len-token "
                 f"context (query i at seq_len - t + i), its keys are read through its block table"
                 + (f", and with window={window} only keys at positions > q - {window} count" if window else ""))
@@ -308,9 +366,10 @@ def test_reference_forward_leaves_padding_rows_zero():
 
 
 # ===================================================================== FlatModel
-def run_flat(model, prompt, chunks, block_size=4):
-    """Run one prompt through FlatModel in the given chunk sizes; returns each step's logits of all rows."""
-    flat = FlatModel(model)
+def run_flat(model, prompt, chunks, block_size=4, flat: FlatModel | None = None):
+    """Run one prompt through FlatModel (``flat``, or a new one) in the given chunk sizes; returns each
+    step's logits of all rows."""
+    flat = flat or FlatModel(model)
     layers, hkv, d = flat.kv_spec()
     backend = ReferenceBackend()
     nb = -(-len(prompt) // block_size)
@@ -345,11 +404,18 @@ def test_flat_attention_writes_rotated_k_and_matches_plain_attention():
     k = apply_rope(attn.k_norm(attn.k_proj(x).view(6, hkv, d)), cos, sin)
     v = attn.v_proj(x).view(6, hkv, d)
     want = attn.o_proj(causal_attention(q, k, v, pos, pos).reshape(6, -1))
-    assert_rows_close(out, want, "FlatModel.attention against q/k-norm, RoPE, causal attention and o_proj by hand",
-                      atol=1e-10, rows=batch_rows(batch),
-                      cause="the pool must hold this step's K/V before attention reads it; q and k get the "
-                            "per-head RMSNorm, then RoPE at each row's position; scale=attn.scale; then o_proj")
     slots = [("r", p) for p in range(6)]
+
+    def cause(bad: list[int]) -> str:
+        k_pool, v_pool = torch.cat([cache[0][2], cache[0][0, :2]]), torch.cat([cache[1][2], cache[1][0, :2]])
+        if torch.allclose(k_pool, v, atol=1e-10) and torch.allclose(v_pool, k, atol=1e-10):
+            return ("the K pool holds v and the V pool holds k: write them in that order, "
+                    "backend.write(kv_cache, k, v, meta)")
+        return ("the pool must hold this step's K/V before attention reads it; q and k get the per-head RMSNorm, "
+                "then RoPE at each row's position; scale=attn.scale; then o_proj")
+
+    assert_rows_close(out, want, "FlatModel.attention against q/k-norm, RoPE, causal attention and o_proj by hand",
+                      atol=1e-10, rows=batch_rows(batch), cause=cause)
     assert_rows_close(torch.cat([cache[0][2], cache[0][0, :2]]), k, "the K pool at the request's slots", rows=slots,
                       atol=1e-10, cause="the pool must hold k AFTER q/k-norm and RoPE, at the slots of the block table")
     assert_rows_close(torch.cat([cache[1][2], cache[1][0, :2]]), v, "the V pool at the request's slots", rows=slots,
@@ -377,17 +443,71 @@ def test_flat_attention_uses_the_models_sliding_window():
                       "model's own forward", rows=[("r", p) for p in range(len(prompt))], cause=cause)
 
 
+class RecordingBackend(ReferenceBackend):
+    """The reference backend, recording each ``write`` it is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def write(self, cache, k, v, meta) -> None:
+        self.writes.append((k.clone(), v.clone()))
+        super().write(cache, k, v, meta)
+
+
+@hole("FlatModel.attention")
+def test_flat_attention_writes_through_the_backend():
+    model = model64()
+    flat, attn = FlatModel(model), model.model.layers[0].self_attn
+    x = torch.randn(5, model.cfg.hidden_size, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    cos, sin = rope_cos_sin(torch.arange(5), model.cfg.head_dim, model.cfg.rope_theta, torch.float64)
+    backend = RecordingBackend()
+    cache = backend.allocate((3, 4, model.cfg.num_key_value_heads, model.cfg.head_dim), torch.float64, "cpu")
+    batch = build_batch([(req("r", range(6)), 5)], [[1, 0]], 4)
+    flat.attention(attn, x, cos, sin, cache, batch.meta, backend)
+    _, k, v = attn.qkv(x, cos, sin)
+    assert len(backend.writes) == 1, \
+        f"FlatModel.attention must write this step's K/V through backend.write(kv_cache, k, v, meta), once " \
+        f"(a backend may keep its own pool layout; write_kv is the reference backend's); it was called " \
+        f"{len(backend.writes)} times"
+    assert torch.equal(backend.writes[0][0], k) and torch.equal(backend.writes[0][1], v), \
+        "backend.write gets k (after q/k-norm and RoPE) and v, in that order"
+
+
 @hole("FlatModel.forward")
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
 def test_flat_forward_equals_the_models_own_forward(moe):
     model = model64(moe)
     prompt = prompts([13], seed=5)[0]
-    (logits,), _, _ = run_flat(model, prompt, [13])
+    flat, rope_dtypes = FlatModel(model), set()
+    attention = flat.attention  # recorded on the way through: the dtype of the RoPE tables forward built
+    flat.attention = lambda attn, x, cos, sin, *rest: rope_dtypes.add(cos.dtype) or attention(attn, x, cos, sin, *rest)
+    (logits,), _, _ = run_flat(model, prompt, [13], flat=flat)
     want = model(torch.tensor(prompt))
+
+    def cause(bad: list[int]) -> str:
+        if rope_dtypes - {torch.float64}:
+            return (f"the RoPE tables (cos, sin) handed to attention are {sorted(map(str, rope_dtypes))} in a float64 "
+                    "model: build them in the hidden states' dtype, rope_cos_sin(positions, head_dim, rope_theta, "
+                    "hidden.dtype) (float32 tables cost float32's precision everywhere after)")
+        with torch.no_grad():
+            if torch.allclose(logits, model(torch.arange(13)), atol=1e-9):
+                return ("the logits equal the model's on the tokens 0..12, the rows' POSITIONS: embed the rows' token "
+                        "ids (embed_tokens(input_ids)), not their positions")
+            before_norm = []
+            hook = model.model.norm.register_forward_hook(lambda mod, args, out: before_norm.append(args[0]))
+            try:
+                model(torch.tensor(prompt))
+            finally:
+                hook.remove()
+            if torch.allclose(logits, flat.compute_logits(before_norm[-1]), atol=1e-9):
+                return ("the logits equal the LM head on hidden + residual BEFORE the final norm: return the normed "
+                        "output of the last add_norm (the model's final norm over hidden + residual)")
+        return ("each layer: input norm, attention on ITS OWN pool, residual add, post-attention norm, MLP (or MoE), "
+                "residual; then the final norm over hidden + residual")
+
     assert_rows_close(logits, want, f"FlatModel.forward ({'Qwen3-MoE' if moe else 'Qwen3'}, one 13-token pass) against "
-                      "the model's own forward", rows=[("r", p) for p in range(13)],
-                      cause="each layer: input norm, attention on ITS OWN pool, residual add, post-attention norm, "
-                            "MLP (or MoE), residual; then the final norm over hidden + residual")
+                      "the model's own forward", rows=[("r", p) for p in range(13)], cause=cause)
 
 
 @hole("FlatModel.forward")
@@ -635,6 +755,21 @@ def test_allocate_slots_rejects_cached_blocks_for_a_request_that_holds_blocks():
     assert (list(bm.req_blocks["b"]), list(bm.ref_count), list(bm.free_queue), dict(bm.num_published)) == before, \
         "cached_blocks are adopted at admission only: for a request that already holds blocks it is a " \
         "ValueError, and nothing changes"
+
+
+@hole("BlockManager.allocate_slots")
+def test_allocate_slots_an_empty_table_holds_no_blocks():
+    bm = BlockManager(8, 4)
+    cached = published(bm, req("a", range(12)), 12)[:2]  # a's first two blocks, full and published
+    b = req("b", list(range(8)) + [50, 51])
+    assert bm.allocate_slots(b, 0) and bm.req_blocks.get("b") == [], "room for 0 tokens: b's entry exists, empty"
+    try:
+        ok = bm.allocate_slots(b, 2, cached)
+    except ValueError as exc:
+        pytest.fail(f"b's req_blocks entry exists but is empty, so b holds no blocks yet and may adopt cached "
+                    f"blocks; allocate_slots raised ValueError: {exc}", pytrace=False)
+    assert ok and bm.req_blocks["b"][:2] == cached and len(bm.req_blocks["b"]) == 3, \
+        "b adopts a's two cached blocks, then one new block for its last 2 tokens"
 
 
 @hole("BlockManager.allocate_slots")
@@ -1212,6 +1347,28 @@ def test_check_stop_ignore_eos_keeps_stop_token_ids():
         "stop_token_ids are checked before EOS: an EOS listed there sets stop_reason"
 
 
+@hole("EngineCore.check_stop")
+def test_check_stop_with_no_output_yet_finishes_nothing():
+    assert stop_status([1, 2, 3, 9], eos=9) == (None, None), \
+        "zero outputs: the prompt's last token is 9 (the EOS) but no output exists yet, so check_stop returns None"
+    assert stop_status([1, 2, 3, 7], stop_token_ids=[7]) == (None, None), \
+        "zero outputs: a prompt ending in a stop token finishes nothing"
+    assert stop_status(list(range(12)), prompt_len=12) == (None, None), \
+        "zero outputs: a prompt that fills max_model_len=12 finishes nothing either (check_stop returns None)"
+
+
+@hole("EngineCore.check_stop")
+def test_check_stop_eos_is_the_requests_own():
+    e = core(EngineConfig(max_model_len=12), eos=5)  # the engine's default EOS: 5
+    mine = req("r", [1, 2, 3, 4, 9], prompt_len=4)
+    mine.eos_token_id = 9
+    assert e.check_stop(mine) == Status.FINISHED_STOPPED, "the request's own eos_token_id (9) stops it"
+    other = req("s", [1, 2, 3, 4, 5], prompt_len=4)
+    other.eos_token_id = 9
+    assert e.check_stop(other) is None, \
+        "5 is the engine's default EOS, but this request's eos_token_id is 9: the EOS rule reads request.eos_token_id"
+
+
 @hole("EngineCore.step")
 def test_step_runs_one_forward_per_step_and_reports_only_produced_tokens():
     e = core(EngineConfig(max_num_batched_tokens=16, block_size=4))
@@ -1394,6 +1551,29 @@ def test_step_prompt_logprobs_are_replaced_after_a_recompute_preemption():
         want = torch.log_softmax(model64()(torch.tensor(p)), -1)
     for i, entry in enumerate(lp):
         assert math.isclose(entry[p[i + 1]], float(want[i, p[i + 1]]), abs_tol=1e-9), f"entry {i} scores prompt token {i + 1}"
+
+
+@hole("EngineCore.step")
+def test_step_prompt_logprobs_of_a_one_token_prompt_is_an_empty_list():
+    e = core(EngineConfig(block_size=4))
+    e.add_request("a", [7], SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY))
+    (out,) = e.step()
+    assert out.finished and out.prompt_logprobs == [], \
+        "a one-token prompt has no prompt token to score: after its first step its prompt_logprobs is [] (asked " \
+        f"for, nothing in it), not None; got {out.prompt_logprobs!r}"
+
+
+@hole("EngineCore.step")
+def test_step_runs_the_sampler_even_when_no_row_samples():
+    e = core(EngineConfig(block_size=4, max_num_batched_tokens=8))
+    e.add_request("a", prompts([20], seed=9)[0], SamplingParams(max_tokens=1, **GREEDY))
+    calls = []
+    sampler = e.sampler
+    e.sampler = lambda logits, reqs, generators: calls.append((logits.shape[0], list(reqs))) or \
+        sampler(logits, reqs, generators)
+    assert e.step() == [], "the first step runs 8 of 20 prompt tokens: no row samples, nothing to report"
+    assert calls == [(0, [])], \
+        f"the sampler runs in every step that ran a forward pass, with 0 rows when none samples; got calls {calls}"
 
 
 # ===== gaps found by the bug corpus (course/quality/bug_corpus.py, docs/bug-corpus.md): bugs a learner made

@@ -204,12 +204,14 @@ def test_solutions_branch_passes_with_the_default_impl_and_the_handout_has_no_an
     out = subprocess.run([*tool, "handout", str(dest)], cwd=repo, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert not (dest / "solutions").exists() and not (dest / "tests/learner_fill.py").exists()
+    assert not (dest / "course/quality/data").exists(), "the bug records quote the reference"
     # No file of the handout quotes the answers: the reference's longer lines (40+ characters, not a
-    # comment or a bare return) occur at most twice in any file (given code shares a few such lines).
+    # comment or a bare return) occur at most twice in any file (given code shares a few such lines),
+    # nor in any data file.
     answer_lines = {s for p in (repo / "solutions").rglob("*.py") for s in map(str.strip, p.read_text().splitlines())
                     if len(s) >= 40 and not s.startswith(("#", '"""', "def ", "return "))}
-    quoting = {str(p.relative_to(dest)): n for p in dest.rglob("*.py")
-               if (n := sum(line in p.read_text() for line in answer_lines)) > 2}
+    quoting = {str(p.relative_to(dest)): n for p in dest.rglob("*") if p.suffix in (".py", ".toml")
+               if (n := sum(line in p.read_text() for line in answer_lines)) > (2 if p.suffix == ".py" else 0)}
     assert not quoting, f"handout files that quote the reference (answer lines in each): {quoting}"
     readme = (dest / "README.md").read_text()
     commands = re.findall(r"^\$ (.+)$", readme, re.M)

@@ -776,6 +776,22 @@ def test_cli_generate(ckpt, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_cli_generate_says_when_16bit_matmuls_ran_in_float32(ckpt, capsys):
+    """The README's one exception to "equals generate()": a bfloat16 model on the fused path of a
+    CPU without bf16 matmul units; `run.py generate` then prints a ``numerics:`` line, and only then."""
+    import torch
+    from course.learner.cli_generate import generate_main
+    from engine.fast.fused import fast_16bit_matmul
+
+    args = ["--model", str(ckpt["dense"]), "--prompt", "hello world", "--max-tokens", "4", "--device", "cpu"]
+    assert generate_main(args + ["--dtype", "bfloat16"]) == 0
+    err = capsys.readouterr().err
+    widened = not fast_16bit_matmul(torch.bfloat16, torch.device("cpu"))
+    assert ("[numerics: bfloat16 model, matmuls in float32" in err) == widened, err
+    assert generate_main(args + ["--dtype", "float32"]) == 0
+    assert "numerics:" not in capsys.readouterr().err
+
+
 CLI_ERRORS = {
     # case: (extra arguments, what the one line must say)
     "block_size_zero": (["--block-size", "0"], "--block-size must be in [1, 1024], got 0"),

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from ch31_helpers import model64, oracle, run_checked
-from engine.sampling import sample_token
 from engine.serve import BlockManager, EngineConfig, EngineCore, Request, SamplingParams, Status
+from course.quality import oracle as oracle_lib
 from course.quality.faults import PLACES, InjectedFault, forward_fault
 from course.quality.invariants import (block_violations, check_engine_invariants, check_idle, engine_violations,
                                      idle_violations)
@@ -58,40 +58,16 @@ def greedy_oracle(prompt: tuple[int, ...]) -> list[int]:
 @functools.lru_cache(maxsize=None)
 def stepwise_oracle(prompt: tuple[int, ...], temperature: float, top_k: int, top_p: float, seed: int | None,
                     masked: tuple[int, ...], min_tokens: int) -> list[int]:
-    """Token by token on the plain model, no engine involved: ``masked`` (EOS and the stop ids) get
-    -inf while fewer than ``min_tokens`` are out (vLLM's min_tokens rule); greedy at temperature 0,
-    else drawn with a generator seeded like the request's."""
-    model = model64()
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    tokens, out = list(prompt), []
-    with torch.inference_mode():
-        for _ in range(MAX_NEW):
-            logits = model(torch.tensor(tokens))[-1].clone()
-            if len(out) < min_tokens and masked:
-                logits[list(masked)] = float("-inf")
-            t = int(torch.argmax(logits)) if temperature == 0.0 else sample_token(logits, temperature, top_k, top_p, gen)
-            out.append(t)
-            tokens.append(t)
-    return out
+    """Token by token on the plain float64 model, no engine involved (``course.quality.oracle``)."""
+    return oracle_lib.stepwise(model64(), prompt, MAX_NEW, temperature, top_k, top_p, seed, masked, min_tokens)
 
 
-def cut_at_stop(tokens: list[int], p: SamplingParams, eos: int | None) -> tuple[list[int], str]:
-    """Where the stop rules end an unbounded continuation: (output, finish reason)."""
-    for i, t in enumerate(tokens[:p.max_tokens]):
-        if i + 1 >= p.min_tokens and (t in p.stop_token_ids or (t == eos and not p.ignore_eos)):
-            return tokens[:i + 1], "stop"
-    return tokens[:p.max_tokens], "length"
+cut_at_stop = oracle_lib.cut_at_stop
 
 
 def expected_output(prompt: tuple[int, ...], p: SamplingParams, eos: int | None) -> tuple[list[int], str] | None:
     """The oracle's answer, or None for unseeded sampling (no oracle can predict it)."""
-    if not p.greedy and p.seed is None:
-        return None
-    masked = tuple(sorted({*p.stop_token_ids, *([eos] if eos is not None else [])})) if p.min_tokens else ()
-    if p.greedy and not masked:
-        return cut_at_stop(greedy_oracle(prompt), p, eos)
-    return cut_at_stop(stepwise_oracle(prompt, p.temperature if not p.greedy else 0.0, p.top_k, p.top_p,
-                                       p.seed, masked, p.min_tokens), p, eos)
+    return oracle_lib.expected_output(prompt, p, eos, greedy_oracle, stepwise_oracle)
 
 
 # ===== 1. BlockManager against a list-based model =================================================
@@ -630,3 +606,28 @@ def test_invariant_checker_catches_corruption():
     core.blocks.req_blocks["a"] = []
     core.blocks.num_published["a"] = 0
     assert any("req_blocks" in v or "not running" in v for v in idle_violations(core))
+
+
+def test_the_soak_judges_a_min_tokens_request_by_the_masked_continuation():
+    """`make soak`'s oracle follows the min_tokens rule as the engine does (issue 35's soak showed
+    133 "mismatches" that were the old oracle's: it cut generate()'s tokens instead of masking the
+    stop id while min_tokens held it back). A request whose stop id is its own first greedy
+    token, with min_tokens=1, must continue past it -- and the soak must accept that answer."""
+    from course.quality.soak import Soak, Tracked
+
+    soak = Soak(seed=0)
+    soak.eos, soak.aborted, soak.done = None, set(), set()  # what an episode sets up
+    prompt = tuple(soak.prefixes[1] + soak.suffixes[0])
+    first = soak.greedy(prompt)[0]
+    p = SamplingParams(max_tokens=2, min_tokens=1, stop_token_ids=[first], temperature=0.0)
+    core = EngineCore(soak.model, EngineConfig(block_size=4, num_blocks=32))
+    soak.core = core
+    core.add_request("q", list(prompt), p)
+    tracked, final = Tracked(prompt, p, "q"), None
+    while core.has_unfinished():
+        for out in core.step():
+            tracked.streamed.extend(out.new_token_ids)
+            final = out if out.finished else final
+    assert final.output_token_ids[0] != first, "min_tokens=1 must mask the stop id for the first token"
+    soak.finished(final, tracked)
+    assert soak.violations == [] and soak.counts["compared"] == 1, soak.violations

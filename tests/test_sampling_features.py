@@ -258,3 +258,19 @@ def test_bad_values_raise_one_line_and_leave_the_engine_unchanged(name):
         core.add_request("a", p, SamplingParams(logprobs=VOCAB + 1))
     core.add_request("a", p, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))  # the id is still free
     assert _run(core)["a"] == oracle(tuple(p), 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_greedy_tokens_are_argmax_first_on_a_tie(dtype):
+    """The sampler's batched greedy reduction (``max(dim=-1).indices``, fast on 16-bit rows) picks
+    what argmax of the exact float64 values picks, the first index on a tie."""
+    from engine.serve.sampler import greedy_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=gen).to(dtype)
+    logits[1, [7, 500, 999]] = 30.0  # a three-way tie: 7
+    logits[2] = 0.0  # every entry tied: 0
+    logits[3, 999] = 30.0  # the last entry alone
+    got = greedy_tokens(logits)
+    assert got.dtype == torch.int64 and got.tolist() == torch.argmax(logits.double(), dim=-1).tolist()
+    assert got.tolist()[1:4] == [7, 0, 999]

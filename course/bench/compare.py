@@ -40,6 +40,8 @@ import torch
 
 from engine.serve import EngineConfig, EngineCore, SamplingParams
 from engine.fast.choose import FASTEST_FLAT_MODEL, fastest_options
+from engine.fast import linear_layout
+from engine.fast.fused import default_linear_dtype, numerics_note
 from engine.slots import SlotEngine
 from course.bench.workloads import (OPENINGS, ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload,
                               text_workload)
@@ -560,6 +562,10 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
     print(f"model: {shape['layers']} layers, hidden {shape['hidden']}, {shape['heads']}/{shape['kv_heads']} heads "
           f"of {shape['head_dim']}, vocab {shape['vocab']}; {device}, {torch.get_num_threads()} thread(s)", flush=True)
     print(f"machine: {machine_line()}", flush=True)
+    model_dtype = model.model.embed_tokens.weight.dtype
+    numerics = numerics_note(model_dtype, default_linear_dtype(model_dtype, device))
+    if numerics and "fast" in engines:  # the fused engine's tokens may then differ from generate()'s
+        print(f"numerics: {numerics}", flush=True)
     by_workload: dict[str, list[RunResult]] = {}
     for name in workloads:
         wl = make_workload(name, model.cfg.vocab_size, seed=seed, scale=scale, tokenizer=tokenizer, preset=preset)
@@ -576,6 +582,9 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
             points.append(scaling_point(model, backend, r, steps=scaling_steps, seed=seed,
                                         **(fast_config(fast_backend) if backend == fast_backend else {})))
             print(f"  scaling {backend} R={r}: {points[-1]['step_ms']:.2f} ms/step", flush=True)
+    layouts = linear_layout.chosen_report()
+    if layouts:  # which linear kernels the figures came from (measured at load; ENGINE_LINEAR_LAYOUT forces)
+        print("linear layouts chosen in this sitting:", *(f"  {line}" for line in layouts), sep="\n", flush=True)
     limits = None
     if points:
         print_scaling(points)
@@ -587,7 +596,7 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
             "machine": machine_info(torch.get_num_threads()), "limits": limits,
             "workloads": {w: [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in rs]
                           for w, rs in by_workload.items()},
-            "scaling": points, "_results": by_workload}
+            "scaling": points, "linear_layouts": layouts, "numerics": numerics, "_results": by_workload}
 
 
 def bench_main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@
     python -m course.bench.levers parts [--requests 64] [--context 64]        the fast core's decode step: linears / attention / write / rest
     python -m course.bench.levers linear [--threads 1]                          one step's linears: the kernel, prefetch on/off, oneDNN
     python -m course.bench.levers elementwise                                  eager vs compiled norms/RoPE/SiLU
+    python -m course.bench.levers argmax --requests 16                         greedy rows: argmax vs max().indices per dtype
 
 ``attention`` times one layer's decode attention on the bench's small-model shapes (8 query / 4
 kv heads of 64, blocks of 16): TorchBackend (gather, then bmm), CPUBackend (the C++ kernel reading
@@ -344,9 +345,26 @@ def elementwise(args) -> None:
             print(f"norms + RoPE + SiLU-mul of one layer, {n} rows (ms): {res}")
 
 
+def argmax(args) -> None:
+    """The greedy sampler's one batched reduction at the Qwen3 vocabulary (151,936): torch.argmax
+    against max(dim=-1).indices (``sampler.greedy_tokens``; the same indices, first on a tie) and
+    against argmax of a float32 copy, per logits dtype."""
+    from engine.serve.sampler import greedy_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        logits = torch.randn(args.requests, 151_936, generator=gen).to(dtype)
+        assert torch.equal(greedy_tokens(logits), torch.argmax(logits, dim=-1))
+        res = interleaved({"argmax": lambda: torch.argmax(logits, dim=-1),
+                           "float32 copy + argmax": lambda: torch.argmax(logits.float(), dim=-1),
+                           "max().indices": lambda: greedy_tokens(logits)}, args.rounds)
+        print(f"{str(dtype).removeprefix('torch.')} logits [{args.requests}, 151936], "
+              f"{torch.get_num_threads()} thread(s) (median ms): {res}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("attention", "step", "parts", "linear", "elementwise"))
+    ap.add_argument("what", choices=("attention", "step", "parts", "linear", "elementwise", "argmax"))
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--dtype", default="float32")
@@ -365,7 +383,8 @@ def main() -> int:
     ap.add_argument("--rows", default="16,64,256", help="linear: the row counts, comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    {"attention": attention, "step": step, "parts": parts, "linear": linear, "elementwise": elementwise}[args.what](args)
+    {"attention": attention, "step": step, "parts": parts, "linear": linear, "elementwise": elementwise,
+     "argmax": argmax}[args.what](args)
     return 0
 
 

@@ -5,7 +5,7 @@ chapter README shows.
     python -m course.figures.chapter --out DIR --impl engine   # your engine's pictures, elsewhere
 
 Two pictures, drawn by ``course.figures.viz`` exactly as the notebook draws them: ``worked-batch.png``
-(the chapter's worked batch: every row and the pool slot its K/V go to) and ``pool-trace.png``
+(the chapter's worked example, step 2's batch: every row and the pool slot its K/V go to) and ``pool-trace.png``
 (the 16-request benchmark with an ample and a 24-block pool: tokens per step by kind, blocks held
 per step). They are kept small (a low resolution, no metadata but one), so that the repository
 carries tens of kilobytes. The one: each PNG carries, in a text chunk named ``ch31-content``, a
@@ -28,22 +28,11 @@ DEFAULT_OUT = ROOT / "chapters" / "31-engine-v2" / "figures"
 
 
 def worked_batch():
-    """The worked example's batch (same requests and tables as the chapter and the notebook)."""
-    from engine.serve import Request, build_batch
+    """The chapter's worked example: the batch of the step ``course.figures.example`` shows (step 2
+    of its three-request run on the test model), exactly as the engine built it."""
+    from course.figures import example
 
-    a = Request("a", list(range(100, 120)))
-    a.num_computed_tokens = 6
-    b = Request("b", list(range(200, 230)))
-    for t in range(230, 242):
-        b.append(t)
-    b.num_computed_tokens = 41
-    c = Request("c", list(range(300, 305)))
-    for t in range(305, 310):
-        c.append(t)
-    c.num_computed_tokens = 9
-    d = Request("d", list(range(400, 404)))
-    tables = {"a": [5], "b": [7, 8, 9], "c": [1], "d": [4]}
-    return build_batch([(a, 3), (b, 1), (c, 1), (d, 4)], tables, block_size=16)
+    return example.run().batches[example.SHOWN_STEP - 1]
 
 
 def benchmark_traces():
@@ -149,7 +138,9 @@ def save(out: Path, dpi: int = 72) -> list[Path]:
     torch.set_num_threads(1)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    ax = draw_batch(worked_batch())
+    from course.figures.example import NAMES
+
+    ax = draw_batch(worked_batch(), names=NAMES)
     fig = ax.figure
     written.append(out / "worked-batch.png")
     _savefig(fig, written[-1], dpi, bbox_inches="tight")

@@ -630,9 +630,18 @@ def grade_main(argv: list[str] | None = None) -> int:
     out_root = args.out / "trials" if args.keyword else args.out
     out_root.mkdir(parents=True, exist_ok=True)
     ids = {p: roster.get(p) or checkout_id(p) for p in paths}
+    from tqdm import tqdm
+
+    # A bar on stderr over the checkouts (done/total, elapsed, ETA) with the lines above it, as make mutants
+    # has; on a terminal only, so that logs and captured output carry no carriage returns.
+    bar = tqdm(total=len(paths), desc="grading", unit="checkout", dynamic_ncols=True, disable=not sys.stderr.isatty())
+
+    def say(line: str) -> None:
+        bar.write(line)
+        sys.stdout.flush()
 
     def one(checkout: Path) -> dict:
-        print(f"grading {printable(checkout)} ...", flush=True)
+        say(f"grading {printable(checkout)} ...")
         doc = grade_or_error(checkout, session, jobs=args.jobs)
         out = out_root / ids[checkout]
         out.mkdir(parents=True, exist_ok=True)
@@ -646,12 +655,25 @@ def grade_main(argv: list[str] | None = None) -> int:
             write_json(out / "results.json", results)
         except OSError as exc:
             print(f"error: could not write {printable(out)}: {exc}", file=sys.stderr, flush=True)
-        print(f"graded {printable(checkout)}: {doc['score']:g}/{doc['max_score']:g} ({status_of_doc(doc)}); "
-              f"wrote {printable(out)}", flush=True)
+        say(f"graded {printable(checkout)}: {doc['score']:g}/{doc['max_score']:g} ({status_of_doc(doc)}); "
+            f"wrote {printable(out)}")
+        bar.update(1)
         return doc
 
-    with ThreadPoolExecutor(args.jobs) as pool:
-        docs = list(pool.map(one, paths))
+    done = threading.Event()
+
+    def tick() -> None:  # on a terminal the elapsed time moves during a checkout's minutes, not only between them
+        while not done.wait(1):
+            bar.refresh()
+
+    if not bar.disable:
+        threading.Thread(target=tick, daemon=True).start()
+    try:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            docs = list(pool.map(one, paths))
+    finally:
+        done.set()
+        bar.close()
     by_id = {ids[p]: d for p, d in zip(paths, docs)}
     copycheck.cross_flags(by_id, prior, lambda i: (write_json(out_root / i / "grade.json", by_id[i]),
                                                    write_json(out_root / i / "results.json", gradescope(by_id[i]))),

@@ -126,8 +126,9 @@ def generate_main(argv: list[str] | None = None) -> int:
         llm = LLM(model, tok, **options)
         numerics = getattr(llm.engine.flat, "numerics", None)  # a 16-bit model computed in float32 here
         print(f"[loaded {args.model} ({next(model.parameters()).dtype}) in "
-              f"{time.perf_counter() - t0:.1f}s on {device}; prompt {len(prompt_ids)} tokens"
-              f"{'; ' + numerics if numerics else ''}]", file=sys.stderr)
+              f"{time.perf_counter() - t0:.1f}s on {device}; prompt {len(prompt_ids)} tokens]", file=sys.stderr)
+        if numerics:  # the README's one exception to "equals generate()"
+            print(f"[numerics: {numerics}]", file=sys.stderr)
         streaming = True
         if not args.chat:
             sys.stdout.write(args.prompt)

@@ -13,8 +13,10 @@ decoding, preempted, swapped, or an unknown id), step, reset the prefix cache, o
 forward pass fails at a random layer (``course.quality.faults``; ``--faults`` sets how often), perhaps
 followed at once by an abort. After every step, failed ones included,
 the whole engine is checked (``course.quality.invariants``). Every greedy request that finishes
-normally must equal ``generate()`` on its prompt alone (cut where its stop rules say), every
-seeded sampled request must equal an independent token-by-token sampler with the same seed, and
+normally must equal ``generate()`` on its prompt alone (cut where its stop rules say; token by
+token with the EOS and stop ids masked while ``min_tokens`` holds them back), every seeded sampled
+request must equal an independent token-by-token sampler with the same seed (both:
+``course.quality.oracle``), and
 its streamed tokens must add up to its final output. Each episode ends by running to idle, where
 every block must be free and every per-request structure empty.
 
@@ -98,31 +100,14 @@ class Soak:
             self.greedy_cache[prompt] = generate(self.model, list(prompt), MAX_NEW)
         return self.greedy_cache[prompt]
 
-    def sampled(self, prompt: tuple[int, ...], p) -> list[int]:
-        """Token-by-token sampling with the request's own seeded generator, no engine involved."""
-        from engine.sampling import sample_token
+    def continuation(self, *key) -> list[int]:
+        """``course.quality.oracle.stepwise`` on the soak's model, cached per (prompt, sampling, mask)."""
+        from course.quality import oracle
 
-        torch = self.torch
-        key = (prompt, p.temperature, p.top_k, p.top_p, p.seed)
         if key not in self.sampled_cache:
-            gen = torch.Generator().manual_seed(p.seed)
-            tokens, out = list(prompt), []
-            with torch.inference_mode():
-                for _ in range(MAX_NEW):
-                    logits = self.model(torch.tensor(tokens))[-1]
-                    t = sample_token(logits, p.temperature, p.top_k, p.top_p, gen)
-                    out.append(t)
-                    tokens.append(t)
-            self.sampled_cache[key] = out
+            prompt, *rest = key
+            self.sampled_cache[key] = oracle.stepwise(self.model, prompt, MAX_NEW, *rest)
         return self.sampled_cache[key]
-
-    @staticmethod
-    def cut(tokens: list[int], p, eos: int | None) -> tuple[list[int], str]:
-        """Where the stop rules end an unbounded continuation: (output, finish reason)."""
-        for i, t in enumerate(tokens[:p.max_tokens]):
-            if i + 1 >= p.min_tokens and (t in p.stop_token_ids or (t == eos and not p.ignore_eos)):
-                return tokens[:i + 1], "stop"
-        return tokens[:p.max_tokens], "length"
 
     # ----- one episode ---------------------------------------------------------------------
     def random_config(self):
@@ -334,10 +319,11 @@ class Soak:
         if out.finish_reason == "abort" or rid in self.aborted:
             self.violation(f"{rid}: an aborted request was reported by step() as {out.finish_reason}")
             return
-        if p.greedy:
-            want, reason = self.cut(self.greedy(t.prompt), p, self.eos)
-        elif p.seed is not None:
-            want, reason = self.cut(self.sampled(t.prompt, p), p, self.eos)
+        from course.quality import oracle
+
+        expected = oracle.expected_output(t.prompt, p, self.eos, self.greedy, self.continuation)
+        if expected is not None:
+            want, reason = expected
         else:  # unseeded sampling: only the shape of the answer can be checked
             got = out.output_token_ids
             if not 1 <= len(got) <= p.max_tokens or out.finish_reason not in ("stop", "length"):

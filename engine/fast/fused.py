@@ -117,6 +117,23 @@ def fast_16bit_matmul(dtype: torch.dtype, device: torch.device) -> bool:
     return True
 
 
+def numerics_note(dtype: torch.dtype, linear_dtype: torch.dtype) -> str | None:
+    """What a user must be told when a 16-bit model's matmuls run in ``linear_dtype`` = float32
+    (a CPU without 16-bit matmul units, where that is faster): it is computed more precisely than
+    generate() computes it, so its greedy tokens may differ from generate()'s, and from a CPU with
+    those units. None when the matmuls run in the model's own dtype (the tokens are generate()'s)."""
+    if linear_dtype == dtype or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return (f"{str(dtype).removeprefix('torch.')} model, matmuls in {str(linear_dtype).removeprefix('torch.')} "
+            "(no 16-bit matmul units here): greedy tokens may differ from generate()'s")
+
+
+def default_linear_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the fused model's matmuls run in by default: the model's own where its
+    matmuls have native units here, else float32."""
+    return dtype if fast_16bit_matmul(dtype, device) else torch.float32
+
+
 class FusedFlatModel(FlatModel):
     """FlatModel with merged projections and fused elementwise work; same contract, plus
     ``forward(..., keep_rows=rows)``, which returns only those rows' final hidden states.
@@ -133,16 +150,9 @@ class FusedFlatModel(FlatModel):
         super().__init__(model)
         dtype, device = self.dtype, self.device
         if linear_dtype is None:
-            linear_dtype = dtype if fast_16bit_matmul(dtype, device) else torch.float32
+            linear_dtype = default_linear_dtype(dtype, device)
         self.linear_dtype = linear_dtype
-        # What a user must be told: a 16-bit model whose matmuls run in float32 here (no 16-bit
-        # units) is computed more precisely than generate() computes it, so its greedy tokens may
-        # differ from generate()'s (and from a CPU with those units). None: the model's own dtype.
-        self.numerics: str | None = None
-        if linear_dtype != dtype and dtype in (torch.bfloat16, torch.float16):
-            self.numerics = (f"{str(dtype).removeprefix('torch.')} model, matmuls in "
-                             f"{str(linear_dtype).removeprefix('torch.')} (no 16-bit matmul units here): "
-                             "greedy tokens may differ from generate()'s")
+        self.numerics = numerics_note(dtype, linear_dtype)
         self.pack = packable(linear_dtype, device) if pack is None else pack
         linear_layout.forced_layout(layout)  # a bad name: ValueError before anything is built
         # The small-batch kernel's panels: float32 arithmetic on CPU, where the kernel builds (a

@@ -65,7 +65,8 @@ class Choice:
         return f"[{n}, {k}] {self.layout} (ms at {'/'.join(map(str, PROBE_ROWS))} rows: {times})"
 
 
-_chosen: dict[tuple, Choice] = {}
+_chosen: dict[tuple, Choice] = {}  # measured choices, reused for the process
+_made: dict[tuple, Choice] = {}  # every choice this process made (measured, only, forced), for chosen_report
 
 
 def forced_layout(layout: str | None) -> str | None:
@@ -138,15 +139,35 @@ def choose(n: int, k: int, dtype: torch.dtype, candidates: tuple[str, ...], layo
     when one is forced, that one (the reference if it is not a candidate); else the only one,
     else measured (cached per shape, dtypes, thread count and candidates)."""
     forced = forced_layout(layout)
+    key = (n, k, dtype, weight_dtype, torch.get_num_threads(), candidates)
     if forced is not None:  # where it is not a candidate: the reference
-        return Choice(forced if forced in candidates else candidates[0], {}, forced=True)
-    if len(candidates) == 1:
-        return Choice(candidates[0], {})
-    key = (min(n, PROBE_MAX_OUT), k, dtype, weight_dtype, torch.get_num_threads(), candidates)
-    if key not in _chosen:
-        ms = measure(n, k, dtype, candidates, weight_dtype)
-        _chosen[key] = Choice(decide(ms), ms)
-    return _chosen[key]
+        choice = Choice(forced if forced in candidates else candidates[0], {}, forced=True)
+    elif len(candidates) == 1:
+        choice = Choice(candidates[0], {})
+    else:
+        probe_key = (min(n, PROBE_MAX_OUT),) + key[1:]
+        if probe_key not in _chosen:
+            ms = measure(n, k, dtype, candidates, weight_dtype)
+            _chosen[probe_key] = Choice(decide(ms), ms)
+        choice = _chosen[probe_key]
+    _made[key] = choice
+    return choice
+
+
+def chosen_report() -> list[str]:
+    """One line per (weight shape, compute dtype, thread count) this process chose a layout for:
+    the layout and how it was decided (measured, with the times; the only candidate; forced).
+    ``run.py bench`` prints it, so that a sitting says which kernels its figures came from: a
+    measured choice can differ between thread counts or between starts on a busy machine (never
+    the tokens, only the speed); ``ENGINE_LINEAR_LAYOUT`` makes it the same everywhere."""
+    lines = []
+    for (n, k, dtype, weight_dtype, threads, _), choice in _made.items():
+        held = "" if weight_dtype in (None, dtype) else f", {str(weight_dtype).removeprefix('torch.')} weights"
+        context = f"{str(dtype).removeprefix('torch.')}{held}, {threads} thread(s)"
+        how = "measured" if choice.ms else "forced" if choice.forced else "the only candidate"
+        line = choice.describe(n, k).replace(" (forced)", "")
+        lines.append(f"{line} [{how}; {context}]")
+    return lines
 
 
 class Linear:

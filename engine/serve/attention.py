@@ -31,7 +31,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     (``PAD_SLOT``) and are written too, into the pool's very last slot (it lies in the scratch
     block). Dropping them instead would give a result whose size depends on the data: the host
     would have to wait for the device to learn how many rows are real, and a captured CUDA graph
-    cannot include such a wait. Writes in place, one ``index_copy_`` per pool.
+    cannot include such a wait. Writes in place, one ``index_copy_`` per pool. The rows are cast
+    to the pool's dtype first (float32 rows into a bfloat16 pool are stored rounded to bfloat16),
+    since ``index_copy_`` itself refuses a source of another dtype.
     """
     raise NotImplementedError("write_kv is a hole: fill it in (Chapter 31, engine/serve/attention.py)")
 

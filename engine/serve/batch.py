@@ -86,6 +86,9 @@ def build_batch(
     own order need not be the plan's). For request r with c = num_computed_tokens:
     - its rows are the tokens ``(token_ids + spec_token_ids)[c:c+n]`` (fewer than n available ->
       ValueError), at positions c .. c+n-1, and its seq_len is c+n;
+    - its table must hold every position up to c+n-1: a table too short
+      (``len(table) * block_size < c + n``) is a ValueError naming the request, raised before any
+      slot is looked up (not the IndexError of reading past the table's end);
     - position p is written to slot ``table[p // block_size] * block_size + p % block_size``;
     - it samples from the last k = min(n, max(0, c + n - (num_tokens - 1))) rows of its span
       (num_tokens counts prompt AND outputs): 1 for a decode, for the chunk that reaches the
@@ -100,6 +103,8 @@ def build_batch(
     ``input_ids``, ``positions`` and ``logits_indices`` are int64 (as ``Batch``'s comments say).
     The meta's fields are as ``BatchMeta`` documents them (dtypes in its comments), over all R
     requests, dummies included: ``max_query_len`` is the longest span (a dummy's is 1),
-    ``max_seq_len`` the largest seq_len.
+    ``max_seq_len`` the largest seq_len; ``block_table`` is [R, the longest table], shorter tables
+    padded with 0 — [R, 0] when every table is empty (only dummies, or no request at all), never a
+    padded column.
     """
     raise NotImplementedError("build_batch is a hole: fill it in (Chapter 31, engine/serve/batch.py)")

@@ -182,8 +182,9 @@ class BlockManager:
         """Make room for ``n`` more tokens of ``request``. (Your engine: Chapter 31)
 
         The request's table must cover ``num_computed_tokens + len(cached_blocks) * block_size + n``
-        tokens: first the adopted ``cached_blocks`` (only for a request that holds no blocks yet:
-        ``cached_blocks`` for one that already holds blocks is a ValueError, and nothing changes),
+        tokens: first the adopted ``cached_blocks`` (only for a request that holds no blocks yet —
+        no ``req_blocks`` entry, or an entry that is empty: ``cached_blocks`` for one whose table
+        holds a block is a ValueError, and nothing changes),
         then new blocks from the FRONT of the free queue. All or nothing: if the free queue can't
         supply what is needed, return False and change nothing. Adopting a cached-FREE block
         (ref 0) takes it out of the free queue, so it counts against what is left. A new block

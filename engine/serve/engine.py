@@ -218,12 +218,15 @@ class EngineCore:
     def check_stop(self, request: Request) -> Status | None:
         """The finished status ``request`` has reached, or None. (Your engine: Chapter 31)
 
-        Checked in this order, on the request's last token:
+        A request with no output token yet is never finished here: with zero outputs return None
+        (its last token is a prompt token, whatever it is). Otherwise, checked in this order, on the
+        request's last token:
         1. Only once the output has at least ``min_tokens`` tokens (exactly ``min_tokens`` is
            enough): a last token in ``stop_token_ids`` -> FINISHED_STOPPED with ``stop_reason``
            set to it (``ignore_eos`` does not switch these off, and an EOS listed there is a stop
            token too); else the EOS token, unless ``ignore_eos`` -> FINISHED_STOPPED, with no
-           ``stop_reason``.
+           ``stop_reason``. The EOS token is the request's own ``request.eos_token_id`` (None: no
+           EOS rule), not the engine's default ``self.eos_token_id``, which only seeds new requests.
         2. Otherwise, ``max_tokens`` outputs or ``max_model_len`` tokens in all -> FINISHED_LENGTH.
         The stop rules come first, so a stop token or EOS that is also the last token allowed
         finishes STOPPED, not LENGTH (vLLM V1's check_stop tests the length first, then EOS, then
@@ -246,12 +249,14 @@ class EngineCore:
         5. Sample: ``self.sampler(logits[:batch.num_sample_rows], reqs, self.generators)``, where
            ``reqs`` names each sample row's request (request r has ``batch.sample_counts[r]`` rows,
            0 or 1 here); it returns one token per row, so request r's token is the next
-           ``batch.sample_counts[r]`` of them. ``self._prompt_logprobs(batch, logits[num_sample_rows:])``
+           ``batch.sample_counts[r]`` of them. The sampler runs in every step that ran a forward
+           pass, also when no row samples (then with 0 rows and no requests: it returns []). ``self._prompt_logprobs(batch, logits[num_sample_rows:])``
            gives each request's prompt-logprob entries of this step.
         6. Update each scheduled (request, n), in plan order: advance ``num_computed_tokens`` by n;
            append its sampled token, if it had a sample row; if ``params.prompt_logprobs`` is set,
            write its entries into the list ``request.prompt_logprobs`` (None before the first;
-           entry i scores prompt token i + 1) from index c on, c being ``num_computed_tokens``
+           entry i scores prompt token i + 1; a one-token prompt has nothing to score, so its list
+           becomes [] at its first step, not None) from index c on, c being ``num_computed_tokens``
            before this step — replacing the entries a recompute preemption made stale; publish
            its newly full blocks (``self.blocks.cache_full_blocks``); check a request that got a
            token for stop (``check_stop``) and finish one that stopped in the scheduler at once

@@ -51,7 +51,9 @@ class FlatModel:
         x: [N, D] (already normed); cos/sin [N, head_dim], computed once per step. ``attn.qkv(x,
         cos, sin)`` gives q [N, Hq, Dh] and k, v [N, Hkv, Dh], with Qwen3's per-head RMSNorm and
         RoPE by each row's own position already applied to q and k. Write this step's k and v —
-        AFTER RoPE, as they come out of ``qkv`` — into the pool FIRST; then attend through the
+        AFTER RoPE, as they come out of ``qkv`` — into the pool FIRST, through the backend's
+        ``write`` (given kv_cache, then k, v and meta), not ``write_kv`` directly: a backend may keep
+        its pool in a layout of its own; then attend through the
         backend (which reads this step's K/V back from the pool) with the layer's ``attn.scale``
         and the model's ``self.cfg.sliding_window``; then ``attn.o_proj`` on the [N, Hq * Dh]
         output. Returns [N, D].
