@@ -53,8 +53,8 @@ handout: $(STAMP)            ## the learner edition, without solutions/: make ha
 grade: $(STAMP)              ## grade checkouts hole by hole: make grade [CHECKOUT="path ..."] [FOLDER=dir]
 	$(PY) run.py grade $(CHECKOUT) $(if $(FOLDER),--folder $(FOLDER),) $(if $(JOBS),--jobs $(JOBS),)
 
-gradescope: $(STAMP)         ## the Gradescope bundle: gradescope/setup.sh and gradescope/run_autograder
-	$(PY) -m course.grading.gradescope write gradescope
+gradescope: $(STAMP)         ## the Gradescope bundle: autograder.zip (setup.sh, run_autograder at its root); PRIOR=DIR adds earlier submissions' fingerprints
+	$(PY) -m course.grading.gradescope zip autograder.zip $(if $(PRIOR),--prior $(PRIOR))
 
 mutants: $(STAMP)            ## apply each named bug to the reference; the tests must kill every one
 	$(PY) -m course.quality.mutants

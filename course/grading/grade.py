@@ -20,9 +20,10 @@ no scenario earns nothing, and a hole whose body is still the stub scores 0. The
 grader's: ``course/learner/holes.py``'s ``assemble`` (the course's chapter files with the learner's hole
 bodies and inert new definitions; code that would run at import is listed as an edit, not run). Feedback a learner sees (``results.json``) is written by the
 grader from verified results and the instructor's test names; raw output stays in ``grade.json`` and a
-hidden Gradescope test (instructor only). Copy detection (``course/grading/copycheck.py``): holes equal to the
-reference after normalisation, near-identical pairs of checkouts, symlinks, files changed outside the
-chapter files: all flagged.
+hidden Gradescope test (instructor only). Copy detection (``course/grading/copycheck.py``): holes equal or similar
+(fingerprints of the normalised syntax tree) to the reference, to a classmate's in the same run or to an
+earlier submission's (``--prior``), holes handing their job to given code, symlinks, files changed outside
+the chapter files: all flagged.
 
 Writes ``<out>/<id>/grade.json`` and ``results.json`` per checkout (``<id>``: from the path, or
 ``--roster`` CSV id,path) and updates those checkouts' rows of ``<out>/grades.csv``; a ``-k`` trial
@@ -284,9 +285,7 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     stubs = set(parsed["stubs"])
     for row in (*holes, milestone, checks):
         apply_verdict(row, checked.get(row.name), flags, contradicted, stub=row.name in stubs)
-    copied = parsed["copied"]
-    if copied:
-        flags.append(f"{len(copied)} hole(s) equal to the reference after normalisation: {', '.join(copied)}")
+    flags += parsed["reference_flags"]  # the graded module: equal or similar to the reference, delegating
     flags += [f"symlink: {s}" for s in parsed["symlinks"]]
     flags += [f"changed outside the chapter files: {c}" for c in parsed["changed"]]
     rows = [*holes, milestone, checks]
@@ -309,7 +308,7 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
         "edits_outside_holes": edits,
         "problems": problems,
         "flags": flags,
-        "fingerprint": parsed["fingerprint"],
+        "fingerprint": parsed["fingerprint"],  # per hole: k-gram hashes and sizes, no code
         "files_sha256": files_sha256(files),
         "raw_output": (tests.output + scen.output)[-60000:],  # the instructor's eyes only
     }
@@ -462,7 +461,8 @@ def gradescope(doc: dict) -> dict:
               "status": "passed" if r["score"] >= r["weight"] else "failed", "output": _feedback_lines(r)}
              for r in _rows(doc)]
     tests.append({"name": "instructor notes (hidden)", "score": 0, "max_score": 0, "visibility": "hidden",
-                  "output": "\n".join([*doc["flags"], *doc["problems"], f"seed {doc['seed']}",
+                  "output": "\n".join([f"status {status_of_doc(doc)}", *(f"{flag_kind(f)}: {f}" for f in doc["flags"]),
+                                       *doc["problems"], f"seed {doc['seed']}",
                                        doc["raw_output"][-20000:]])})
     notes = [clean(n) for n in [*(f"edit outside the holes: {e}" for e in doc["edits_outside_holes"][:20]),
                                 *doc["problems"][:20]]]
@@ -472,7 +472,7 @@ def gradescope(doc: dict) -> dict:
             "visibility": "visible", "stdout_visibility": "hidden", "tests": tests}
 
 
-COPY_FLAGS = ("equal to the reference", "near-identical")
+COPY_FLAGS = ("equal to the reference", "near-identical", "similar to", "hands its job to given code")
 CONTRADICTION_FLAGS = ("the tests reported a pass, the verified scenarios disagree",)
 
 
@@ -607,6 +607,9 @@ def grade_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="the scenarios' seed (default: a fresh secret one)")
     ap.add_argument("--scenarios", type=int, default=2, help="scenarios of each kind per hole")
     ap.add_argument("--unsafe", action="store_true", help="grade without a sandbox (marked unsafe)")
+    ap.add_argument("--prior", type=Path, default=os.environ.get("GRADE_PRIOR") or None,
+                    help="earlier submissions to compare with: a fingerprint store (OUT/fingerprints.json) or a "
+                         "folder of stores and checkouts (default: $GRADE_PRIOR)")
     ap.add_argument("-k", dest="keyword", default="", help="a trial: only the tests matching this pytest -k "
                     "expression (written under OUT/trials/, never over a real grade)")
     args = ap.parse_args(argv)
@@ -626,6 +629,9 @@ def grade_main(argv: list[str] | None = None) -> int:
     bad = [p for p in paths if not (p / "engine").is_dir()]
     if bad:
         raise ValueError(f"not a checkout of this course (no engine/ folder): {', '.join(printable(p) for p in bad)}")
+    from course.grading import copycheck
+
+    prior = copycheck.load_prior(args.prior) if args.prior is not None else {}  # a bad --prior: one line, first
     opts = Options(args.per_test_timeout, args.per_scenario_timeout, args.timeout, args.keyword, args.unsafe,
                    args.seed, args.scenarios, args.memory_gib)
     session = Session(opts)
@@ -676,19 +682,10 @@ def grade_main(argv: list[str] | None = None) -> int:
     finally:
         done.set()
         bar.close()
-    from course.grading.copycheck import near_pairs
-
     by_id = {ids[p]: d for p, d in zip(paths, docs)}
-    try:
-        pairs = near_pairs({i: d["fingerprint"] for i, d in by_id.items() if d.get("fingerprint")})
-    except Exception as exc:  # noqa: BLE001 - the pair check failing must not lose the grades
-        print(f"warning: the near-identical check failed ({type(exc).__name__}); no pairs flagged", file=sys.stderr)
-        pairs = []
-    for a, b, ratio in pairs:
-        by_id[a]["flags"].append(f"near-identical holes to {b} ({ratio:.0%} similar)")
-        by_id[b]["flags"].append(f"near-identical holes to {a} ({ratio:.0%} similar)")
-        for i in (a, b):
-            write_json(out_root / i / "grade.json", by_id[i])
+    copycheck.cross_flags(by_id, prior, lambda i: (write_json(out_root / i / "grade.json", by_id[i]),
+                                                   write_json(out_root / i / "results.json", gradescope(by_id[i]))),
+                          out_root / "fingerprints.json" if not args.keyword else None)
     if len(docs) == 1:
         print(format_report(docs[0]))
     update_csv(out_root / "grades.csv", {i: csv_row(i, d) for i, d in by_id.items()})

@@ -109,8 +109,8 @@ def _analysis(files: dict[str, str], course: dict[str, str], checkout: str | Non
             raise ValueError(f"engine/{rel} is too deep or too large for the syntax tree "
                              f"({type(exc).__name__})") from None
     graded, edits = assemble_files(files, course)
-    out = {"graded": graded, "edits": edits, "stubs": sorted(stub_holes(files)),
-           "copied": list(copycheck.copied_holes(files)), "fingerprint": copycheck.fingerprint(files)}
+    out = {"graded": graded, "edits": edits, "stubs": sorted(stub_holes(files)),  # copies: of the graded module
+           "reference_flags": copycheck.reference_flags(graded), "fingerprint": copycheck.fingerprint(graded)}
     if checkout is not None:
         from course.learner.testrun import chapter_files
 

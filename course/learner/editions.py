@@ -31,10 +31,11 @@ from engine._impl import CHAPTER_FILES, ROOT
 BRANCH = "solutions"
 # What a handout leaves out: the answers, and every file that quotes them — the mutant and bug
 # records (course/quality/data/) hold reference lines as the text each bug replaces, and the modules
-# that run them, their tests and tools import them.
+# that run them, their tests and tools import them; the copy cases are built from learner_fill.py.
 ANSWERS = ("solutions", "tests/learner_fill.py", "course/quality/data", "course/quality/mutants.py",
            "course/quality/bug_corpus.py", "tests/test_mutants.py", "tests/test_bug_corpus.py",
-           "course/grading/grade_table.py")
+           "course/grading/grade_table.py", "tests/copy_cases.py", "tests/test_copycheck.py",
+           "tests/test_gradescope.py", "tests/test_gradescope_zip.py")
 HANDOUT_README = Path("course") / "learner" / "HANDOUT.md"
 
 
