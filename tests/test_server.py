@@ -293,3 +293,53 @@ def test_chat_logprobs_name_the_sampled_token_and_its_alternatives(served, oracl
         assert bytes(entry.bytes).decode() == entry.token
         best = sorted((v.logprob for v in e.values()), reverse=True)[:2]  # the 2 most likely, the sampled one or not
         assert [a.logprob for a in entry.top_logprobs] == pytest.approx(best, abs=1e-9)
+
+
+def test_a_plain_request_whose_client_disconnects_is_aborted(tok):
+    """A non-streamed request of 4000 tokens whose client goes away mid-request is aborted in the
+    engine (its blocks freed, far fewer than 4000 tokens made); a stream running beside it is
+    unaffected (the oracle's greedy text), and the server takes the next request."""
+    import asyncio
+
+    long_model = tiny_model(seed=5, dtype=torch.float64, vocab_size=tok.vocab_size, max_position_embeddings=4096)
+    engine = dict(block_size=4, num_blocks=1100)
+    other_prompt, other_tokens = "the river", 40
+    [expected] = LLM(long_model, tok, **engine).generate(
+        other_prompt, SamplingParams(temperature=0.0, max_tokens=other_tokens, ignore_eos=True), use_tqdm=False)
+    s = Served(LLM(long_model, tok, **engine), capacity=4)
+    body = {"model": NAME, "prompt": "the fox", "max_tokens": 4000, "temperature": 0.0, "ignore_eos": True}
+
+    async def scenario() -> tuple[str, dict[str, float]]:
+        async with httpx.AsyncClient(timeout=60) as doomed_client, httpx.AsyncClient(timeout=60) as client:
+            doomed = asyncio.ensure_future(doomed_client.post(s.url + "/v1/completions", json=body))
+            other = {**body, "prompt": other_prompt, "max_tokens": other_tokens, "stream": True}
+            async with client.stream("POST", s.url + "/v1/completions", json=other) as stream:
+                lines = stream.aiter_lines()
+                texts = []
+                async for line in lines:  # the stream's first token: it runs
+                    if line.startswith("data: "):
+                        texts.append(json.loads(line[6:])["choices"][0]["text"])
+                        break
+                for _ in range(WAIT_STEPS):  # until the doomed request runs beside it
+                    if (await asyncio.to_thread(s.metrics))["vllm:num_requests_running"] == 2:
+                        break
+                    await asyncio.sleep(0.01)
+                else:
+                    raise AssertionError("the plain request never ran")
+                doomed.cancel()  # the client goes away mid-request: its connection closes
+                await asyncio.gather(doomed, return_exceptions=True)
+                await doomed_client.aclose()
+                async for line in lines:
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        texts.append(json.loads(line[6:])["choices"][0]["text"])
+            return "".join(texts), await asyncio.to_thread(s.wait_idle)
+
+    try:
+        text, m = asyncio.run(scenario())
+        assert text == expected.outputs[0].text  # the stream beside it: untouched
+        assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
+        assert m["vllm:generation_tokens_total"] < 4000  # aborted, not run to its end
+        r = httpx.post(s.url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        s.close()
