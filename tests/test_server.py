@@ -180,7 +180,11 @@ def test_concurrent_clients_each_get_their_own(served, oracle, tok):
 
 BAD = [({"temperature": -1.0}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"n": 0}, "n"),
        ({"max_tokens": 0}, "max_tokens"), ({"extra_body": {"top_k": -5}}, "top_k"), ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
-       ({"max_tokens": 10_000}, "max_tokens"), ({"extra_body": {"stop_token_ids": ["x"]}}, "stop_token_ids")]
+       ({"max_tokens": 10_000}, "max_tokens"), ({"extra_body": {"stop_token_ids": ["x"]}}, "stop_token_ids"),
+       ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
+       ({"extra_body": {"structured_outputs": {"json": {}}}}, "structured_outputs"),
+       ({"extra_body": {"detokenize": False}}, "detokenize"),
+       ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous_usage_stats")]
 
 
 @pytest.mark.parametrize("kw,name", BAD, ids=[n for _, n in BAD])

