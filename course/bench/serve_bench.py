@@ -277,6 +277,28 @@ def race_table(rounds: dict[str, list[dict[str, float]]], labels: tuple[str, str
     return "\n".join(lines)
 
 
+async def first_divergence(urls: tuple[str, str], model: str, prompt: list[int], output_len: int) -> dict:
+    """Ask both servers for ``prompt``'s greedy completion once more with the top 2 logprobs per
+    token (untimed), and describe the first token where they part: its position, each server's
+    choice, and each server's gap between its two most likely tokens there (a gap near 0 is a
+    near-tie, where float rounding in either engine's kernels may pick either)."""
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+            "logprobs": 2}
+    async with httpx.AsyncClient(timeout=600) as client:
+        got = [(await client.post(url + "/v1/completions", json=body)).json()["choices"][0]["logprobs"] for url in urls]
+    a, b = got
+    for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])):
+        if x != y:
+            gaps = []
+            for lp in (a, b):
+                top = sorted(lp["top_logprobs"][i].values(), reverse=True)
+                gaps.append(top[0] - top[1] if len(top) > 1 else math.nan)
+            return {"position": i, "tokens": [x, y], "top2_gaps": gaps}
+    return {"position": None, "tokens": None, "top2_gaps": None}  # equal this time
+
+
 def race_main(args, name: str) -> int:
     """``--peer vllm``: run.py serve against vllm serve, interleaved rounds (see the module's docstring)."""
     from course.bench.machine import machine_line
@@ -309,7 +331,7 @@ def race_main(args, name: str) -> int:
         for server in servers:  # untimed, the rounds' shapes on other prompts: each server's first-request costs
             load(server, warm)
         rounds: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
-        differ, failed, total = 0, 0, 0
+        differ, failed, total, parted = 0, 0, 0, []
         for r in range(args.rounds):
             prompts = workload(args.num_prompts, args.input_len, vocab, args.seed + r)
             texts: dict[str, list[str]] = {}
@@ -320,8 +342,14 @@ def race_main(args, name: str) -> int:
                 texts[server.label] = [x.text if x.ok else None for x in results]
                 print(f"round {r + 1} {server.label:<13} {rounds[server.label][-1]['output_throughput']:8.1f} "
                       f"output tok/s, {wall:.2f} s", flush=True)
-            differ += sum(x != y for x, y in zip(texts[labels[0]], texts[labels[1]]))
+            for i, (x, y) in enumerate(zip(texts[labels[0]], texts[labels[1]])):
+                if x != y and x is not None and y is not None:
+                    differ += 1
+                    parted.append({"round": r + 1, "request": i, "prompt": prompts[i], "texts": [x, y]})
             total += len(prompts)
+        for item in parted:  # untimed: where and why the greedy texts part
+            item.update(asyncio.run(first_divergence((servers[0].url, servers[1].url), name, item["prompt"],
+                                                     args.output_len)))
     finally:
         for server in servers[::-1]:
             server.close()
@@ -331,6 +359,16 @@ def race_main(args, name: str) -> int:
           f"{'on' if args.enable_prefix_caching else 'off'} (both)")
     print(race_table(rounds, labels))
     print(f"greedy texts: {differ} of {total} requests differ between the two servers; {failed} requests failed")
+    for item in parted:
+        gaps = item["top2_gaps"]
+        where = ("equal when asked again with logprobs" if item["position"] is None else
+                 f"part at output token {item['position']}: {item['tokens'][0]!r} vs {item['tokens'][1]!r}, top-2 "
+                 f"logprob gap there {gaps[0]:.2e} ({labels[0]}) / {gaps[1]:.2e} ({labels[1]})")
+        print(f"  round {item['round']} request {item['request']}: {where}")
+    report = logs / "race.json"
+    report.write_text(json.dumps({"machine": machine_line(args.threads), "commands": [ours_argv, vllm_argv],
+                                  "rounds": rounds, "differ": differ, "total": total, "parted": parted}, indent=1))
+    print(f"(rounds, commands and the parted texts: {report})")
     return 0 if failed == 0 else 1
 
 
