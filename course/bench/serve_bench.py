@@ -281,22 +281,24 @@ async def first_divergence(urls: tuple[str, str], model: str, prompt: list[int],
     """Ask both servers for ``prompt``'s greedy completion once more with the top 2 logprobs per
     token (untimed), and describe the first token where they part: its position, each server's
     choice, and each server's gap between its two most likely tokens there (a gap near 0 is a
-    near-tie, where float rounding in either engine's kernels may pick either)."""
+    near-tie, where float rounding in either engine's kernels may pick either), and the two
+    texts asked alone (``alone``: which server's batched text was not its own answer alone)."""
     import httpx
 
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "logprobs": 2}
     async with httpx.AsyncClient(timeout=600) as client:
-        got = [(await client.post(url + "/v1/completions", json=body)).json()["choices"][0]["logprobs"] for url in urls]
-    a, b = got
+        choices = [(await client.post(url + "/v1/completions", json=body)).json()["choices"][0] for url in urls]
+    a, b = (c["logprobs"] for c in choices)
+    alone = [c["text"] for c in choices]
     for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])):
         if x != y:
             gaps = []
             for lp in (a, b):
                 top = sorted(lp["top_logprobs"][i].values(), reverse=True)
                 gaps.append(top[0] - top[1] if len(top) > 1 else math.nan)
-            return {"position": i, "tokens": [x, y], "top2_gaps": gaps}
-    return {"position": None, "tokens": None, "top2_gaps": None}  # equal this time
+            return {"position": i, "tokens": [x, y], "top2_gaps": gaps, "alone": alone}
+    return {"position": None, "tokens": None, "top2_gaps": None, "alone": alone}  # equal when asked alone
 
 
 def race_main(args, name: str) -> int:
@@ -361,7 +363,9 @@ def race_main(args, name: str) -> int:
     print(f"greedy texts: {differ} of {total} requests differ between the two servers; {failed} requests failed")
     for item in parted:
         gaps = item["top2_gaps"]
-        where = ("equal when asked again with logprobs" if item["position"] is None else
+        kept = [label for label, text, solo in zip(labels, item["texts"], item["alone"]) if text == solo]
+        where = (f"asked again alone the two agree; batched text equal to its own alone: {', '.join(kept) or 'neither'}"
+                 if item["position"] is None else
                  f"part at output token {item['position']}: {item['tokens'][0]!r} vs {item['tokens'][1]!r}, top-2 "
                  f"logprob gap there {gaps[0]:.2e} ({labels[0]}) / {gaps[1]:.2e} ({labels[1]})")
         print(f"  round {item['round']} request {item['request']}: {where}")
