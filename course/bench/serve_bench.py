@@ -364,7 +364,8 @@ def race_main(args, name: str) -> int:
     for item in parted:
         gaps = item["top2_gaps"]
         kept = [label for label, text, solo in zip(labels, item["texts"], item["alone"]) if text == solo]
-        where = (f"asked again alone the two agree; batched text equal to its own alone: {', '.join(kept) or 'neither'}"
+        where = (f"the same tokens on both (their logprobs' tokens agree), different texts: a detokenization "
+                 f"difference (batched text equal to its own alone: {', '.join(kept) or 'neither'})"
                  if item["position"] is None else
                  f"part at output token {item['position']}: {item['tokens'][0]!r} vs {item['tokens'][1]!r}, top-2 "
                  f"logprob gap there {gaps[0]:.2e} ({labels[0]}) / {gaps[1]:.2e} ({labels[1]})")
