@@ -180,7 +180,11 @@ def test_concurrent_clients_each_get_their_own(served, oracle, tok):
 
 BAD = [({"temperature": -1.0}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"n": 0}, "n"),
        ({"max_tokens": 0}, "max_tokens"), ({"extra_body": {"top_k": -5}}, "top_k"), ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
-       ({"max_tokens": 10_000}, "max_tokens"), ({"extra_body": {"stop_token_ids": ["x"]}}, "stop_token_ids")]
+       ({"max_tokens": 10_000}, "max_tokens"), ({"extra_body": {"stop_token_ids": ["x"]}}, "stop_token_ids"),
+       ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
+       ({"extra_body": {"structured_outputs": {"json": {}}}}, "structured_outputs"),
+       ({"extra_body": {"detokenize": False}}, "detokenize"),
+       ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous_usage_stats")]
 
 
 @pytest.mark.parametrize("kw,name", BAD, ids=[n for _, n in BAD])
@@ -293,3 +297,85 @@ def test_chat_logprobs_name_the_sampled_token_and_its_alternatives(served, oracl
         assert bytes(entry.bytes).decode() == entry.token
         best = sorted((v.logprob for v in e.values()), reverse=True)[:2]  # the 2 most likely, the sampled one or not
         assert [a.logprob for a in entry.top_logprobs] == pytest.approx(best, abs=1e-9)
+
+
+def test_a_plain_request_whose_client_disconnects_is_aborted(tok):
+    """A non-streamed request of 4000 tokens whose client goes away mid-request is aborted in the
+    engine (its blocks freed, far fewer than 4000 tokens made); a stream running beside it is
+    unaffected (the oracle's greedy text), and the server takes the next request."""
+    import asyncio
+
+    long_model = tiny_model(seed=5, dtype=torch.float64, vocab_size=tok.vocab_size, max_position_embeddings=4096)
+    engine = dict(block_size=4, num_blocks=1100)
+    other_prompt, other_tokens = "the river", 40
+    [expected] = LLM(long_model, tok, **engine).generate(
+        other_prompt, SamplingParams(temperature=0.0, max_tokens=other_tokens, ignore_eos=True), use_tqdm=False)
+    s = Served(LLM(long_model, tok, **engine), capacity=4)
+    body = {"model": NAME, "prompt": "the fox", "max_tokens": 4000, "temperature": 0.0, "ignore_eos": True}
+
+    async def scenario() -> tuple[str, dict[str, float]]:
+        async with httpx.AsyncClient(timeout=60) as doomed_client, httpx.AsyncClient(timeout=60) as client:
+            doomed = asyncio.ensure_future(doomed_client.post(s.url + "/v1/completions", json=body))
+            other = {**body, "prompt": other_prompt, "max_tokens": other_tokens, "stream": True}
+            async with client.stream("POST", s.url + "/v1/completions", json=other) as stream:
+                lines = stream.aiter_lines()
+                texts = []
+                async for line in lines:  # the stream's first token: it runs
+                    if line.startswith("data: "):
+                        texts.append(json.loads(line[6:])["choices"][0]["text"])
+                        break
+                for _ in range(WAIT_STEPS):  # until the doomed request runs beside it
+                    if (await asyncio.to_thread(s.metrics))["vllm:num_requests_running"] == 2:
+                        break
+                    await asyncio.sleep(0.01)
+                else:
+                    raise AssertionError("the plain request never ran")
+                doomed.cancel()  # the client goes away mid-request: its connection closes
+                await asyncio.gather(doomed, return_exceptions=True)
+                await doomed_client.aclose()
+                async for line in lines:
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        texts.append(json.loads(line[6:])["choices"][0]["text"])
+            return "".join(texts), await asyncio.to_thread(s.wait_idle)
+
+    try:
+        text, m = asyncio.run(scenario())
+        assert text == expected.outputs[0].text  # the stream beside it: untouched
+        assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
+        assert m["vllm:generation_tokens_total"] < 4000  # aborted, not run to its end
+        r = httpx.post(s.url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        s.close()
+
+
+def test_bench_serve_race_gives_both_servers_the_same_settings():
+    """--peer vllm: both command lines carry the same checkpoint, dtype, block size, batch limits,
+    prefix-cache policy and thread count; the table's figures are the rounds' medians and their ratio."""
+    import argparse
+    from pathlib import Path
+
+    from course.bench import serve_bench as sb
+
+    args = argparse.Namespace(threads=2, dtype="float32", block_size=32, max_num_seqs=64, max_num_batched_tokens=1024,
+                              enable_prefix_caching=False, model="/m/tiny", impl="solution", num_prompts=8)
+    (ours, ours_env), (vllm, vllm_env) = sb.race_commands(args, "tiny", Path("/p/bin/python"), 1001, 1002)
+
+    def flags(argv: list[str]) -> dict[str, str]:
+        out = {}
+        for i, a in enumerate(argv):
+            if a.startswith("--"):
+                out[a] = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else ""
+        return out
+
+    a, b = flags(ours), flags(vllm)
+    for key in ("--model", "--dtype", "--block-size", "--max-num-seqs", "--max-num-batched-tokens",
+                "--no-enable-prefix-caching", "--host", "--served-model-name"):
+        assert a[key] == b[key], key
+    assert "--enable-prefix-caching" not in a and "--enable-prefix-caching" not in b
+    assert ours_env["OMP_NUM_THREADS"] == vllm_env["OMP_NUM_THREADS"] == "2"
+    assert a["--kv-cache-memory-bytes"] == str(int(vllm_env["VLLM_CPU_KVCACHE_SPACE"]) * 2**30)
+    rounds = {"x": [{k: v for k, _, _ in sb.RACE_METRICS} for v in (1.0, 3.0, 2.0)],
+              "y": [{k: v for k, _, _ in sb.RACE_METRICS} for v in (4.0, 4.0, 8.0)]}
+    row = sb.race_table(rounds, ("x", "y")).splitlines()[1].split()
+    assert row[-3:] == ["2.00", "4.00", "0.50"]

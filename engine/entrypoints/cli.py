@@ -2,6 +2,7 @@
 
     python run.py serve                                   # models/qwen3-kjv-tiny on 127.0.0.1:8000
     python run.py serve --model ~/models/Qwen3-0.6B --port 8001 --max-num-seqs 32
+    python run.py serve --block-size 32 --no-enable-prefix-caching     # vllm serve's flag names
 """
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once (the scheduler's)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse cached prompt blocks (default on; --no-enable-prefix-caching: off), as vllm serve's flag")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the step's token budget (the scheduler's)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="size the K/V pool to this many bytes (default: the engine's sizing)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="most completions queued or running at once; past it the server answers 503 (default 256)")
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | float64 | auto (the checkpoint's)")
@@ -39,8 +46,10 @@ def serve_main(argv: list[str]) -> int:
 
     if not Path(args.model).expanduser().is_dir():
         raise ValueError(f"--model {args.model}: not a checkpoint directory")
-    options = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, **options)
+    options = {k: getattr(args, k) for k in ("max_num_seqs", "block_size", "enable_prefix_caching",
+                                             "max_num_batched_tokens") if getattr(args, k) is not None}
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+              **options)
     name = args.served_model_name or Path(args.model).expanduser().resolve().name
     app = build_app(llm, name, capacity=args.max_queue)
     impl = os.environ.get("ENGINE_IMPL", "solution")

@@ -12,10 +12,14 @@ The handlers never touch the engine: each hands its work to the ``EngineLoop`` (
 LLM) and reads its completions' deltas from a queue. Refusals are OpenAI's error bodies: 400 for a
 bad parameter (the message ``SamplingParams`` or the engine gives), 404 for another model's name,
 503 with ``Retry-After`` when the bounded queue is full; an unexpected failure is a 500 with one
-line, never a traceback. A streaming client that disconnects aborts its request.
+line, never a traceback. A client that disconnects aborts its request, streamed or not: a stream's
+generator stops being read, and a plain request's handler watches for the disconnect while it waits
+(``_collect``); either way the engine thread aborts it before its next step, so its blocks are free
+in the same step.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -33,6 +37,7 @@ from engine.entrypoints.metrics import render
 from engine.llm import LLM
 
 RETRY_AFTER_S = 1
+CLIENT_CLOSED = 499  # the status a request whose client went away "gets" (nobody reads it), as nginx logs it
 
 
 def build_app(llm: LLM, model_name: str, capacity: int = 256) -> FastAPI:
@@ -133,7 +138,10 @@ def build_app(llm: LLM, model_name: str, capacity: int = 256) -> FastAPI:
         meta = _Meta("cmpl-" + uuid.uuid4().hex, int(time.time()), model_name, "text_completion")
         if stream:
             return _sse(loop, key, _completion_chunks(queue, meta, len(prompts) * params.n, lengths, usage, shape))
-        choices, finish, tokens, ids, lps = await _collect(loop, key, queue, len(prompts) * params.n)
+        collected = await _collect(request, loop, key, queue, len(prompts) * params.n)
+        if collected is None:
+            return Response(status_code=CLIENT_CLOSED)
+        choices, finish, tokens, ids, lps = collected
         return {**meta.head(), "choices": [{"index": i, "text": t, "logprobs": shape.completion(ids[i], lps[i]),
                                             "finish_reason": finish[i],
                                             "stop_reason": None}
@@ -151,7 +159,10 @@ def build_app(llm: LLM, model_name: str, capacity: int = 256) -> FastAPI:
         meta = _Meta("chatcmpl-" + uuid.uuid4().hex, int(time.time()), model_name, "chat.completion")
         if stream:
             return _sse(loop, key, _chat_chunks(queue, meta, params.n, lengths, usage, shape))
-        choices, finish, tokens, ids, lps = await _collect(loop, key, queue, params.n)
+        collected = await _collect(request, loop, key, queue, params.n)
+        if collected is None:
+            return Response(status_code=CLIENT_CLOSED)
+        choices, finish, tokens, ids, lps = collected
         return {**meta.head(), "choices": [{"index": i, "message": {"role": "assistant", "content": t},
                                             "logprobs": shape.chat(ids[i], lps[i]), "finish_reason": finish[i]}
                                            for i, t in enumerate(choices)],
@@ -250,26 +261,47 @@ class _Logprobs:
         return {"content": [{**one(t, e.get(t)), "top_logprobs": top(e)} for t, e in zip(ids, entries)]}
 
 
-async def _collect(loop: EngineLoop, key: int, queue, count: int
-                   ) -> tuple[list[str], list[str | None], list[int], list[list[int]], list[list | None]]:
-    """Every completion's whole text, finish reason, token count, token ids and logprobs."""
+Collected = tuple[list[str], list[str | None], list[int], list[list[int]], list[list | None]]
+
+
+async def _collect(request: Request, loop: EngineLoop, key: int, queue, count: int) -> Collected | None:
+    """Every completion's whole text, finish reason, token count, token ids and logprobs; None if the
+    client disconnected first. Either way (or if this handler is cancelled) nothing of the request
+    stays in the engine once this returns: ``loop.abort`` runs before the engine thread's next step."""
+    gathering = asyncio.ensure_future(_gather(queue, count))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({gathering, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not gathering.done():
+            gathering.cancel()
+        loop.abort(key)  # a no-op once all are finished
+    return gathering.result() if gathering.done() and not gathering.cancelled() else None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone away. The body is already read, so the next message the
+    server has for this request is its disconnect (uvicorn answers any later ``receive`` with it)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _gather(queue, count: int) -> Collected:
     texts, finish, tokens = [""] * count, [None] * count, [0] * count
     ids: list[list[int]] = [[] for _ in range(count)]
     lps: list[list | None] = [None] * count
     done = 0
-    try:
-        while done < count:
-            d = await _next(queue)
-            texts[d.index] += d.text
-            tokens[d.index] += len(d.token_ids)
-            ids[d.index] += d.token_ids
-            if d.logprobs is not None:
-                lps[d.index] = (lps[d.index] or []) + d.logprobs
-            if d.finish_reason is not None:
-                finish[d.index] = d.finish_reason
-                done += 1
-    finally:
-        loop.abort(key)  # a no-op once all are finished
+    while done < count:
+        d = await _next(queue)
+        texts[d.index] += d.text
+        tokens[d.index] += len(d.token_ids)
+        ids[d.index] += d.token_ids
+        if d.logprobs is not None:
+            lps[d.index] = (lps[d.index] or []) + d.logprobs
+        if d.finish_reason is not None:
+            finish[d.index] = d.finish_reason
+            done += 1
     return texts, finish, tokens, ids, lps
 
 

@@ -26,6 +26,8 @@ CHAT_KEYS = {"messages": None, "max_completion_tokens": "max_tokens", "logprobs"
              "tool_choice": None, "parallel_tool_calls": None}
 # SamplingParams fields a request may not set (the server decides them)
 SERVER_FIELDS = frozenset({"output_kind", "detokenize", "skip_clone", "extra_args", "structured_outputs"})
+REFUSED_WHY = {"structured_outputs": "structured outputs (guided decoding) need chapter 34's full sampler",
+               "extra_args": "no custom logits processors run in the server"}
 PASSED = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - SERVER_FIELDS
 DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default; chat's is "what the context allows" (None)
 
@@ -48,6 +50,11 @@ def sampling_params(body: dict[str, Any], own: dict[str, str | None], max_tokens
             if own[key] is not None and value is not None:
                 fields[own[key]] = value
             continue
+        if key in REFUSED_WHY:
+            raise bad_request(f"{key} is not supported: {REFUSED_WHY[key]}", param=key)
+        if key in SERVER_FIELDS:
+            raise bad_request(f"{key} is the server's to set, not a request's (the server streams or "
+                              f"not, and always returns text)", param=key)
         if key not in PASSED:
             raise bad_request(f"unknown parameter {key!r}: this server takes OpenAI's parameters and "
                               f"SamplingParams' fields", param=key)
@@ -83,6 +90,9 @@ def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
                           param="stream_options")
     if not stream:
         raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
+    if options.get("continuous_usage_stats"):
+        raise bad_request("stream_options.continuous_usage_stats is not supported: usage comes once, in the last "
+                          "chunk (include_usage)", param="stream_options")
     return stream, bool(options.get("include_usage", False))
 
 
