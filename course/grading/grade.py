@@ -48,8 +48,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from course.grading.parsing import CheckoutError, analyse
-from course.learner.holes import all_holes
+from course.learner.holes import Hole
+from course.learner.holes import all_holes as _read_holes
 from course.learner.testrun import CHAPTER_TESTS, ROOT, TestRecord, chapter_files, skeleton_files
+
+_HOLES: list[Hole] = []
+_HOLES_LOCK = threading.Lock()
+
+
+def all_holes() -> list[Hole]:
+    """The chapter's holes, read once per grading process, under a lock: checkouts are graded in
+    threads (``--jobs``), and CPython 3.11's ``ast`` is not safe in two threads at once (a
+    ``SystemError: AST constructor recursion depth mismatch`` gave an honest checkout an error row)."""
+    with _HOLES_LOCK:
+        if not _HOLES:
+            _HOLES.extend(_read_holes())
+        return list(_HOLES)
+
 
 PASS, PARTIAL, NOT_STARTED, FAIL, NO_TESTS = "pass", "partial", "not started", "fail", "no tests"
 ENGINE_CHECKS = ("tests/test_isolation.py", "tests/test_reliability.py")
