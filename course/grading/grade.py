@@ -123,6 +123,8 @@ class Options:
     startup_timeout: float = 90  # seconds a sandboxed run may take to start its first test / scenario (an
     # honest pytest start took 44 s at load 11.5, ~10 s when quiet)
     startup_after_hang: float = 30  # the scenario run's, once the test run hung at start-up: 2 minutes in all
+    run_tests: bool = True  # False: no pytest run, every test counted as passed, so each row earns exactly
+    # its scenarios' share (the grade table's bug mode, course/grading/grade_table.py: the scenarios alone)
 
 
 class Session:
@@ -221,7 +223,7 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     from course.grading import copycheck
     from course.grading.sandbox import GIB, Limits, remove_tree
     from course.grading.verify import verdicts
-    from course.grading.watchdog import run_scenarios, run_tests
+    from course.grading.watchdog import Watched, run_scenarios, run_tests
 
     session = session or Session(opts or Options())
     opts = session.opts
@@ -235,8 +237,11 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     try:
         graded, edits = assemble_files(files, skeleton_files())  # the grader's module: course/learner/holes.py
         bed = place_chapter_files(top, graded)
-        tests = run_tests(bed, top, session.bwrap, list(known), groups, opts.per_test_timeout, opts.timeout, limits,
-                          threads, [], startup=opts.startup_timeout)
+        if opts.run_tests:
+            tests = run_tests(bed, top, session.bwrap, list(known), groups, opts.per_test_timeout, opts.timeout,
+                              limits, threads, [], startup=opts.startup_timeout)
+        else:  # the scenarios alone decide (the tests can only lower a row): what they catch, nothing else
+            tests = Watched(records={n: {"nodeid": n, "outcome": "passed"} for n in known})
         scen = run_scenarios(bed, top, session.bwrap, session.specs, opts.per_scenario_timeout, opts.timeout, limits,
                              threads, reference_dirs(bed), startup=opts.startup_after_hang if tests.startup_hang
                              else opts.startup_timeout)
@@ -599,6 +604,8 @@ def grade_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="the scenarios' seed (default: a fresh secret one)")
     ap.add_argument("--scenarios", type=int, default=2, help="scenarios of each kind per hole")
     ap.add_argument("--unsafe", action="store_true", help="grade without a sandbox (marked unsafe)")
+    ap.add_argument("--groups", default="", help="only these scenario groups, comma-separated (the grader's own "
+                    "tests; rows without a scenario then earn nothing)")
     ap.add_argument("-k", dest="keyword", default="", help="a trial: only the tests matching this pytest -k "
                     "expression (written under OUT/trials/, never over a real grade)")
     args = ap.parse_args(argv)
@@ -619,7 +626,8 @@ def grade_main(argv: list[str] | None = None) -> int:
     if bad:
         raise ValueError(f"not a checkout of this course (no engine/ folder): {', '.join(printable(p) for p in bad)}")
     opts = Options(args.per_test_timeout, args.per_scenario_timeout, args.timeout, args.keyword, args.unsafe,
-                   args.seed, args.scenarios, args.memory_gib)
+                   args.seed, args.scenarios, args.memory_gib,
+                   only_groups=tuple(g for g in args.groups.split(",") if g))
     session = Session(opts)
     out_root = args.out / "trials" if args.keyword else args.out
     out_root.mkdir(parents=True, exist_ok=True)
