@@ -302,15 +302,23 @@ def test_no_checkout_gets_more_than_it_deserves(graded, name):
     assert doc["milestone"]["score"] == 0 and doc["engine_checks"]["score"] == 0  # no scenario of theirs ran
 
 
-def test_honest_and_harmless_checkouts_get_their_points(graded):
-    """Exactly their honest points: the attack that would run at import is never in the graded module."""
+def test_honest_and_harmless_checkouts_are_verified_in_full(graded):
+    """Every scenario of their rows matched: the attack that would run at import is never in the graded
+    module. (Their exact points are asserted with the fork pressure below: while that attack is open, a
+    test of theirs that starts a process can fail when it overlaps, and the tests can only lower a row.)"""
     docs = graded["docs"]
-    for name in ("honest", "decorator", "deep-expression", "sleep-at-import", "deep-folder", ESCAPE, "big-list"):
-        if name == "big-list":  # batch.py refused (over the cap): graded as the skeleton, whose holes are not ours
-            assert _rows(docs[name]["grade"]) == ROWS, _rows(docs[name]["grade"])
-            continue
-        assert _rows(docs[name]["grade"]) == ROWS, (name, _rows(docs[name]["grade"]), docs[name]["grade"]["problems"])
-    assert _rows(docs["huge-integer"]["grade"]) == {**ROWS, "EngineCore.check_stop": 0}
+    for name in ("honest", "decorator", "deep-expression", "sleep-at-import", "deep-folder", ESCAPE, "big-list",
+                 "huge-integer"):
+        doc = docs[name]["grade"]
+        rows = {r["name"]: r for r in doc["holes"]}
+        for hole in ROWS:
+            r = rows[hole]
+            if name == "huge-integer" and hole == "EngineCore.check_stop":
+                assert r["verified"] == "fail" and r["score"] == 0, r
+                continue
+            assert r["verified"] == "ok" and r["matched"] == r["scenarios"] > 0, (name, hole, r["verified"],
+                                                                                r["matched"], r["scenarios"])
+        assert doc.get("error") is None, (name, doc["problems"])
     # its classmates here share its hole bodies (near-identical pairs: a copy between them, rightly), but
     # nothing says it copied the reference or that its tests contradict its scenarios
     honest = docs["honest"]["grade"]
@@ -403,7 +411,7 @@ def test_fork_pressure_costs_only_itself(graded):
                                                                    "big-list")
             and _rows(d["grade"]) != ROWS}
     assert not hurt, hurt
-    assert _rows(docs["fork-pressure"]["grade"]) == ROWS  # its own hole still right: the limit only bites others
+    assert _rows(docs["huge-integer"]["grade"]) == {**ROWS, "EngineCore.check_stop": 0}
 
 
 # ---------------------------------------------------------------- the same attacks through Gradescope

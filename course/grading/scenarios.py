@@ -42,7 +42,8 @@ BATCH_ASPECTS = {"tokens": ["input_ids", "positions", "dtypes", "error"], "slots
                  "samples": ["logits_indices", "sample_counts", "prompt_spans", "request_ids"]}
 # Scheduler._preempt's rules, one scenario each (as its four tests): recompute forgets, swap keeps and
 # restores, the victim goes to the front of the queue, the priority policy's victim and requeue
-PREEMPT_RULES = ("recompute", "swap", "front", "priority", "direct")  # direct: _preempt called on drawn victims
+# direct, direct-priority: _preempt called by hand (fcfs, priority): the oldest running request, then the newest
+PREEMPT_RULES = ("recompute", "swap", "front", "priority", "direct", "direct-priority")
 HASH_ASPECTS = ("alone", "chain", "extra")  # hash_block: tokens only; parent digests; the cache key too
 
 
@@ -105,21 +106,25 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
         runs = [_block_ops(rnd, toks), _block_ops(rnd, toks)]
         runs[0]["caching"], runs[1]["caching"] = True, rnd.random() < 0.3  # caching on; mostly off
         add("block_ops", BLOCK_HOLES, ["hash_block"], {"runs": runs}, group="BlockManager")
-        for tight in (False, True):  # a roomy pool, then one that just fits the largest request (preemptions)
-            add("schedule", ["Scheduler.schedule"], ["hash_block", *BLOCK_HOLES], _sched_args(rnd, toks, tight))
+        # a roomy pool; one that just fits the largest request (preemptions); chunked prefill off
+        for how in ("roomy", "tight", "whole", "whole-swap"):
+            add("schedule", ["Scheduler.schedule"], ["hash_block", *BLOCK_HOLES], _sched_args(rnd, toks, how))
         for rule in PREEMPT_RULES:
             add("preempt", ["Scheduler._preempt"], ["hash_block", *BLOCK_HOLES, "Scheduler.schedule"],
                 _preempt_args(rnd, toks, rule))
         cases = []
         for _ in range(30):  # each rule of the docstring, its order and its edges (min_tokens, the context limit)
             plen, nout = rnd.randint(1, 6), rnd.randint(0, 6)
+            at_limit = rnd.random() < 0.3  # a context of max_model_len 12, one less or one more
+            if at_limit:
+                plen = max(1, 12 - nout + rnd.choice([-1, 0, 0, 1]))
             stop = rnd.choice([[], [rnd.randrange(VOCAB)], [11, 12], [7]])
             outputs = toks(nout)
             if nout and rnd.random() < 0.6:
                 outputs[-1] = rnd.choice([7, 11, 12, *stop])
             if nout > 1 and rnd.random() < 0.3:  # a stop token or EOS earlier in the output, not last
                 outputs[0] = rnd.choice([7, 11, 12])
-            most = rnd.randint(1, 7)
+            most = 7 if at_limit else rnd.randint(1, 7)
             cases.append({"prompt": toks(plen), "outputs": outputs, "eos": rnd.choice([None, 7, 7]),
                           "params": {"max_tokens": most,
                                      "min_tokens": min(most, rnd.choice([0, 0, 1, nout, rnd.randint(0, nout + plen)])),
@@ -214,13 +219,13 @@ def _preempt_args(rnd, toks, rule: str) -> dict:
     reqs = [{"id": f"p{i}", "prompt": toks(rnd.randint(1, 3 * bs)), "max_tokens": bs + 2,
              "priority": rnd.randint(0, 3)} for i in range(rnd.randint(2, 3))]
     waiting = [{"id": f"w{i}", "prompt": toks(rnd.randint(1, bs)), "max_tokens": 2, "priority": rnd.randint(0, 3)}
-               for i in range(2 if rule in ("front", "priority", "direct") else 0)]
+               for i in range(2 if rule in ("front", "priority", "direct", "direct-priority") else 0)]
     mode = {"recompute": "recompute", "swap": "swap"}.get(rule) or rnd.choice(["recompute", "swap"])
-    policy = "priority" if rule == "priority" else rnd.choice(["fcfs", "priority"]) if rule == "direct" else "fcfs"
+    policy = "priority" if rule in ("priority", "direct-priority") else "fcfs"
     cfg = {"max_num_batched_tokens": 64, "max_num_seqs": len(reqs), "policy": policy, "preemption_mode": mode}
-    if rule == "direct":  # victims by index into running, twice in one step, then one of them again
+    if rule.startswith("direct"):  # two victims in one step (the oldest running, then the newest), one again later
         return {"rule": rule, "config": cfg, "block_size": bs, "reqs": reqs, "late": waiting, "num_blocks": 64,
-                "chunk": rnd.randint(1, 3 * bs), "victims": [rnd.randrange(3), rnd.randrange(2)]}
+                "chunk": rnd.randint(1, 3 * bs), "victims": [0, -1]}
     return {"rule": rule, "config": cfg, "block_size": bs, "reqs": reqs, "late": waiting,
             "num_blocks": max(sum((len(q["prompt"]) + bs - 1) // bs for q in reqs),
                               max((len(q["prompt"]) + q["max_tokens"] + bs - 1) // bs for q in reqs))}
@@ -242,11 +247,13 @@ def _engine_args(rnd, toks, what: str) -> dict:
     if what == "children":
         reqs[0]["n"] = 2
         reqs[-1]["plp"] = rnd.choice([1, 2])
-    if what == "seeded":  # sampled, not greedy: a seeded request draws from its own generator
+    if what == "seeded":  # sampled, not greedy: a seeded request draws from its own generator; chunked, so
+        # that mid-prompt chunks (no sample row) sit among requests of other temperatures
+        cfg["max_num_batched_tokens"] = rnd.choice([6, 10])
         for q in reqs:
-            q["temperature"] = 1.0
+            q["temperature"] = rnd.choice([0.0, 1.0, 0.7])
             q["seed"] = rnd.choice([None, rnd.randrange(1 << 20)])
-        reqs[0]["seed"], reqs[0]["n"] = rnd.randrange(1 << 20), 2
+        reqs[0]["temperature"], reqs[0]["seed"], reqs[0]["n"] = 1.0, rnd.randrange(1 << 20), 2
     args = {"config": cfg, "reqs": reqs, "stream": True, "moe": what == "moe"}
     if what == "failure":  # the forward pass raises at two of the first steps: the engine must recover
         args["fail_at"] = sorted(rnd.sample(range(1, 6), 2))
@@ -298,7 +305,7 @@ def _block_ops(rnd, toks) -> dict:
     bs = rnd.choice([2, 4])
     shared = toks(3 * bs)
     nb = rnd.randint(6, 12)
-    ops, live, dead = [], [], []
+    ops, live, dead, grown = [], [], [], []
     for i in range(10):
         if live and rnd.random() < 0.35:
             dead.append(live.pop(rnd.randrange(len(live))))
@@ -323,30 +330,50 @@ def _block_ops(rnd, toks) -> dict:
         ops.append(["admit", rid, prompt, rnd.randint(1, len(prompt)), rnd.choice([None, None, None, 1])])
         live.append(rid)
         if rnd.random() < 0.5:
-            ops.append(["grow", rid, rnd.randint(1, 2 * bs + 1), rnd.random() < 0.3])
+            ops.append(["grow", rid, rnd.randint(bs, 2 * bs + 1), rnd.random() < 0.3])
+            grown.append(rid)
         if rnd.random() < 0.2:
             ops.append(["readopt", rid])
     ops += [["free", r] for r in live]
-    ops += [["retry", r, rnd.randint(1, 2 * bs)] for r in live[:2]]  # readmitted: their own blocks are cached
-    ops += [["free", r] for r in live[:2]]
+    again = ([r for r in live if r in grown] + [r for r in live if r not in grown])[:2]
+    ops += [["retry", r, rnd.randint(1, 2 * bs)] for r in again]  # readmitted: their own blocks (outputs too) cached
+    ops += [["free", r] for r in again]
+    # A private duplicate (prompt logprobs: no lookup) of a cached prefix; the cached copy is evicted; the
+    # duplicate then fills a new block: only its new blocks are offered (from num_published on).
+    dup = toks(2 * bs)
+    ops += [["admit", "x0", dup, len(dup)], ["admit", "x1", dup + toks(1), 2 * bs + 1, 1], ["free", "x0"],
+            ["fill", "x2", toks(nb * bs)], ["free", "x2"], ["grow", "x1", bs + 1], ["free", "x1"]]
     return {"num_blocks": nb, "block_size": bs, "caching": rnd.random() < 0.8, "ops": ops}
 
 
-def _sched_args(rnd, toks, tight: bool) -> dict:
-    """Requests with shared prefixes arriving over a few steps, under a drawn configuration (chunked
-    prefill on or off, a pool that is roomy or just fits the largest request, so that it preempts)."""
+def _sched_args(rnd, toks, how: str) -> dict:
+    """Requests with shared prefixes arriving over a few steps (several at once), under a drawn
+    configuration: ``roomy`` (a big pool, chunked prefill), ``tight`` (a pool that just fits the largest
+    request, so that it preempts, mostly by swapping), ``whole`` / ``whole-swap`` (chunked prefill off, a
+    budget at or a little above the longest prompt, a chunk cap that must not apply, a tight pool,
+    preempting by recompute / by swap). Each request stays running one step past its last token
+    (``linger``: the plan after that must skip it)."""
     bs = 4
-    prompts = _shared_prompts(rnd, toks, rnd.randint(3, 5), suffix=(1, 10))
+    prompts = _shared_prompts(rnd, toks, rnd.randint(3, 5) if how == "roomy" else rnd.randint(4, 5), suffix=(1, 10))
     reqs = [{"id": f"s{i}", "prompt": p, "max_tokens": rnd.randint(2, 6), "priority": rnd.randint(0, 3),
-             "at": rnd.choice([0, 0, 1, 3])} for i, p in enumerate(prompts)]
+             "at": 0 if i == 0 else rnd.choice([0, 2, 2, 3])} for i, p in enumerate(prompts)]
+    whole = how.startswith("whole")
     cfg = {"max_num_batched_tokens": rnd.choice([8, 16, 64]), "max_num_seqs": rnd.choice([2, 8]),
            "long_prefill_token_threshold": rnd.choice([0, 5]), "policy": rnd.choice(["fcfs", "priority"]),
-           "preemption_mode": rnd.choice(["recompute", "swap"]), "enable_chunked_prefill": rnd.random() < 0.6}
-    if not cfg["enable_chunked_prefill"]:  # every prompt must fit the budget then (Scheduler.check)
-        cfg["max_num_batched_tokens"] = max(cfg["max_num_batched_tokens"], *(len(q["prompt"]) for q in reqs))
+           "preemption_mode": {"tight": rnd.choice(["recompute", "swap", "swap"]), "whole": "recompute",
+                               "whole-swap": "swap"}.get(how, rnd.choice(["recompute", "swap"])),
+           "enable_chunked_prefill": not whole}
+    if whole:  # every prompt must fit the budget then (Scheduler.check)
+        budget = cfg["max_num_batched_tokens"] = max(len(q["prompt"]) for q in reqs) + rnd.choice([0, 0, 2])
+        cfg["long_prefill_token_threshold"] = rnd.choice([3, 5])
+        cfg["policy"] = "priority"
+        # the first: nearly the whole budget, the lowest priority (the victim), so that it comes back needing
+        # more than the budget left; the last: exactly the whole budget, arriving while others run
+        reqs[0].update(prompt=toks(budget - 1), priority=3, max_tokens=6)
+        reqs[-1].update(prompt=toks(budget), priority=0, at=2)
     most = max((len(q["prompt"]) + q["max_tokens"] + bs - 1) // bs for q in reqs)
-    return {"config": cfg, "num_blocks": most + rnd.randint(0, 2) if tight else 64, "block_size": bs, "reqs": reqs,
-            "steps": 30}
+    return {"config": cfg, "num_blocks": 64 if how == "roomy" else most + rnd.choice([0, 0, 1]), "block_size": bs,
+            "reqs": reqs, "steps": 40, "linger": [q["id"] for q in reqs]}
 
 
 # ------------------------------------------------------------------------------ running (child side)
@@ -623,8 +650,10 @@ def _block_run(a):
 def _run_schedule(a):
     from engine.serve import BlockManager, Scheduler, SchedulerConfig
 
+    from engine.serve import Status
+
     s = Scheduler(SchedulerConfig(**a["config"]), BlockManager(a["num_blocks"], a["block_size"]))
-    reqs, pending = [], list(enumerate(a["reqs"]))
+    reqs, pending, lingered = [], list(enumerate(a["reqs"])), set()
     plans = []
     for step in range(a["steps"]):
         for i, q in [x for x in pending if x[1].get("at", 0) <= step]:
@@ -646,13 +675,18 @@ def _run_schedule(a):
                       "status": {r.request_id: str(r.status.name) for r in reqs},
                       "waiting": ids(s.waiting), "running": ids(s.running),
                       "swap_in": [[r.request_id, [int(b) for b in bl]] for r, bl in plan.swap_in],
-                      "swap_out": [[r.request_id, [int(b) for b in bl]] for r, bl in plan.swap_out]})
-        _advance(s, plan)
+                      "swap_out": [[r.request_id, [int(b) for b in bl]] for r, bl in plan.swap_out],
+                      "published": sorted(int(b) for b in s.blocks.cached.values())})
+        for r in list(s.running):  # kept one step past its last token (that plan skipped it): finished now
+            if r.request_id in lingered:
+                s.finish(r, Status.FINISHED_LENGTH)
+        _advance(s, plan, linger=a.get("linger", ()), lingered=lingered)
     return {"plans": plans}
 
 
-def _advance(s, plan) -> None:
-    """What the engine does after a forward pass (no model): count the tokens, append a sample, finish."""
+def _advance(s, plan, linger=(), lingered=None) -> None:
+    """What the engine does after a forward pass (no model): count the tokens, append a sample, finish
+    (a request in ``linger`` stays running one step more, with nothing left to compute)."""
     from engine.serve import Status
 
     for r, n in plan.scheduled:
@@ -661,7 +695,10 @@ def _advance(s, plan) -> None:
             r.append((r.num_tokens * 17) % VOCAB)
             s.blocks.cache_full_blocks(r)
             if r.num_output_tokens >= r.params.max_tokens:
-                s.finish(r, Status.FINISHED_LENGTH)
+                if r.request_id in linger and lingered is not None and r.request_id not in lingered:
+                    lingered.add(r.request_id)
+                else:
+                    s.finish(r, Status.FINISHED_LENGTH)
 
 
 def _run_preempt(a):
@@ -680,7 +717,7 @@ def _run_preempt(a):
 
     for i, q in enumerate(a["reqs"]):
         add(q, i)
-    if a["rule"] == "direct":
+    if a["rule"].startswith("direct"):
         return _preempt_direct(s, a, add, reqs)
     _advance(s, s.schedule())
     for i, q in enumerate(a["late"]):
