@@ -156,7 +156,34 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
         checks(_config_args(rnd, toks))
     checks({"config": {"block_size": 4, "num_blocks": 20}, "reuse": True,
             "reqs": [{"id": "a", "prompt": toks(rnd.randint(5, 14)), "max_tokens": 3}]})
+    # Drawn last, so that every scenario above stays the same for a seed: more schedule traces, and block
+    # calls that adopt blocks other requests still hold.
+    for _ in range(size):
+        for how in ("roomy", "tight", "roomy"):
+            add("schedule", ["Scheduler.schedule"], ["hash_block", *BLOCK_HOLES], _sched_args(rnd, toks, how))
+    add("block_ops", BLOCK_HOLES, ["hash_block"], {"runs": [_held_ops(rnd, toks)]}, group="BlockManager")
+    cases = []  # check_stop: a stop token or EOS earlier in the output, the last token ordinary (or not)
+    for _ in range(20):
+        stop = rnd.choice([[11], [11, 12], [rnd.randrange(VOCAB)]])
+        outputs = toks(rnd.randint(2, 5))
+        outputs[rnd.randrange(len(outputs) - 1)] = rnd.choice([7, *stop])
+        cases.append({"prompt": toks(rnd.randint(1, 4)), "outputs": outputs, "eos": rnd.choice([None, 7]),
+                      "params": {"max_tokens": 7, "min_tokens": rnd.choice([0, 1]), "stop_token_ids": stop,
+                                 "ignore_eos": rnd.random() < 0.25}})
+    add("check_stop", ["EngineCore.check_stop"], [], {"max_model_len": 12, "cases": cases})
     return out
+
+
+def _held_ops(rnd, toks) -> dict:
+    """A prefix computed by one request and adopted by others while it still runs (ref counts 1 -> 2 -> 3,
+    no block taken twice from the free queue), then freed in turn and adopted again from the free queue."""
+    bs = rnd.choice([2, 4])
+    head = toks(3 * bs)
+    ops = [["admit", "y0", head + toks(1), 3 * bs + 1], ["admit", "y1", head + toks(rnd.randint(1, bs)), 3 * bs],
+           ["admit", "y2", head[:2 * bs] + toks(rnd.randint(1, bs)), 2 * bs], ["grow", "y1", bs + 1, False],
+           ["free", "y0"], ["admit", "y3", head + toks(bs), 3 * bs], ["free", "y1"], ["free", "y2"], ["free", "y3"],
+           ["admit", "y4", head + toks(2), 3 * bs + 2], ["free", "y4"]]
+    return {"num_blocks": rnd.randint(10, 14), "block_size": bs, "caching": True, "ops": ops}
 
 
 def _batch_args(rnd, toks) -> dict:
