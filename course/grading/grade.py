@@ -140,6 +140,8 @@ class Options:
     startup_timeout: float = 90  # seconds a sandboxed run may take to start its first test / scenario (an
     # honest pytest start took 44 s at load 11.5, ~10 s when quiet)
     startup_after_hang: float = 30  # the scenario run's, once the test run hung at start-up: 2 minutes in all
+    run_tests: bool = True  # False: no pytest run, every test counted as passed, so each row earns exactly
+    # its scenarios' share (the grade table's bug mode, course/grading/grade_table.py: the scenarios alone)
 
 
 class Session:
@@ -242,7 +244,7 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     """Grade one checkout (the JSON document)."""
     from course.grading.sandbox import GIB, Limits, remove_tree
     from course.grading.verify import verdicts
-    from course.grading.watchdog import run_scenarios, run_tests
+    from course.grading.watchdog import Watched, run_scenarios, run_tests
 
     session = session or Session(opts or Options())
     opts = session.opts
@@ -258,8 +260,11 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
         parsed = analyse(files, skeleton_files(), checkout)  # in a limited child: course/grading/parsing.py
         graded, edits = parsed["graded"], parsed["edits"]  # the grader's module: course/learner/holes.py
         bed = place_chapter_files(top, graded)
-        tests = run_tests(bed, top, session.bwrap, list(known), groups, opts.per_test_timeout, opts.timeout, limits,
-                          threads, [], startup=opts.startup_timeout)
+        if opts.run_tests:
+            tests = run_tests(bed, top, session.bwrap, list(known), groups, opts.per_test_timeout, opts.timeout,
+                              limits, threads, [], startup=opts.startup_timeout)
+        else:  # the scenarios alone decide (the tests can only lower a row): what they catch, nothing else
+            tests = Watched(records={n: {"nodeid": n, "outcome": "passed"} for n in known})
         scen = run_scenarios(bed, top, session.bwrap, session.specs, opts.per_scenario_timeout, opts.timeout, limits,
                              threads, reference_dirs(bed), startup=opts.startup_after_hang if tests.startup_hang
                              else opts.startup_timeout)
@@ -625,6 +630,8 @@ def grade_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prior", type=Path, default=os.environ.get("GRADE_PRIOR") or None,
                     help="earlier submissions to compare with: a fingerprint store (OUT/fingerprints.json) or a "
                          "folder of stores and checkouts (default: $GRADE_PRIOR)")
+    ap.add_argument("--groups", default="", help="only these scenario groups, comma-separated (the grader's own "
+                    "tests; rows without a scenario then earn nothing)")
     ap.add_argument("-k", dest="keyword", default="", help="a trial: only the tests matching this pytest -k "
                     "expression (written under OUT/trials/, never over a real grade)")
     args = ap.parse_args(argv)
@@ -648,7 +655,8 @@ def grade_main(argv: list[str] | None = None) -> int:
 
     prior = copycheck.load_prior(args.prior) if args.prior is not None else {}  # a bad --prior: one line, first
     opts = Options(args.per_test_timeout, args.per_scenario_timeout, args.timeout, args.keyword, args.unsafe,
-                   args.seed, args.scenarios, args.memory_gib)
+                   args.seed, args.scenarios, args.memory_gib,
+                   only_groups=tuple(g for g in args.groups.split(",") if g))
     session = Session(opts)
     out_root = args.out / "trials" if args.keyword else args.out
     out_root.mkdir(parents=True, exist_ok=True)

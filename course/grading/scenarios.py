@@ -37,12 +37,13 @@ MILESTONE = {
 }
 VOCAB = 512  # the test model's vocabulary
 # build_batch's rules, one scenario each: the flat token rows, the slots, the metadata, the sample rows
-BATCH_ASPECTS = {"tokens": ["input_ids", "positions"], "slots": ["slot_mapping"],
-                 "meta": ["query_start_loc", "seq_lens", "block_table", "max_query_len", "max_seq_len"],
-                 "samples": ["logits_indices", "sample_counts"]}
+BATCH_ASPECTS = {"tokens": ["input_ids", "positions", "dtypes", "error"], "slots": ["slot_mapping", "dtypes"],
+                 "meta": ["query_start_loc", "seq_lens", "block_table", "max_query_len", "max_seq_len", "dtypes"],
+                 "samples": ["logits_indices", "sample_counts", "prompt_spans", "request_ids"]}
 # Scheduler._preempt's rules, one scenario each (as its four tests): recompute forgets, swap keeps and
 # restores, the victim goes to the front of the queue, the priority policy's victim and requeue
-PREEMPT_RULES = ("recompute", "swap", "front", "priority")
+# direct, direct-priority: _preempt called by hand (fcfs, priority): the oldest running request, then the newest
+PREEMPT_RULES = ("recompute", "swap", "front", "priority", "direct", "direct-priority")
 HASH_ASPECTS = ("alone", "chain", "extra")  # hash_block: tokens only; parent digests; the cache key too
 
 
@@ -60,11 +61,14 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
 
     for _ in range(size):
         for aspect, fields in BATCH_ASPECTS.items():  # one rule of the docstring per scenario, fresh inputs each
-            add("build_batch", ["build_batch"], [], {**_batch_args(rnd, toks), "fields": fields, "aspect": aspect})
+            add("build_batch", ["build_batch"], [], {"batches": _batches(rnd, toks), "fields": fields,
+                                                     "aspect": aspect})
         nb, bs = rnd.randint(3, 6), rnd.choice([2, 4])
         n = rnd.randint(2, min(8, nb * bs))
         slots = rnd.sample(range(nb * bs), n)
         slots[rnd.randrange(n)] = -1
+        if 0 not in slots:  # block 0's first slot is a real slot: only -1 is padding
+            slots[next(i for i, s in enumerate(slots) if s != -1)] = 0
         add("write_kv", ["write_kv"], [], {"num_blocks": nb, "block_size": bs, "heads": 2, "dim": 3, "slots": slots,
                                            "seed": rnd.randrange(1 << 30)})
         bs = rnd.choice([2, 4])
@@ -73,12 +77,23 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
             seq = rnd.randint(1, 9)
             spans.append({"seq_len": seq, "q_len": rnd.randint(1, seq),
                           "table": rnd.sample(range(8), (seq + bs - 1) // bs)})
+        # a second call: decodes among prefills, padding requests, a window and the caller's own scale
+        mixed = []
+        for _ in range(rnd.randint(2, 4)):
+            seq = rnd.randint(2, 9)
+            mixed.append({"seq_len": seq, "q_len": rnd.choice([1, 1, rnd.randint(1, seq)]),
+                          "table": rnd.sample(range(8), (seq + bs - 1) // bs)})
+        mixed.insert(rnd.randrange(len(mixed) + 1), {"seq_len": 0, "q_len": 1, "table": []})
+        mixed.append({"seq_len": 0, "q_len": 1, "table": []})
         add("attention", ["ReferenceBackend.forward"], [], {"block_size": bs, "spans": spans, "heads": 4, "kv_heads": 2,
                                                             "dim": 4, "window": rnd.choice([0, 0, 3]),
-                                                            "seed": rnd.randrange(1 << 30)})
+                                                            "seed": rnd.randrange(1 << 30),
+                                                            "mixed": mixed, "mixed_window": rnd.choice([2, 3]),
+                                                            "mixed_scale": rnd.choice([0.25, 0.7])})
         lens = [rnd.randint(3, 20) for _ in range(rnd.randint(1, 3))]
         add("flat", ["FlatModel.attention", "FlatModel.forward"], ["write_kv", "ReferenceBackend.forward"],
-            {"prompts": [toks(n) for n in lens], "chunk": rnd.randint(2, 8), "moe": rnd.random() < 0.3},
+            {"prompts": [toks(n) for n in lens], "chunk": rnd.randint(2, 8), "moe": rnd.random() < 0.3,
+             "rope_theta": rnd.choice([None, 1_000_000.0, 500.0])},
             group="FlatModel")
         for aspect in HASH_ASPECTS:  # its tests' split: tokens alone, then parents, then the cache key
             chain = [{"parent": None if i == 0 or aspect == "alone" or rnd.random() < 0.3 else rnd.randrange(i),
@@ -88,23 +103,36 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
             if aspect == "extra":
                 chain[0]["extra"] = ["tenant", rnd.randrange(9)]
             add("hash_block", ["hash_block"], [], {"chain": chain, "aspect": aspect})
-        add("block_ops", BLOCK_HOLES, ["hash_block"], _block_ops(rnd, toks), group="BlockManager")
-        add("schedule", ["Scheduler.schedule"], ["hash_block", *BLOCK_HOLES], _sched_args(rnd, toks))
+        runs = [_block_ops(rnd, toks), _block_ops(rnd, toks)]
+        runs[0]["caching"], runs[1]["caching"] = True, rnd.random() < 0.3  # caching on; mostly off
+        add("block_ops", BLOCK_HOLES, ["hash_block"], {"runs": runs}, group="BlockManager")
+        # a roomy pool; one that just fits the largest request (preemptions); chunked prefill off
+        for how in ("roomy", "tight", "whole", "whole-swap"):
+            add("schedule", ["Scheduler.schedule"], ["hash_block", *BLOCK_HOLES], _sched_args(rnd, toks, how))
         for rule in PREEMPT_RULES:
             add("preempt", ["Scheduler._preempt"], ["hash_block", *BLOCK_HOLES, "Scheduler.schedule"],
                 _preempt_args(rnd, toks, rule))
         cases = []
-        for _ in range(6):
-            plen = rnd.randint(2, 6)
-            most = rnd.randint(2, 6)
-            cases.append({"prompt": toks(plen), "outputs": toks(rnd.randint(0, 5)), "eos": rnd.choice([None, 7]),
-                          "params": {"max_tokens": most, "min_tokens": rnd.choice([0, 0, 2]),
-                                     "stop_token_ids": rnd.choice([[], [7], [rnd.randrange(VOCAB)]]),
-                                     "ignore_eos": rnd.random() < 0.2}})
+        for _ in range(30):  # each rule of the docstring, its order and its edges (min_tokens, the context limit)
+            plen, nout = rnd.randint(1, 6), rnd.randint(0, 6)
+            at_limit = rnd.random() < 0.3  # a context of max_model_len 12, one less or one more
+            if at_limit:
+                plen = max(1, 12 - nout + rnd.choice([-1, 0, 0, 1]))
+            stop = rnd.choice([[], [rnd.randrange(VOCAB)], [11, 12], [7]])
+            outputs = toks(nout)
+            if nout and rnd.random() < 0.6:
+                outputs[-1] = rnd.choice([7, 11, 12, *stop])
+            if nout > 1 and rnd.random() < 0.3:  # a stop token or EOS earlier in the output, not last
+                outputs[0] = rnd.choice([7, 11, 12])
+            most = 7 if at_limit else rnd.randint(1, 7)
+            cases.append({"prompt": toks(plen), "outputs": outputs, "eos": rnd.choice([None, 7, 7]),
+                          "params": {"max_tokens": most,
+                                     "min_tokens": min(most, rnd.choice([0, 0, 1, nout, rnd.randint(0, nout + plen)])),
+                                     "stop_token_ids": stop, "ignore_eos": rnd.random() < 0.25}})
         cases[0]["outputs"] = cases[0]["outputs"][:1] + [7]
         add("check_stop", ["EngineCore.check_stop"], [], {"max_model_len": 12, "cases": cases})
     for _ in range(size):  # EngineCore.step, streamed: chunked steps, n children with prompt logprobs, MoE
-        for what in ("chunks", "children", "moe"):
+        for what in ("chunks", "children", "moe", "failure", "seeded"):
             add("engine", ["EngineCore.step"], STEP_DEPS, _engine_args(rnd, toks, what))
     ps = [toks(n) for n in (9, 40, 57, 70, 23)]
     ps[3][:32] = ps[1][:32]
@@ -128,7 +156,34 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
         checks(_config_args(rnd, toks))
     checks({"config": {"block_size": 4, "num_blocks": 20}, "reuse": True,
             "reqs": [{"id": "a", "prompt": toks(rnd.randint(5, 14)), "max_tokens": 3}]})
+    # Drawn last, so that every scenario above stays the same for a seed: more schedule traces, and block
+    # calls that adopt blocks other requests still hold.
+    for _ in range(size):
+        for how in ("roomy", "tight", "roomy"):
+            add("schedule", ["Scheduler.schedule"], ["hash_block", *BLOCK_HOLES], _sched_args(rnd, toks, how))
+    add("block_ops", BLOCK_HOLES, ["hash_block"], {"runs": [_held_ops(rnd, toks)]}, group="BlockManager")
+    cases = []  # check_stop: a stop token or EOS earlier in the output, the last token ordinary (or not)
+    for _ in range(20):
+        stop = rnd.choice([[11], [11, 12], [rnd.randrange(VOCAB)]])
+        outputs = toks(rnd.randint(2, 5))
+        outputs[rnd.randrange(len(outputs) - 1)] = rnd.choice([7, *stop])
+        cases.append({"prompt": toks(rnd.randint(1, 4)), "outputs": outputs, "eos": rnd.choice([None, 7]),
+                      "params": {"max_tokens": 7, "min_tokens": rnd.choice([0, 1]), "stop_token_ids": stop,
+                                 "ignore_eos": rnd.random() < 0.25}})
+    add("check_stop", ["EngineCore.check_stop"], [], {"max_model_len": 12, "cases": cases})
     return out
+
+
+def _held_ops(rnd, toks) -> dict:
+    """A prefix computed by one request and adopted by others while it still runs (ref counts 1 -> 2 -> 3,
+    no block taken twice from the free queue), then freed in turn and adopted again from the free queue."""
+    bs = rnd.choice([2, 4])
+    head = toks(3 * bs)
+    ops = [["admit", "y0", head + toks(1), 3 * bs + 1], ["admit", "y1", head + toks(rnd.randint(1, bs)), 3 * bs],
+           ["admit", "y2", head[:2 * bs] + toks(rnd.randint(1, bs)), 2 * bs], ["grow", "y1", bs + 1, False],
+           ["free", "y0"], ["admit", "y3", head + toks(bs), 3 * bs], ["free", "y1"], ["free", "y2"], ["free", "y3"],
+           ["admit", "y4", head + toks(2), 3 * bs + 2], ["free", "y4"]]
+    return {"num_blocks": rnd.randint(10, 14), "block_size": bs, "caching": True, "ops": ops}
 
 
 def _batch_args(rnd, toks) -> dict:
@@ -146,6 +201,43 @@ def _batch_args(rnd, toks) -> dict:
     return {"block_size": bs, "reqs": reqs, "pad_to": len(reqs) + rnd.choice([0, 0, 2])}
 
 
+def _batches(rnd, toks) -> list[dict]:
+    """One build_batch scenario's batches: a plain one; one with drafts, prompt logprobs and a resumed
+    request; one padded (``pad_to``) whose tables come as a read-only mapping in another order; and
+    one that asks a request for more tokens than it has (the docstring's ValueError)."""
+    plain = _batch_args(rnd, toks)
+    rich = _batch_args(rnd, toks)
+    bs = rich["block_size"]
+    for q in rich["reqs"]:
+        kind = rnd.choice(["drafts", "plp", "resumed", "plp"])
+        plen = len(q["prompt"])
+        if kind == "drafts":  # a decode with k drafts: its span is the last token and the drafts
+            q["outputs"] = q["outputs"] or toks(rnd.randint(1, 3))
+            q["drafts"] = toks(rnd.randint(1, 3))
+            q["computed"] = plen + len(q["outputs"]) - 1
+            q["n"] = 1 + len(q["drafts"])
+        elif kind == "plp":  # a prompt chunk, perhaps the one at its last token, with prompt logprobs
+            q["outputs"] = []
+            q["plp"] = rnd.choice([1, 2])
+            q["computed"] = rnd.randint(0, plen - 1)
+            q["n"] = rnd.randint(1, plen - q["computed"])
+        else:  # recomputed after a preemption: prompt and outputs run again from 0 (or from a cache hit)
+            q["outputs"] = q["outputs"] or toks(rnd.randint(1, 3))
+            total = plen + len(q["outputs"])
+            q["computed"] = rnd.choice([0, (plen // bs) * bs]) if plen < total else 0
+            q["n"] = rnd.randint(max(1, total - 1 - q["computed"]), total - q["computed"])
+        need = (q["computed"] + q["n"] + bs - 1) // bs
+        q["table"] = rnd.sample(range(1, 60), need)
+    padded = _batch_args(rnd, toks)
+    padded["pad_to"] = len(padded["reqs"]) + rnd.randint(1, 3)
+    padded["by_id"] = True
+    bad = _batch_args(rnd, toks)
+    q = rnd.choice(bad["reqs"])
+    q["n"] = len(q["prompt"]) + len(q["outputs"]) - q["computed"] + rnd.randint(1, 3)
+    q["table"] = rnd.sample(range(1, 90), (q["computed"] + q["n"] + bad["block_size"] - 1) // bad["block_size"])
+    return [plain, rich, padded, bad]
+
+
 def _preempt_args(rnd, toks, rule: str) -> dict:
     """Running requests that fill the pool at admission (or nearly: each must fit it alone), so that a
     decode step soon needs a block there is none of: the first preemption is observed under one rule of the docstring.
@@ -154,10 +246,13 @@ def _preempt_args(rnd, toks, rule: str) -> dict:
     reqs = [{"id": f"p{i}", "prompt": toks(rnd.randint(1, 3 * bs)), "max_tokens": bs + 2,
              "priority": rnd.randint(0, 3)} for i in range(rnd.randint(2, 3))]
     waiting = [{"id": f"w{i}", "prompt": toks(rnd.randint(1, bs)), "max_tokens": 2, "priority": rnd.randint(0, 3)}
-               for i in range(2 if rule in ("front", "priority") else 0)]
+               for i in range(2 if rule in ("front", "priority", "direct", "direct-priority") else 0)]
     mode = {"recompute": "recompute", "swap": "swap"}.get(rule) or rnd.choice(["recompute", "swap"])
-    cfg = {"max_num_batched_tokens": 64, "max_num_seqs": len(reqs), "policy": "priority" if rule == "priority"
-           else "fcfs", "preemption_mode": mode}
+    policy = "priority" if rule in ("priority", "direct-priority") else "fcfs"
+    cfg = {"max_num_batched_tokens": 64, "max_num_seqs": len(reqs), "policy": policy, "preemption_mode": mode}
+    if rule.startswith("direct"):  # two victims in one step (the oldest running, then the newest), one again later
+        return {"rule": rule, "config": cfg, "block_size": bs, "reqs": reqs, "late": waiting, "num_blocks": 64,
+                "chunk": rnd.randint(1, 3 * bs), "victims": [0, -1]}
     return {"rule": rule, "config": cfg, "block_size": bs, "reqs": reqs, "late": waiting,
             "num_blocks": max(sum((len(q["prompt"]) + bs - 1) // bs for q in reqs),
                               max((len(q["prompt"]) + q["max_tokens"] + bs - 1) // bs for q in reqs))}
@@ -173,12 +268,24 @@ def _engine_args(rnd, toks, what: str) -> dict:
     reqs = [{"id": f"r{i}", "prompt": p, "max_tokens": rnd.randint(2, 8), "at": rnd.choice([0, 0, 1, 3])}
             for i, p in enumerate(prompts)]
     cfg = {"block_size": rnd.choice([4, 8, 16]), "num_blocks": 64, "attention_backend": "torch"}
-    if what == "chunks":
+    if what in ("chunks", "failure"):
         cfg["max_num_batched_tokens"] = rnd.choice([6, 10, 16])
+        reqs[rnd.randrange(len(reqs))]["plp"] = rnd.choice([1, 2])  # its entries come chunk by chunk
     if what == "children":
         reqs[0]["n"] = 2
         reqs[-1]["plp"] = rnd.choice([1, 2])
-    return {"config": cfg, "reqs": reqs, "stream": True, "moe": what == "moe"}
+    if what == "seeded":  # sampled, not greedy: a seeded request draws from its own generator; chunked, so
+        # that mid-prompt chunks (no sample row) sit among requests of other temperatures
+        cfg["max_num_batched_tokens"] = rnd.choice([6, 10])
+        for q in reqs:
+            q["temperature"] = rnd.choice([0.0, 1.0, 0.7])
+            q["seed"] = rnd.choice([None, rnd.randrange(1 << 20)])
+        reqs[0]["temperature"], reqs[0]["seed"], reqs[0]["n"] = 1.0, rnd.randrange(1 << 20), 2
+    args = {"config": cfg, "reqs": reqs, "stream": True, "moe": what == "moe"}
+    if what == "failure":  # the forward pass raises at two of the first steps: the engine must recover
+        args["fail_at"] = sorted(rnd.sample(range(1, 6), 2))
+        args["fail_kind"] = rnd.choice(["RuntimeError", "KeyboardInterrupt", "MemoryError"])
+    return args
 
 
 CACHE_KEYS = [[], ["tenant", 1], ["tenant", 2], ["adapter", 3]]
@@ -224,30 +331,76 @@ def _config_args(rnd, toks) -> dict:
 def _block_ops(rnd, toks) -> dict:
     bs = rnd.choice([2, 4])
     shared = toks(3 * bs)
-    ops, live = [], []
-    for i in range(8):
+    nb = rnd.randint(6, 12)
+    ops, live, dead, grown = [], [], [], []
+    for i in range(10):
         if live and rnd.random() < 0.35:
-            ops.append(["free", live.pop(rnd.randrange(len(live)))])
+            dead.append(live.pop(rnd.randrange(len(live))))
+            ops.append(["free", dead[-1]])
+            if rnd.random() < 0.3:
+                ops.append(["refree", dead[-1]])
             continue
         rid = f"b{i}"
+        roll = rnd.random()
+        if roll < 0.12:  # more blocks than the pool has: refused, then asked again later
+            ops.append(["admit", rid, toks(nb * bs + rnd.randint(1, bs)), nb * bs])
+            ops.append(["retry", rid, 1])
+            continue
         prompt = (shared[: rnd.choice([bs, 2 * bs, 3 * bs])] if rnd.random() < 0.6 else []) + toks(rnd.randint(1, 2 * bs))
-        ops.append(["admit", rid, prompt, rnd.randint(1, len(prompt))])
+        if roll < 0.3 and not any(o[0] == "fill" for o in ops):
+            ops.append(["fill", rid, toks(nb * bs)])
+            live.append(rid)
+            continue
+        if roll < 0.4:  # looked up (or not, with prompt logprobs), never admitted
+            ops.append(["lookup", rid, prompt])
+            continue
+        ops.append(["admit", rid, prompt, rnd.randint(1, len(prompt)), rnd.choice([None, None, None, 1])])
         live.append(rid)
         if rnd.random() < 0.5:
-            ops.append(["grow", rid, rnd.randint(1, bs + 1)])
+            ops.append(["grow", rid, rnd.randint(bs, 2 * bs + 1), rnd.random() < 0.3])
+            grown.append(rid)
+        if rnd.random() < 0.2:
+            ops.append(["readopt", rid])
     ops += [["free", r] for r in live]
-    return {"num_blocks": rnd.randint(6, 12), "block_size": bs, "caching": rnd.random() < 0.8, "ops": ops}
+    again = ([r for r in live if r in grown] + [r for r in live if r not in grown])[:2]
+    ops += [["retry", r, rnd.randint(1, 2 * bs)] for r in again]  # readmitted: their own blocks (outputs too) cached
+    ops += [["free", r] for r in again]
+    # A private duplicate (prompt logprobs: no lookup) of a cached prefix; the cached copy is evicted; the
+    # duplicate then fills a new block: only its new blocks are offered (from num_published on).
+    dup = toks(2 * bs)
+    ops += [["admit", "x0", dup, len(dup)], ["admit", "x1", dup + toks(1), 2 * bs + 1, 1], ["free", "x0"],
+            ["fill", "x2", toks(nb * bs)], ["free", "x2"], ["grow", "x1", bs + 1], ["free", "x1"]]
+    return {"num_blocks": nb, "block_size": bs, "caching": rnd.random() < 0.8, "ops": ops}
 
 
-def _sched_args(rnd, toks) -> dict:
+def _sched_args(rnd, toks, how: str) -> dict:
+    """Requests with shared prefixes arriving over a few steps (several at once), under a drawn
+    configuration: ``roomy`` (a big pool, chunked prefill), ``tight`` (a pool that just fits the largest
+    request, so that it preempts, mostly by swapping), ``whole`` / ``whole-swap`` (chunked prefill off, a
+    budget at or a little above the longest prompt, a chunk cap that must not apply, a tight pool,
+    preempting by recompute / by swap). Each request stays running one step past its last token
+    (``linger``: the plan after that must skip it)."""
     bs = 4
-    reqs = [{"id": f"s{i}", "prompt": toks(rnd.randint(2, 14)), "max_tokens": rnd.randint(2, 6),
-             "priority": rnd.randint(0, 3)} for i in range(rnd.randint(3, 5))]
+    prompts = _shared_prompts(rnd, toks, rnd.randint(3, 5) if how == "roomy" else rnd.randint(4, 5), suffix=(1, 10))
+    reqs = [{"id": f"s{i}", "prompt": p, "max_tokens": rnd.randint(2, 6), "priority": rnd.randint(0, 3),
+             "at": 0 if i == 0 else rnd.choice([0, 2, 2, 3])} for i, p in enumerate(prompts)]
+    whole = how.startswith("whole")
     cfg = {"max_num_batched_tokens": rnd.choice([8, 16, 64]), "max_num_seqs": rnd.choice([2, 8]),
            "long_prefill_token_threshold": rnd.choice([0, 5]), "policy": rnd.choice(["fcfs", "priority"]),
-           "preemption_mode": rnd.choice(["recompute", "swap"])}
-    return {"config": cfg, "num_blocks": 64, "block_size": bs, "reqs": reqs,
-            "steps": 14}
+           "preemption_mode": {"tight": rnd.choice(["recompute", "swap", "swap"]), "whole": "recompute",
+                               "whole-swap": "swap"}.get(how, rnd.choice(["recompute", "swap"])),
+           "enable_chunked_prefill": not whole}
+    if whole:  # every prompt must fit the budget then (Scheduler.check)
+        budget = cfg["max_num_batched_tokens"] = max(len(q["prompt"]) for q in reqs) + rnd.choice([0, 0, 2])
+        cfg["long_prefill_token_threshold"] = rnd.choice([3, 5])
+        cfg["policy"] = "priority"
+        # the first: nearly the whole budget, the lowest priority (the victim), so that it comes back needing
+        # more than the budget left; the last: exactly the whole budget, arriving while others run
+        reqs[0].update(prompt=toks(budget - 1), priority=3, max_tokens=6)
+        reqs[-1].update(prompt=toks(budget), priority=0, at=2)
+    most = max((len(q["prompt"]) + q["max_tokens"] + bs - 1) // bs for q in reqs)
+    return {"config": cfg, "num_blocks": 64 if how == "roomy" else most + rnd.choice([0, 0, 1]), "block_size": bs,
+            "reqs": reqs, "steps": 40, "linger": [q["id"] for q in reqs]}
 
 
 # ------------------------------------------------------------------------------ running (child side)
@@ -256,7 +409,7 @@ def run_scenario(spec: dict):
     ``fields`` the scenario checks, where it names them)."""
     got = globals()["_run_" + spec["kind"]](spec["args"])
     fields = spec["args"].get("fields")
-    return {k: got[k] for k in fields} if fields else got
+    return {k: got[k] for k in fields} if fields and spec["kind"] != "build_batch" else got
 
 
 def _request(rid, prompt, outputs=(), computed=0, **params):
@@ -278,17 +431,45 @@ def _floats(t) -> list:
 
 
 def _run_build_batch(a):
+    """Every batch of the scenario, each reduced to the scenario's ``fields`` (``dtypes``: the tensors'
+    dtypes; ``error``: the exception's kind, where the docstring asks for one)."""
+    return {"batches": [_one_batch(b, a["fields"]) for b in a["batches"]]}
+
+
+def _one_batch(a, fields):
+    import types
+
     from engine.serve import build_batch
 
-    reqs = [_request(q["id"], q["prompt"], q["outputs"], q["computed"]) for q in a["reqs"]]
-    batch = build_batch([(r, q["n"]) for r, q in zip(reqs, a["reqs"])], {q["id"]: q["table"] for q in a["reqs"]},
-                        a["block_size"], pad_to=a["pad_to"])
+    reqs = []
+    for q in a["reqs"]:
+        r = _request(q["id"], q["prompt"], q["outputs"], q["computed"],
+                     **({"prompt_logprobs": q["plp"]} if q.get("plp") else {}))
+        r.spec_token_ids = list(q.get("drafts", []))
+        reqs.append(r)
+    scheduled = [(r, q["n"]) for r, q in zip(reqs, a["reqs"])]
+    if a.get("by_id"):  # a read-only mapping, its order the reverse of the plan's
+        tables = types.MappingProxyType({q["id"]: q["table"] for q in reversed(a["reqs"])})
+    else:
+        tables = [q["table"] for q in a["reqs"]]
+    try:
+        batch = build_batch(scheduled, tables, a["block_size"], pad_to=a["pad_to"])
+    except ValueError:
+        return {"error": "ValueError"} if "error" in fields else {}
     m = batch.meta
-    return {"input_ids": _ints(batch.input_ids), "positions": _ints(batch.positions),
-            "query_start_loc": _ints(m.query_start_loc), "seq_lens": _ints(m.seq_lens),
-            "slot_mapping": _ints(m.slot_mapping), "block_table": [_ints(row) for row in m.block_table],
-            "logits_indices": _ints(batch.logits_indices), "sample_counts": [int(x) for x in batch.sample_counts],
-            "max_query_len": int(m.max_query_len), "max_seq_len": int(m.max_seq_len)}
+    got = {"input_ids": _ints(batch.input_ids), "positions": _ints(batch.positions),
+           "query_start_loc": _ints(m.query_start_loc), "seq_lens": _ints(m.seq_lens),
+           "slot_mapping": _ints(m.slot_mapping), "block_table": [_ints(row) for row in m.block_table],
+           "logits_indices": _ints(batch.logits_indices), "sample_counts": [int(x) for x in batch.sample_counts],
+           "max_query_len": int(m.max_query_len), "max_seq_len": int(m.max_seq_len), "error": None,
+           "request_ids": [str(x) for x in batch.request_ids],
+           "prompt_spans": [[str(r.request_id), int(c), [int(x) for x in ts]] for r, c, ts in batch.prompt_spans]}
+    dtypes = {"tokens": {"input_ids": batch.input_ids, "positions": batch.positions},
+              "slots": {"slot_mapping": m.slot_mapping},
+              "meta": {"query_start_loc": m.query_start_loc, "seq_lens": m.seq_lens, "block_table": m.block_table}}
+    aspect = next((k for k, v in dtypes.items() if set(BATCH_ASPECTS[k]) == set(fields)), None)
+    got["dtypes"] = {k: str(v.dtype) for k, v in dtypes.get(aspect, {}).items()}
+    return {k: got[k] for k in fields}
 
 
 def _run_write_kv(a):
@@ -315,10 +496,13 @@ def _meta(spans, block_size):
     starts = [0]
     for s in spans:
         starts.append(starts[-1] + s["q_len"])
-    width = max(len(s["table"]) for s in spans)
+    width = max(1, max(len(s["table"]) for s in spans))
     table = torch.tensor([s["table"] + [0] * (width - len(s["table"])) for s in spans], dtype=torch.int32)
     slots = []
     for s in spans:
+        if s["seq_len"] == 0:  # a padding request: one row, written to the scratch slot
+            slots.append(-1)
+            continue
         for p in range(s["seq_len"] - s["q_len"], s["seq_len"]):
             slots.append(s["table"][p // block_size] * block_size + p % block_size)
     qsl = torch.tensor(starts, dtype=torch.int32)
@@ -338,7 +522,13 @@ def _run_attention(a):
     cache = (torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64))
     q = torch.randn(int(meta.query_start_loc[-1]), a["heads"], a["dim"], generator=g, dtype=torch.float64)
     out = ReferenceBackend().forward(q, cache, meta, window=a["window"])
-    return {"out": _floats(out)}
+    got = {"out": _floats(out)}
+    if a.get("mixed"):
+        meta = _meta(a["mixed"], a["block_size"])
+        q = torch.randn(int(meta.query_start_loc[-1]), a["heads"], a["dim"], generator=g, dtype=torch.float64)
+        got["mixed"] = _floats(ReferenceBackend().forward(q, cache, meta, scale=a["mixed_scale"],
+                                                          window=a["mixed_window"]))
+    return got
 
 
 def _run_flat(a):
@@ -347,7 +537,8 @@ def _run_flat(a):
     from engine.models import tiny_model
     from engine.serve import FlatModel, ReferenceBackend
 
-    model = tiny_model(seed=0, moe=a["moe"], dtype=torch.float64)
+    model = tiny_model(seed=0, moe=a["moe"], dtype=torch.float64,
+                       **({"rope_theta": a["rope_theta"]} if a.get("rope_theta") else {}))
     flat = FlatModel(model)
     layers, kv_heads, head_dim = flat.kv_spec()
     bs, backend = 4, ReferenceBackend()
@@ -383,40 +574,78 @@ def _run_hash_block(a):
     return {"digests": [bytes(d).hex() for d in digests]}
 
 
-def _blocks_state(bm) -> dict:
+def _blocks_state(bm, reqs=None) -> dict:
     return {"ref_count": [int(x) for x in bm.ref_count], "num_free": int(bm.num_free),
             "free_order": [int(b) for b in bm.free_queue],  # so a wrong order is free()'s, not the next allocation's
             "req_blocks": {str(k): [int(b) for b in v] for k, v in sorted(bm.req_blocks.items())},
-            "cached": sorted([bytes(h).hex(), int(b)] for h, b in bm.cached.items())}
+            "cached": sorted([bytes(h).hex(), int(b)] for h, b in bm.cached.items()),
+            "block_hash": [None if h is None else bytes(h).hex() for h in bm.block_hash],
+            "num_published": {str(k): int(v) for k, v in sorted(bm.num_published.items())},
+            "pending_lookups": {str(k): [int(x) for x in v] for k, v in sorted(bm.pending_lookups.items())},
+            "counters": [int(bm.num_queries), int(bm.num_hits), int(bm.num_evicted)],
+            "hashed": {k: len(r.block_hashes) for k, r in sorted((reqs or {}).items())}}
+
+
+def _call(fn, *args):
+    """A hole's return, or the kind of the exception it raised (a docstring's error is behaviour too)."""
+    try:
+        return fn(*args), None
+    except (ValueError, RuntimeError) as exc:
+        return None, type(exc).__name__
 
 
 def _run_block_ops(a):
+    """One or more managers (``runs``: e.g. prefix caching on, then off), each through its call sequence."""
+    return {"records": [r for run in a.get("runs", [a]) for r in _block_run(run)["records"]]}
+
+
+def _block_run(a):
     from engine.serve import BlockManager
 
     bm = BlockManager(a["num_blocks"], a["block_size"], a["caching"])
     reqs, records = {}, []
 
     def rec(hole, ret):
-        records.append({"hole": hole, "ret": ret, "state": _blocks_state(bm)})
+        records.append({"hole": hole, "ret": ret, "state": _blocks_state(bm, reqs)})
+
+    def admit(r, n) -> None:
+        cached, err = _call(bm.find_cached_prefix, r)
+        cached = cached or []
+        rec("BlockManager.find_cached_prefix", err or [int(b) for b in cached])
+        r.num_computed_tokens = 0
+        hit = len(cached) * a["block_size"]
+        n = max(1, min(n, r.num_tokens - hit))
+        ok, err = _call(bm.allocate_slots, r, n, cached)
+        rec("BlockManager.allocate_slots", err or bool(ok))
+        if ok:
+            r.num_computed_tokens = hit + n
+            rec("BlockManager.cache_full_blocks", _call(bm.cache_full_blocks, r)[1])
 
     for op in a["ops"]:
         if op[0] == "admit":
-            _, rid, prompt, n = op
-            r = reqs[rid] = _request(rid, prompt, max_tokens=64)
-            bm.update_hashes(r)
-            cached = bm.find_cached_prefix(r)
-            rec("BlockManager.find_cached_prefix", [int(b) for b in cached])
-            r.num_computed_tokens = 0
-            hit = len(cached) * a["block_size"]
-            n = max(1, min(n, r.num_tokens - hit))
-            ok = bool(bm.allocate_slots(r, n, cached))
-            rec("BlockManager.allocate_slots", ok)
-            if ok:
-                r.num_computed_tokens = hit + n
-                bm.cache_full_blocks(r)
-                rec("BlockManager.cache_full_blocks", None)
-        elif op[0] == "grow":
+            rid, prompt, n = op[1:4]
+            r = reqs[rid] = _request(rid, prompt, max_tokens=64, **({"prompt_logprobs": op[4]} if op[4:] and op[4] else {}))
+            admit(r, n)
+        elif op[0] == "fill":  # a prompt that needs exactly the blocks still free (the last one included)
+            rid, tokens = op[1:3]
+            r = reqs[rid] = _request(rid, tokens[:max(1, bm.num_free) * a["block_size"]], max_tokens=64)
+            admit(r, r.num_tokens)
+        elif op[0] == "retry":  # the same request asks again (after a failed allocation, or once more)
             _, rid, n = op
+            if rid in reqs and rid not in bm.req_blocks:
+                admit(reqs[rid], n)
+        elif op[0] == "lookup":  # looked up, never admitted, then dropped
+            _, rid, prompt = op
+            r = reqs[rid] = _request(rid, prompt, max_tokens=64)
+            cached, err = _call(bm.find_cached_prefix, r)
+            rec("BlockManager.find_cached_prefix", err or [int(b) for b in cached])
+            rec("BlockManager.free", _call(bm.free, r)[1])
+        elif op[0] == "readopt":  # cached blocks offered to a request that holds blocks: a ValueError
+            rid = op[1]
+            if rid in bm.req_blocks and bm.req_blocks[rid]:
+                rec("BlockManager.allocate_slots", _call(bm.allocate_slots, reqs[rid], 1, bm.req_blocks[rid][:1])[1])
+        elif op[0] == "grow":
+            rid, n = op[1:3]
             r = reqs[rid]
             if rid not in bm.req_blocks or r.num_computed_tokens == 0:
                 continue
@@ -424,43 +653,67 @@ def _run_block_ops(a):
                 if r.num_computed_tokens >= r.num_tokens:
                     r.append((r.num_tokens * 31) % VOCAB)
                     bm.update_hashes(r)
-                ok = bool(bm.allocate_slots(r, 1))
-                rec("BlockManager.allocate_slots", ok)
+                ok, err = _call(bm.allocate_slots, r, 1)
+                rec("BlockManager.allocate_slots", err or bool(ok))
                 if not ok:
                     break
                 r.num_computed_tokens += 1
-                bm.cache_full_blocks(r)
-                rec("BlockManager.cache_full_blocks", None)
+                if op[3:] and op[3] and r.num_computed_tokens % a["block_size"] == 0:
+                    # the scheduler's call: publish up to a count given (here: every known token)
+                    rec("BlockManager.cache_full_blocks", _call(bm.cache_full_blocks, r, r.num_tokens)[1])
+                else:
+                    rec("BlockManager.cache_full_blocks", _call(bm.cache_full_blocks, r)[1])
         elif op[0] == "free":
-            bm.free(reqs[op[1]])
-            rec("BlockManager.free", None)
+            rec("BlockManager.free", _call(bm.free, reqs[op[1]])[1])
+        elif op[0] == "refree":  # a stale table freed again: its blocks are at 0 already (a RuntimeError)
+            rid, stale = op[1], [b for b in range(bm.num_blocks) if bm.ref_count[b] == 0][:1]
+            if rid in reqs and rid not in bm.req_blocks and stale:
+                bm.req_blocks[rid] = stale
+                rec("BlockManager.free", _call(bm.free, reqs[rid])[1])
+                bm.req_blocks.pop(rid, None)
     return {"records": records}
 
 
 def _run_schedule(a):
     from engine.serve import BlockManager, Scheduler, SchedulerConfig
 
+    from engine.serve import Status
+
     s = Scheduler(SchedulerConfig(**a["config"]), BlockManager(a["num_blocks"], a["block_size"]))
-    reqs = []
-    for i, q in enumerate(a["reqs"]):
-        r = _request(q["id"], q["prompt"], max_tokens=q["max_tokens"])
-        r.priority, r.arrival_time = q["priority"], float(i)
-        s.add(r)
-        reqs.append(r)
+    reqs, pending, lingered = [], list(enumerate(a["reqs"])), set()
     plans = []
-    for _ in range(a["steps"]):
+    for step in range(a["steps"]):
+        for i, q in [x for x in pending if x[1].get("at", 0) <= step]:
+            pending.remove((i, q))
+            r = _request(q["id"], q["prompt"], max_tokens=q["max_tokens"])
+            r.priority, r.arrival_time = q["priority"], float(i)
+            s.add(r)
+            reqs.append(r)
         if not s.has_unfinished():
-            break
+            if not pending:
+                break
+            continue
         plan = s.schedule()
+        ids = lambda rs: [r.request_id for r in rs]  # noqa: E731
         plans.append({"scheduled": [[r.request_id, int(n)] for r, n in plan.scheduled],
                       "preempted": sorted(r.request_id for r in plan.preempted),
-                      "computed": {r.request_id: int(r.num_computed_tokens) for r in reqs}})
-        _advance(s, plan)
+                      "computed": {r.request_id: int(r.num_computed_tokens) for r in reqs},
+                      "cached": {r.request_id: int(r.num_cached_tokens) for r in reqs},
+                      "status": {r.request_id: str(r.status.name) for r in reqs},
+                      "waiting": ids(s.waiting), "running": ids(s.running),
+                      "swap_in": [[r.request_id, [int(b) for b in bl]] for r, bl in plan.swap_in],
+                      "swap_out": [[r.request_id, [int(b) for b in bl]] for r, bl in plan.swap_out],
+                      "published": sorted(int(b) for b in s.blocks.cached.values())})
+        for r in list(s.running):  # kept one step past its last token (that plan skipped it): finished now
+            if r.request_id in lingered:
+                s.finish(r, Status.FINISHED_LENGTH)
+        _advance(s, plan, linger=a.get("linger", ()), lingered=lingered)
     return {"plans": plans}
 
 
-def _advance(s, plan) -> None:
-    """What the engine does after a forward pass (no model): count the tokens, append a sample, finish."""
+def _advance(s, plan, linger=(), lingered=None) -> None:
+    """What the engine does after a forward pass (no model): count the tokens, append a sample, finish
+    (a request in ``linger`` stays running one step more, with nothing left to compute)."""
     from engine.serve import Status
 
     for r, n in plan.scheduled:
@@ -469,7 +722,10 @@ def _advance(s, plan) -> None:
             r.append((r.num_tokens * 17) % VOCAB)
             s.blocks.cache_full_blocks(r)
             if r.num_output_tokens >= r.params.max_tokens:
-                s.finish(r, Status.FINISHED_LENGTH)
+                if r.request_id in linger and lingered is not None and r.request_id not in lingered:
+                    lingered.add(r.request_id)
+                else:
+                    s.finish(r, Status.FINISHED_LENGTH)
 
 
 def _run_preempt(a):
@@ -488,6 +744,8 @@ def _run_preempt(a):
 
     for i, q in enumerate(a["reqs"]):
         add(q, i)
+    if a["rule"].startswith("direct"):
+        return _preempt_direct(s, a, add, reqs)
     _advance(s, s.schedule())
     for i, q in enumerate(a["late"]):
         add(q, len(reqs) + i)
@@ -516,6 +774,42 @@ def _run_preempt(a):
                    "swap_in": [[r.request_id, [int(b) for b in bl]] for r, bl in back.swap_in],
                    "swapped_out": bool(victim.swapped_out)}
     return got
+
+
+def _preempt_direct(s, a, add, reqs):
+    """Victims preempted by hand (``Scheduler._preempt`` alone): two in one step, with requests waiting
+    of drawn priorities; then one victim readmitted and preempted again."""
+    from engine.serve import SchedulerOutput
+
+    s.config.long_prefill_token_threshold = a["chunk"]  # some requests mid-prefill, some with outputs
+    for _ in range(2):
+        _advance(s, s.schedule())
+    for i, q in enumerate(a["late"]):
+        add(q, 10 + i)
+    ids = lambda rs: [r.request_id for r in rs]  # noqa: E731
+
+    def look(out) -> dict:
+        return {"preempted": ids(out.preempted), "waiting": ids(s.waiting), "running": ids(s.running),
+                "swap_out": [[r.request_id, [int(b) for b in bl]] for r, bl in out.swap_out],
+                "count": int(s.num_preemptions), "free": int(s.blocks.num_free),
+                "reqs": {r.request_id: [str(r.status.name), int(r.num_computed_tokens), int(r.num_preemptions),
+                                        bool(r.swapped_out), r.request_id in s.blocks.req_blocks] for r in reqs}}
+
+    got, out = [], SchedulerOutput()
+    for v in a["victims"]:
+        if s.running:
+            s._preempt(s.running[v % len(s.running)], out)
+            got.append(look(out))
+    again = out.preempted[0] if out.preempted else None
+    for _ in range(6):
+        if again is None or again in s.running:
+            break
+        _advance(s, s.schedule())
+    if again is not None and again in s.running:
+        out = SchedulerOutput()
+        s._preempt(again, out)
+        got.append(look(out))
+    return {"direct": got}
 
 
 def _run_check_stop(a):
@@ -563,12 +857,24 @@ def _run_engine(a):
 
     def add(q) -> None:
         key = tuple(q.get("key", ()))
-        params = SamplingParams(max_tokens=q["max_tokens"], temperature=0.0, ignore_eos=True, n=q.get("n", 1),
-                                prompt_logprobs=q.get("plp"))
+        params = SamplingParams(max_tokens=q["max_tokens"], temperature=q.get("temperature", 0.0), ignore_eos=True,
+                                n=q.get("n", 1), prompt_logprobs=q.get("plp"), seed=q.get("seed"))
         for rid in e.add_request(q["id"], q["prompt"], params, priority=q.get("priority", 0), cache_key=key):
             keys[rid] = key
 
-    done, reasons, cached, plps, stream, shared, aborted = {}, {}, {}, {}, [], 0, []
+    done, reasons, cached, plps, stream, shared, aborted, failures = {}, {}, {}, {}, [], 0, [], []
+    if a.get("fail_at"):  # the forward pass (the runner's execute) raises on these calls
+        real, calls = e.runner.execute, [0]
+        kind = {"RuntimeError": RuntimeError, "KeyboardInterrupt": KeyboardInterrupt,
+                "MemoryError": MemoryError}[a["fail_kind"]]
+
+        def execute(batch):
+            calls[0] += 1
+            if calls[0] in a["fail_at"]:
+                raise kind("injected by the scenario")
+            return real(batch)
+
+        e.runner.execute = execute
 
     def run(pending: list) -> None:
         nonlocal shared
@@ -577,7 +883,15 @@ def _run_engine(a):
             for q in [q for q in pending if q.get("at", 0) <= steps]:
                 pending.remove(q)
                 add(q)
-            outs = e.step()
+            try:
+                outs = e.step()
+            except (RuntimeError, KeyboardInterrupt, MemoryError) as exc:
+                if "fail_at" not in a:
+                    raise
+                failures.append([steps, type(exc).__name__, int(e.steps), len(e.blocks.cached),
+                                 sorted([r.request_id, int(r.num_computed_tokens)]
+                                        for r in [*e.scheduler.running, *e.scheduler.waiting])])
+                outs = []
             steps += 1
             if a.get("stream"):
                 stream.append(sorted([o.request_id, len(o.new_token_ids), bool(o.finished)] for o in outs))
@@ -611,7 +925,8 @@ def _run_engine(a):
     got = {"outputs": dict(sorted(done.items())), "finish_reasons": dict(sorted(reasons.items())),
            "idle": not e.has_unfinished(), "free_blocks_at_idle": int(e.blocks.num_free),
            "pool_blocks": int(len(e.blocks.ref_count)), "aborted": aborted, "shared_across_keys": shared,
-           "cached_tokens": dict(sorted(cached.items())), "prompt_logprobs": dict(sorted(plps.items()))}
+           "cached_tokens": dict(sorted(cached.items())), "prompt_logprobs": dict(sorted(plps.items())),
+           "steps": int(e.steps), "failures": failures}
     if a.get("stream"):
         got["stream"] = stream
     return got
