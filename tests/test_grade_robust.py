@@ -426,3 +426,28 @@ def test_the_grading_workspace_holds_only_the_allow_list_and_no_line_of_the_refe
     assert len(needles) > 50
     texts = {r: (bed / r).read_text(errors="replace") for r in rels}
     assert not [(r, n) for r, t in texts.items() for n in needles if n in t]
+
+
+def test_the_checkout_walks_take_a_1200_deep_folder(tmp_path):
+    """The copy check's walks of a checkout (symlinks, files changed outside the chapter) use an
+    explicit stack: a 1,200-deep folder in the checkout is walked, not a RecursionError (issue 34)."""
+    from course.grading import copycheck
+    from course.grading.sandbox import remove_tree
+
+    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path
+    top = Path(tempfile.mkdtemp(prefix="deep-checkout-", dir=base))
+    try:
+        (top / "engine").mkdir()
+        (top / "engine" / "extra.py").write_text("x = 1\n")
+        os.symlink("/etc", top / "engine" / "out")
+        fd = os.open(top / "engine", os.O_RDONLY)
+        for _ in range(1200):
+            os.mkdir("d", dir_fd=fd)
+            nxt = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        os.close(fd)
+        assert copycheck.symlinks(top) == ["engine/out -> /etc (OUTSIDE the checkout)"]
+        assert copycheck.changed_outside(top, []) == ["engine/extra.py (a file the course does not have)"]
+    finally:
+        remove_tree(top)

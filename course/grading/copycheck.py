@@ -131,18 +131,42 @@ def copied_holes(files: dict[str, str]) -> list[str]:
     return sorted(q for q, body in mine.items() if ref.get(q) == body)
 
 
+SKIPPED_DIRS = (".git", ".venv", ".venv-peers", "__pycache__")
+MAX_ENTRIES = 200_000  # a checkout's entries walked at most: a bound on the walk's time
+
+
+def walk_entries(top: Path):
+    """(path, entry) for everything under ``top``, never following a link, skipping
+    ``SKIPPED_DIRS``, at most ``MAX_ENTRIES``: an explicit stack, not recursion (os.walk and rglob
+    recurse in Python 3.11, and a 1,200-deep folder would end them in RecursionError); a folder
+    that cannot be listed (too long a path, no permission) is passed over."""
+    stack, seen = [top], 0
+    while stack:
+        folder = stack.pop()
+        try:
+            with os.scandir(folder) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries:
+            seen += 1
+            if seen > MAX_ENTRIES:
+                return
+            path = folder / entry.name
+            yield path, entry
+            if entry.is_dir(follow_symlinks=False) and entry.name not in SKIPPED_DIRS:
+                stack.append(path)
+
+
 def symlinks(checkout: Path) -> list[str]:
     """Every symlink in the checkout (not followed), with whether it leaves the checkout."""
     found = []
-    for dirpath, dirnames, filenames in os.walk(checkout):
-        dirnames[:] = [d for d in dirnames if d not in (".git", ".venv", ".venv-peers", "__pycache__")]
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            if path.is_symlink():
-                target = Path(os.path.realpath(path))
-                where = "inside" if target.is_relative_to(checkout.resolve()) else "OUTSIDE the checkout"
-                found.append(f"{path.relative_to(checkout)} -> {os.readlink(path)} ({where})")
-    return found
+    for path, entry in walk_entries(checkout):
+        if entry.is_symlink():
+            target = Path(os.path.realpath(path))
+            where = "inside" if target.is_relative_to(checkout.resolve()) else "OUTSIDE the checkout"
+            found.append(f"{path.relative_to(checkout)} -> {os.readlink(path)} ({where})")
+    return sorted(found)
 
 
 def changed_outside(checkout: Path, chapter: list[str], limit: int = 20) -> list[str]:
@@ -154,9 +178,9 @@ def changed_outside(checkout: Path, chapter: list[str], limit: int = 20) -> list
         base = checkout / top
         if not base.is_dir() or base.is_symlink():
             continue
-        for path in sorted(base.rglob("*.py")):
+        for path in sorted(p for p, e in walk_entries(base) if e.name.endswith(".py") and e.is_file(follow_symlinks=False)):
             rel = path.relative_to(checkout).as_posix()
-            if rel in skip or "__pycache__" in rel or path.is_symlink():
+            if rel in skip or "__pycache__" in rel:
                 continue
             mine = ROOT / rel
             if not mine.is_file():
