@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	-@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
 	    apt-get install -y -q bubblewrap >/dev/null 2>&1; }; }; } || true
-	$(PY) -c "from course.grading.sandbox import find_bwrap as f; print('grader sandbox:', f() or 'NONE (run.py grade will need --unsafe)')"
+	$(PY) -c "from course.isolation.sandbox import find_bwrap as f; print('grader sandbox:', f() or 'NONE (run.py grade will need --unsafe)')"
 	touch $(STAMP)
 
 run: $(STAMP)                ## the chapter benchmark on the reference engine

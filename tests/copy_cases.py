@@ -128,7 +128,7 @@ def renamed_into_helpers(files: dict[str, str]) -> dict[str, str]:
     """Each hole's body with its locals renamed, moved into a helper of the learner's own (a method of
     the hole's class, or a module function) that the hole calls; the helpers in reverse order at the
     end of their class or file. Comments are lost (the file is rewritten from its syntax tree)."""
-    from course.grading.fingerprint import _bound
+    from course.copies.fingerprint import _bound
 
     out = {}
     for rel, text in files.items():
@@ -156,7 +156,7 @@ def renamed_into_helpers(files: dict[str, str]) -> dict[str, str]:
 
 def renamed_with_junk(files: dict[str, str], per_hole: int = 10) -> dict[str, str]:
     """``files`` with its holes' locals renamed and ``per_hole`` junk lines in each: a classmate's copy."""
-    from course.grading.fingerprint import _bound
+    from course.copies.fingerprint import _bound
 
     out = {}
     for rel, text in junk_lines(files, per_hole).items():
@@ -209,8 +209,8 @@ def delegating(files: dict[str, str]) -> dict[str, str]:
 
 def table() -> list[tuple[str, str, str, float]]:
     """(case, hole, against, similarity) for the cases above: the honest ones and the copies."""
-    from course.grading import copycheck as cc
-    from course.grading.fingerprint import similarity
+    from course.copies import copycheck as cc
+    from course.copies.fingerprint import similarity
 
     ref = cc.reference_prints()
     base = cc.hole_prints(honest())
@@ -245,7 +245,7 @@ CASES = {"honest (learner_fill) vs ref": "honest", "ref + `_ = None` vs ref": "n
 def main() -> None:
     """The table of docs/grading.md: one row per hole, one column per case (similarity; ``=`` where
     the bodies are also equal after normalisation; ``-`` where the case has no such hole)."""
-    from course.grading import copycheck as cc
+    from course.copies import copycheck as cc
 
     got: dict[tuple[str, str], float] = {}
     sizes: dict[str, int] = {}

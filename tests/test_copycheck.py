@@ -1,4 +1,4 @@
-"""Copy detection by similarity (course/grading/copycheck.py, course/grading/fingerprint.py): holes
+"""Copy detection by similarity (course/copies/copycheck.py, course/copies/fingerprint.py): holes
 written independently are not flagged; the reference padded with no-ops, renamed into reordered
 helpers, or with junk lines is; so are classmates sharing code, a submission like an earlier one (a
 store of fingerprints, no code), and a hole that hands its job to given code. The cases are built in
@@ -10,7 +10,7 @@ import json
 import pytest
 
 import copy_cases as cases
-from course.grading import copycheck as cc
+from course.copies import copycheck as cc
 from course.grading.grade import flag_kind, status_of_doc
 from course.learner.holes import all_holes, fill
 from course.learner.testrun import reference_files
@@ -57,7 +57,7 @@ def test_the_reference_with_junk_that_runs_is_flagged_where_similarity_can_tell(
 
 
 def test_similarity_separates_the_independent_bodies_from_the_copies(ref, honest):
-    from course.grading.fingerprint import similarity
+    from course.copies.fingerprint import similarity
 
     R, H = cc.hole_prints(ref), cc.hole_prints(honest)
     compared = [q for q in MINE if min(R[q]["size"], H[q]["size"]) >= cc.MIN_TOKENS and q not in cc.CONSTRAINED]

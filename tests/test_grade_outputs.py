@@ -84,7 +84,7 @@ def test_a_roster_names_the_folders(tmp_path, stubbed):
 
 
 def test_no_sandbox_means_no_grading_unless_unsafe(monkeypatch):
-    monkeypatch.setattr("course.grading.sandbox.find_bwrap", lambda: None)
+    monkeypatch.setattr("course.isolation.sandbox.find_bwrap", lambda: None)
     with pytest.raises(ValueError, match="--unsafe"):
         g.Session(g.Options())
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import course.grading.grade as g
-from course.grading import watchdog
-from course.grading.sandbox import Limits, read_capped, remove_tree
+from course.isolation import watchdog
+from course.isolation.sandbox import Limits, read_capped, remove_tree
 
 from test_grade_outputs import fake_doc
 
@@ -271,7 +271,7 @@ def test_files_sha256_depends_on_every_name_and_text():
 
 
 def test_a_chapter_file_not_a_plain_file_is_graded_as_the_skeleton_and_one_over_the_cap_is_an_error(tmp_path):
-    from course.grading.parsing import CheckoutError
+    from course.isolation.parsing import CheckoutError
     from course.learner.testrun import chapter_files, skeleton_files
 
     rels = sorted(chapter_files())
@@ -287,7 +287,7 @@ def test_a_chapter_file_not_a_plain_file_is_graded_as_the_skeleton_and_one_over_
         g.read_checkout(tmp_path)
 
 
-# --- parsing happens in a limited child (course/grading/parsing.py) --------------------------------------
+# --- parsing happens in a limited child (course/isolation/parsing.py) --------------------------------------
 
 def _hostile_class(tmp_path: Path) -> Path:
     """Four checkouts: a 20 MiB chapter file, a 600-term expression, a 3 GiB file outside the chapter
@@ -317,7 +317,7 @@ def test_a_20_mib_file_a_600_term_expression_and_a_3_gib_file_are_error_rows_and
     own files grade as usual."""
     import resource
 
-    from course.grading import watchdog as wd
+    from course.isolation import watchdog as wd
 
     class Session(FakeSession):
         def __init__(self, opts):
@@ -349,7 +349,7 @@ def test_a_20_mib_file_a_600_term_expression_and_a_3_gib_file_are_error_rows_and
 
 
 def test_the_parsing_child_has_a_time_and_a_memory_limit():
-    from course.grading.parsing import CheckoutError, ParseLimits, analyse
+    from course.isolation.parsing import CheckoutError, ParseLimits, analyse
     from course.learner.testrun import skeleton_files
 
     sk = skeleton_files()
@@ -365,7 +365,7 @@ def test_grade_after_a_startup_hang_gives_the_scenarios_a_short_start_and_remove
     """grade() itself, the sandboxed runs replaced: the test run 'hangs at start-up' and leaves a
     1,200-deep folder in the scratch; the scenario run gets the short start-up limit, the hang is a
     problem in the grader's words, and the grader's temporary folder is gone."""
-    from course.grading import watchdog as wd
+    from course.isolation import watchdog as wd
 
     seen, tops = {}, []
 
@@ -404,13 +404,13 @@ def test_grade_after_a_startup_hang_gives_the_scenarios_a_short_start_and_remove
     assert len(doc["files_sha256"]) == 64
 
 
-# --- the sandbox's view is an allow-list (course/grading/allowlist.py) ----------------------------------
+# --- the sandbox's view is an allow-list (course/isolation/allowlist.py) ----------------------------------
 
 def test_the_grading_workspace_holds_only_the_allow_list_and_no_line_of_the_reference(tmp_path):
     """The workspace the sandbox sees (the grader's own ``place_chapter_files``), without a sandbox: no
     solutions/, .git or grades, no test file but the learner-facing ones, and no line of a reference
     body that given code does not also have (tests/test_sandbox.py walks it from inside a sandbox)."""
-    from course.grading.allowlist import ROOT as COURSE
+    from course.isolation.allowlist import ROOT as COURSE
     from course.learner.testrun import skeleton_files
 
     bed = g.place_chapter_files(tmp_path, skeleton_files())
@@ -431,8 +431,8 @@ def test_the_grading_workspace_holds_only_the_allow_list_and_no_line_of_the_refe
 def test_the_checkout_walks_take_a_1200_deep_folder(tmp_path):
     """The copy check's walks of a checkout (symlinks, files changed outside the chapter) use an
     explicit stack: a 1,200-deep folder in the checkout is walked, not a RecursionError (issue 34)."""
-    from course.grading import copycheck
-    from course.grading.sandbox import remove_tree
+    from course.copies import copycheck
+    from course.isolation.sandbox import remove_tree
 
     base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path
     top = Path(tempfile.mkdtemp(prefix="deep-checkout-", dir=base))

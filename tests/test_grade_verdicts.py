@@ -3,7 +3,7 @@
 Fast: crafted chapter files and hand-made verdicts, no sandbox. ``assemble`` (course/learner/holes.py)
 builds the module that is graded: the course's copy of each chapter file with the learner's hole bodies
 and inert new definitions put in; ``apply_verdict`` (course/grading/grade.py) scores a row from the
-scenarios alone (tests can only lower it); ``copied_holes`` (course/grading/copycheck.py) ignores no-ops.
+scenarios alone (tests can only lower it); ``copied_holes`` (course/copies/copycheck.py) ignores no-ops.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import ast
 
 import pytest
 
-from course.grading.copycheck import copied_holes
+from course.copies.copycheck import copied_holes
 from course.grading.grade import WEIGHTS, Row, apply_verdict
 from course.grading.scenarios import make_scenarios
 from course.grading.verify import verdicts

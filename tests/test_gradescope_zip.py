@@ -10,7 +10,8 @@ import subprocess
 import zipfile
 
 import copy_cases as cases
-from course.grading import copycheck, gradescope
+from course.copies import copycheck
+from course.grading import gradescope
 
 
 def test_the_zip_has_the_scripts_at_its_root_and_the_course_under_its_paths(tmp_path):

@@ -27,7 +27,7 @@ import pytest
 
 from course.grading.grade import status_of_doc
 from course.grading.gradescope import check_results, write
-from course.grading.sandbox import find_bwrap
+from course.isolation.sandbox import find_bwrap
 from course.learner.testrun import reference_files, skeleton_files, workspace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -249,7 +249,7 @@ def graded(tmp_path_factory):
             os.chdir("d")
     finally:
         os.chdir(ROOT)
-    from course.grading.sandbox import remove_tree
+    from course.isolation.sandbox import remove_tree
 
     start = time.monotonic()
     try:
@@ -308,7 +308,7 @@ def test_honest_and_harmless_checkouts_are_verified_in_full(graded):
     module. (Their exact points are asserted with the fork pressure below: each sandbox has its own
     uid, so another checkout's forks cannot fail a test of theirs that starts a process.)"""
     docs = graded["docs"]
-    for name in ("honest", "decorator", "deep-expression", "sleep-at-import", "deep-folder", ESCAPE, "big-list",
+    for name in ("honest", "decorator", "sleep-at-import", "deep-folder", ESCAPE,
                  "huge-integer"):
         doc = docs[name]["grade"]
         rows = {r["name"]: r for r in doc["holes"]}
@@ -339,11 +339,18 @@ def test_a_forged_report_or_a_smuggled_reference_earns_nothing(graded):
 
 def test_code_that_would_run_at_import_is_listed_and_not_run(graded):
     docs = graded["docs"]
-    # the 600-term sum: left out, or (too deep for the grader's parser) its file graded as the course's copy
-    for name, marker in (("decorator", "_exit"), ("sleep-at-import", "sleep"), ("deep-expression", "serve/flat.py")):
+    for name, marker in (("decorator", "_exit"), ("sleep-at-import", "sleep")):
         edits = docs[name]["grade"]["edits_outside_holes"]
         assert any(marker in e for e in edits), (name, edits)
         assert not docs[name]["grade"]["problems"], (name, docs[name]["grade"]["problems"])
+
+
+def test_a_file_too_deep_for_the_syntax_tree_is_an_error_row_with_its_reason(graded):
+    """The 600-term sum: read in the limited parsing child, whose RecursionError is this checkout's
+    error row (0 points, the reason named), never the grader's crash."""
+    doc = graded["docs"]["deep-expression"]["grade"]
+    assert doc.get("error") and doc["score"] == 0, doc["problems"]
+    assert any("serve/flat.py" in p and "too deep" in p for p in doc["problems"]), doc["problems"]
 
 
 def test_the_reference_with_a_no_op_line_per_hole_is_a_copy(graded):
@@ -353,9 +360,12 @@ def test_the_reference_with_a_no_op_line_per_hole_is_a_copy(graded):
     assert row["flags"].startswith("copy:"), row["flags"]
 
 
-def test_a_chapter_file_over_the_cap_is_graded_as_the_skeleton_and_said_so(graded):
+def test_a_chapter_file_over_the_cap_is_an_error_row_and_said_so(graded):
+    """A chapter file over the 2 MiB the grader reads: an error row naming the file and the cap
+    (the grader never reads the rest of it)."""
     doc = graded["docs"]["big-list"]["grade"]
-    assert any("engine/serve/batch.py" in p and "MiB" in p for p in doc["problems"]), doc["problems"]
+    assert doc.get("error") and doc["score"] == 0, doc["problems"]
+    assert any("serve/batch.py" in p and "MiB" in p for p in doc["problems"]), doc["problems"]
     row = next(r for r in graded["csv"] if r["id"] == graded["docs"]["big-list"]["id"])
     assert "serve/batch.py" in row["problems"], row
 
@@ -404,8 +414,7 @@ def test_a_name_with_terminal_escapes_is_escaped_on_the_console_and_in_the_csv(g
 def test_fork_pressure_costs_only_itself(graded):
     docs = graded["docs"]
     hurt = {n: _rows(d["grade"]) for n, d in docs.items() if n in ("honest", "decorator", "sleep-at-import",
-                                                                   "deep-folder", "deep-expression", ESCAPE,
-                                                                   "big-list")
+                                                                   "deep-folder", ESCAPE)
             and _rows(d["grade"]) != ROWS}
     assert not hurt, hurt
     assert _rows(docs["huge-integer"]["grade"]) == {**ROWS, "EngineCore.check_stop": 0}

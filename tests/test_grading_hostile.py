@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from course.grading.grade import Options, Session, grade, gradescope
-from course.grading.sandbox import find_bwrap
+from course.isolation.sandbox import find_bwrap
 from course.grading.scenarios import MILESTONE as MILESTONE_CONFIGS
 from course.learner.testrun import reference_files, skeleton_files, workspace
 
@@ -242,7 +242,7 @@ def test_a_patched_milestone_oracle_earns_no_milestone_points(graded):
 
 
 def test_the_instructors_reference_read_from_a_hole_is_not_there_and_gives_nothing(graded):
-    """solutions/ is in no sandbox (course/grading/allowlist.py): the hole that would run the reference
+    """solutions/ is in no sandbox (course/isolation/allowlist.py): the hole that would run the reference
     from it fails its tests and its scenarios alike."""
     doc = graded[0]["solutions"]
     row = next(r for r in doc["holes"] if r["name"] == "hash_block")

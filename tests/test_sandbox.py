@@ -1,4 +1,4 @@
-"""The grader's sandbox (course/grading/sandbox.py) on a small script: what it can see, write and reach, its
+"""The grader's sandbox (course/isolation/sandbox.py) on a small script: what it can see, write and reach, its
 limits, and that nothing it starts outlives it."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from course.grading.sandbox import (BASE_UID, GIB, Limits, Sandbox, find_bwrap, memory_cgroup_parent, mounts_under,
+from course.isolation.sandbox import (BASE_UID, GIB, Limits, Sandbox, find_bwrap, memory_cgroup_parent, mounts_under,
                                     prepare_dirs, remove_tree, run_watched, sandbox_uid)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,7 +112,7 @@ def test_a_hole_that_walks_the_sandbox_finds_no_reference_no_instructor_test_and
     import re
 
     import course.grading.grade as g
-    from course.grading import watchdog
+    from course.isolation import watchdog
     from course.grading.scenarios import make_scenarios
     from course.learner.testrun import skeleton_files
 

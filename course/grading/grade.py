@@ -2,11 +2,11 @@
 
 Trusted by construction (docs/grading.md has the threat model). A checkout contributes ONLY its
 chapter files; they go into a workspace (an allow-list of given files, never the reference), and every run of the learner's
-code happens inside a bubblewrap sandbox (``course/grading/sandbox.py``): the tree read-only, a private
+code happens inside a bubblewrap sandbox (``course/isolation/sandbox.py``): the tree read-only, a private
 scratch folder, no network, memory / CPU / process caps, nothing left running afterwards. Without a
 sandbox the grader refuses, unless ``--unsafe`` (the grade is then marked unsafe).
 
-Two runs per checkout, both watched from this process (``course/grading/watchdog.py``: a per-test and a
+Two runs per checkout, both watched from this process (``course/isolation/watchdog.py``: a per-test and a
 per-scenario limit enforced by killing the child, then going on):
 1. the chapter's tests and the engine checks (pytest in the sandbox): ADVISORY, the child reports them;
 2. instructor-seeded scenarios (``course/grading/scenarios.py``, drawn from a secret seed): the learner's
@@ -20,7 +20,7 @@ no scenario earns nothing, and a hole whose body is still the stub scores 0. The
 grader's: ``course/learner/holes.py``'s ``assemble`` (the course's chapter files with the learner's hole
 bodies and inert new definitions; code that would run at import is listed as an edit, not run). Feedback a learner sees (``results.json``) is written by the
 grader from verified results and the instructor's test names; raw output stays in ``grade.json`` and a
-hidden Gradescope test (instructor only). Copy detection (``course/grading/copycheck.py``): holes equal or similar
+hidden Gradescope test (instructor only). Copy detection (``course/copies/copycheck.py``): holes equal or similar
 (fingerprints of the normalised syntax tree) to the reference, to a classmate's in the same run or to an
 earlier submission's (``--prior``), holes handing their job to given code, symlinks, files changed outside
 the chapter files: all flagged.
@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from course.grading.parsing import CheckoutError, analyse
+from course.isolation.parsing import CheckoutError, analyse
 from course.learner.holes import Hole
 from course.learner.holes import all_holes as _read_holes
 from course.learner.testrun import CHAPTER_TESTS, ROOT, TestRecord, chapter_files, skeleton_files
@@ -149,7 +149,7 @@ class Session:
     answers, the instructor's own test collection (computed once, in trusted processes)."""
 
     def __init__(self, opts: Options) -> None:
-        from course.grading.sandbox import find_bwrap
+        from course.isolation.sandbox import find_bwrap
         from course.grading.scenarios import make_scenarios
         from course.grading.verify import reference_results
 
@@ -182,12 +182,12 @@ def collect_tests(keyword: str = "") -> list[TestRecord]:
 
 def place_chapter_files(bed_parent: Path, files: dict[str, str]) -> Path:
     """COUPLING POINT (learner layer): a workspace (the allow-list of given files of
-    ``course/grading/allowlist.py``, never a copy of this repository) holding the checkout's
+    ``course/isolation/allowlist.py``, never a copy of this repository) holding the checkout's
     chapter files where the learner layer expects them (engine/<rel>), and the instructor's own hand-kept
     chapter files under ``.course-copy/engine/`` (the course's copy the test session falls back to for a
     file that does not import, and compares with for edits outside the holes: no git in a workspace)."""
-    from course.grading.allowlist import sandbox_workspace
-    from course.grading.watchdog import COURSE_COPY_DIR
+    from course.isolation.allowlist import sandbox_workspace
+    from course.isolation.watchdog import COURSE_COPY_DIR
 
     bed = sandbox_workspace(bed_parent / "repo", files)
     for rel, text in skeleton_files().items():
@@ -210,7 +210,7 @@ def read_checkout(checkout: Path) -> tuple[dict[str, str], list[str], list[str]]
     """The chapter files (never through a symlink, a plain file only: anything else is graded as
     the skeleton), problems, flags. A file over ``MAX_CHAPTER_FILE`` bytes is ``CheckoutError`` (an
     error row): the grader reads no more of it than the cap."""
-    from course.grading.sandbox import read_capped
+    from course.isolation.sandbox import read_capped
 
     files, problems, flags = {}, [], []
     for rel in chapter_files():
@@ -242,9 +242,9 @@ def group_of(t: TestRecord) -> str:
 
 def grade(checkout: Path, session: Session | None = None, opts: Options | None = None, jobs: int = 1) -> dict:
     """Grade one checkout (the JSON document)."""
-    from course.grading.sandbox import GIB, Limits, remove_tree
+    from course.isolation.sandbox import GIB, Limits, remove_tree
     from course.grading.verify import verdicts
-    from course.grading.watchdog import Watched, run_scenarios, run_tests
+    from course.isolation.watchdog import Watched, run_scenarios, run_tests
 
     session = session or Session(opts or Options())
     opts = session.opts
@@ -257,7 +257,7 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     groups = {n: group_of(t) for n, t in known.items()}
     top = Path(tempfile.mkdtemp(prefix="grade-"))
     try:
-        parsed = analyse(files, skeleton_files(), checkout)  # in a limited child: course/grading/parsing.py
+        parsed = analyse(files, skeleton_files(), checkout)  # in a limited child: course/isolation/parsing.py
         graded, edits = parsed["graded"], parsed["edits"]  # the grader's module: course/learner/holes.py
         bed = place_chapter_files(top, graded)
         if opts.run_tests:
@@ -651,7 +651,7 @@ def grade_main(argv: list[str] | None = None) -> int:
     bad = [p for p in paths if not (p / "engine").is_dir()]
     if bad:
         raise ValueError(f"not a checkout of this course (no engine/ folder): {', '.join(printable(p) for p in bad)}")
-    from course.grading import copycheck
+    from course.copies import copycheck
 
     prior = copycheck.load_prior(args.prior) if args.prior is not None else {}  # a bad --prior: one line, first
     opts = Options(args.per_test_timeout, args.per_scenario_timeout, args.timeout, args.keyword, args.unsafe,

@@ -117,7 +117,8 @@ def hang_cost() -> int:
 def phase_cost() -> int:
     """The grader's defaults, seed 11: the session's set-up (scenario results on the reference, the
     test collection), then one complete checkout, its sandboxed runs timed one by one."""
-    from course.grading import grade as grading, watchdog
+    from course.grading import grade as grading
+    from course.isolation import watchdog
 
     spent: dict[str, float] = {}
 

@@ -2,7 +2,7 @@
 "zip file upload" autograder: this repository's files (tracked and untracked, not ignored; no
 notebooks or chapter text) with ``setup.sh`` and ``run_autograder`` at its root, and, with
 ``PRIOR=DIR``, ``prior_fingerprints.json``: the fingerprints (k-gram hashes, no code) of earlier
-submissions the instructor keeps (``course/grading/copycheck.py`` ``load_prior``).
+submissions the instructor keeps (``course/copies/copycheck.py`` ``load_prior``).
 
 Gradescope's layout (its autograder spec): the zip unpacked in ``/autograder/source``, the student's
 upload in ``/autograder/submission``, and the result read from ``/autograder/results/results.json``
@@ -44,7 +44,7 @@ test -x .venv/bin/python || python3 -m venv .venv
 .venv/bin/python -m pip install -q "torch==%(torch)s" --index-url https://download.pytorch.org/whl/cpu
 .venv/bin/python -m pip install -q -e ".[dev]"
 touch .venv/.installed
-.venv/bin/python -c "from course.grading.sandbox import find_bwrap as f; print('grader sandbox:', f() or 'NONE')"
+.venv/bin/python -c "from course.isolation.sandbox import find_bwrap as f; print('grader sandbox:', f() or 'NONE')"
 """
 TORCH = "2.13.0"  # as the Makefile's setup pins it
 PRIOR = "prior_fingerprints.json"  # at the bundle's root: earlier submissions' fingerprints
@@ -90,7 +90,7 @@ def bundle(out: Path, prior: Path | None = None, root: Path = ROOT) -> list[str]
     store or a folder of stores and checkouts) ``prior_fingerprints.json``. Returns the zip's names."""
     import zipfile
 
-    from course.grading.copycheck import load_prior, save_prints
+    from course.copies.copycheck import load_prior, save_prints
 
     entries: list[tuple[str, bytes, int]] = [(f, (root / f).read_bytes(), (root / f).stat().st_mode & 0o777)
                                              for f in bundled_files(root)]

@@ -1,4 +1,4 @@
-"""Fingerprints of hole bodies for copy detection by similarity (course/grading/copycheck.py uses them).
+"""Fingerprints of hole bodies for copy detection by similarity (course/copies/copycheck.py uses them).
 
 A hole's body becomes a stream of tokens, one per node of its normalised syntax tree:
 

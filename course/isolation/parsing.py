@@ -3,7 +3,7 @@
 Everything the grader learns from a checkout's chapter files by parsing them (``ast.parse``,
 ``ast.unparse``) happens here, in one child process per checkout: the graded module
 (``course/learner/holes.py`` ``assemble_files``) and its edits, the holes still left as the stub
-(``stub_holes``), and the copy check's reading of the hole bodies (``course/grading/copycheck.py``
+(``stub_holes``), and the copy check's reading of the hole bodies (``course/copies/copycheck.py``
 ``copied_holes`` and ``fingerprint``), and, given the checkout, its walk for symlinks and for files
 changed outside the chapter files (``symlinks``, ``changed_outside``: they read the checkout's other
 files, of any size). The child is the grader's own code (no learner code runs in
@@ -47,7 +47,7 @@ class ParseLimits:
 PARSE_LIMITS = ParseLimits()
 
 _CHILD = ("import sys; sys.path.insert(0, sys.argv[1]); "
-          "from course.grading.parsing import child_main; sys.exit(child_main())")
+          "from course.isolation.parsing import child_main; sys.exit(child_main())")
 
 
 def analyse(files: dict[str, str], course: dict[str, str], checkout: Path | None = None,
@@ -97,7 +97,7 @@ def _analysis(files: dict[str, str], course: dict[str, str], checkout: str | Non
     """What the grader needs from the chapter files' text (runs in the child only)."""
     import ast
 
-    from course.grading import copycheck
+    from course.copies import copycheck
     from course.learner.holes import assemble_files, stub_holes
 
     for rel, text in sorted(files.items()):  # too deep for the syntax tree: an error, not the course's copy

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course.grading.sandbox import (Finished, Limits, Sandbox, prepare_dirs, read_capped, release_mounts,
+from course.isolation.sandbox import (Finished, Limits, Sandbox, prepare_dirs, read_capped, release_mounts,
                                     run_watched)
 from course.learner.testrun import LEAN, PLUGIN_DIR
 
@@ -70,7 +70,7 @@ def child_env(scratch: Path, plugin_dir: Path | None, threads: int, course_copy:
 
 def _launch(sandbox: Sandbox | None, cmd: list[str], cwd: Path, env: dict, limits: Limits, watch, timeout: float) -> Finished:
     if sandbox is None:  # --unsafe: limits only, no isolation
-        from course.grading.sandbox import unsafe_preexec
+        from course.isolation.sandbox import unsafe_preexec
 
         return run_watched(cmd, cwd, env, unsafe_preexec(limits), watch, timeout)
     return sandbox.run(cmd, cwd, env, limits, watch, timeout)

@@ -2,7 +2,7 @@
 
 What a sandboxed command sees (``Sandbox.argv``): the system's programs and libraries and this
 course's Python environment, read-only; the workspace (the allow-list of given files of
-``course/grading/allowlist.py`` with the grader's assembled chapter files in it), read-only; one
+``course/isolation/allowlist.py`` with the grader's assembled chapter files in it), read-only; one
 private scratch folder (HOME, TMPDIR and the report files live there); a private /tmp, /dev/shm,
 /dev and /proc; no network, no view of other processes, its own hostname, and an ``/etc/hostname``
 that says ``sandbox``. Nothing else of the machine's file system exists for it: not the

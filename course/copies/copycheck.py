@@ -5,7 +5,7 @@ symlinks, and files changed outside the chapter files.
 Two measures, per hole:
 - **equal after normalisation** (``normalised``): docstring and no-op statements dropped, dumped as a
   syntax tree (formatting and comments vanish) with every local name renamed by first appearance;
-- **similar** (``course/grading/fingerprint.py``): the share of winnowed k-grams of the normalised
+- **similar** (``course/copies/fingerprint.py``): the share of winnowed k-grams of the normalised
   node stream (no-ops dropped, the learner's own helpers inlined, names and constants abstracted)
   that two bodies have in common. Robust to renaming, reordering and junk lines; only holes of at
   least ``MIN_TOKENS`` tokens are compared this way (a short body is the obvious code for everyone).
@@ -66,7 +66,7 @@ def normalised(fn: ast.FunctionDef, helpers: dict[str, ast.FunctionDef] | None =
     """A hole body's comparable form: no docstring, no no-op statements (``fingerprint.strip_noops``:
     ``pass``, ``_ = None``, junk assignments never read, constant branches, ...), the learner's own
     ``helpers`` it calls inlined (``fingerprint.expanded``), names by first appearance."""
-    from course.grading.fingerprint import expanded
+    from course.copies.fingerprint import expanded
 
     fn = ast.parse(ast.unparse(fn)).body[0]  # a copy: the no-op removal edits the tree
     helpers = {k: ast.parse(ast.unparse(v)).body[0] for k, v in (helpers or {}).items()}
@@ -93,7 +93,7 @@ class Analysis:
 
 @functools.lru_cache(maxsize=64)
 def _analysis(text: str, rel: str) -> dict[str, Analysis]:
-    from course.grading.fingerprint import expanded, fingerprint_of
+    from course.copies.fingerprint import expanded, fingerprint_of
 
     try:
         filled, helpers = _parsed_holes(text, _course_texts().get(rel, ""), rel)
@@ -196,7 +196,7 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-# ----- similarity: fingerprints of the normalised syntax tree (course/grading/fingerprint.py) -----
+# ----- similarity: fingerprints of the normalised syntax tree (course/copies/fingerprint.py) -----
 @functools.lru_cache(maxsize=1)
 def _course_texts() -> dict[str, str]:
     from course.learner.testrun import skeleton_files
@@ -250,7 +250,7 @@ def similar_to_reference(prints: dict[str, dict], ref: dict[str, dict] | None = 
                          threshold: float = REF_SIMILAR) -> list[tuple[str, float]]:
     """(hole, similarity) for each hole of at least MIN_TOKENS whose fingerprint is ``threshold``
     similar to the reference's."""
-    from course.grading.fingerprint import similarity
+    from course.copies.fingerprint import similarity
 
     ref = reference_prints() if ref is None else ref
     out = []
@@ -277,7 +277,7 @@ Pair = tuple[str, str, list[tuple[str, float]]]  # (id, id, [(hole, similarity),
 def similar_pairs(prints: dict[str, dict], threshold: float = PAIR_SIMILAR) -> list[Pair]:
     """(a, b, [(hole, similarity), ...]) for each pair of checkouts (id -> ``fingerprint``) with at
     least one hole of MIN_TOKENS or more that is ``threshold`` similar between them."""
-    from course.grading.fingerprint import similarity
+    from course.copies.fingerprint import similarity
 
     ids = sorted(k for k, v in prints.items() if isinstance(v, dict) and v)
     pairs = []
@@ -312,7 +312,7 @@ def save_prints(path: Path, entries: dict[str, dict]) -> None:
 
 
 def _k() -> list[int]:
-    from course.grading.fingerprint import K, WINDOW
+    from course.copies.fingerprint import K, WINDOW
 
     return [K, WINDOW]
 
@@ -365,7 +365,7 @@ def delegations(files: dict[str, str]) -> list[tuple[str, str, float]]:
 
 
 def _delegation(q: str, stmts: list[ast.stmt], local: set[str], helpers: dict) -> tuple[str, float] | None:
-    from course.grading.fingerprint import tokens
+    from course.copies.fingerprint import tokens
 
     job = q.rsplit(".", 1)[-1]
     hole_names = {h.rsplit(".", 1)[-1] for h in _holes()}
