@@ -31,6 +31,7 @@ from engine.serve import (BlockManager, EngineConfig, EngineCore, FlatModel, Ref
                           write_kv)
 from engine.serve.scheduler import SchedulerOutput
 from engine.serve.batch import PAD_SLOT
+from engine.serve.sampler import SimpleSampler
 from course.quality.invariants import InvariantError, check_idle
 
 hole = pytest.mark.hole
@@ -2072,6 +2073,105 @@ def test_record_lookup_counts_each_admission_once():
     assert (bm.num_queries, bm.num_hits) == (18, 8), "a waiting request's repeated lookups count once"
     bm.free(b)
     assert not bm.pending_lookups, 'free() drops the pending lookup of a request that was never admitted'
+
+
+# ===== the fresh walk-through (issue 39): bugs of a newcomer's that escaped every test. Each test pins only
+# what its hole's docstring states.
+@hole("Scheduler._preempt")
+def test_preempt_leaves_admitted_and_num_cached_tokens_alone():
+    s = sched(num_blocks=8, block_size=4)
+    x = req("x", range(9), max_tokens=1)
+    s.add(x)
+    advance(s.schedule())  # x's prompt runs and publishes its 2 full blocks
+    s.finish(x, Status.FINISHED_LENGTH)
+    y = req("y", list(range(8)) + [50], max_tokens=8)
+    s.add(y)
+    advance(s.schedule())
+    assert (y.admitted, y.num_cached_tokens) == (True, 8), "setup: y's admission adopted x's 2 blocks (8 tokens)"
+    s._preempt(y, SchedulerOutput())  # recompute: its K/V is given up
+    assert y.num_computed_tokens == 0, "setup: recompute forgets the computed tokens"
+    assert y.admitted and y.num_cached_tokens == 8, \
+        "a preemption leaves admitted (True) and num_cached_tokens (8) as they are: they describe the FIRST " \
+        f"admission, which the output reports; got admitted={y.admitted}, num_cached_tokens={y.num_cached_tokens}"
+
+
+@hole("Scheduler._preempt")
+def test_preempt_the_output_reports_the_first_admissions_cached_tokens():
+    e = core(EngineConfig(block_size=4, num_blocks=6, max_num_batched_tokens=64))
+    p = prompts([9], seed=41)[0]
+    e.add_request("x", p, SamplingParams(max_tokens=1, **GREEDY))
+    e.run_until_done()  # x publishes the 2 full blocks of its prompt
+    e.add_request("b", prompts([6], seed=42)[0], SamplingParams(max_tokens=8, **GREEDY))
+    e.add_request("a", p[:8] + [5], SamplingParams(max_tokens=12, **GREEDY))  # adopts x's 8 tokens
+    a = e.scheduler.requests["a"]
+    outs = {}
+    while e.has_unfinished():
+        for o in e.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert a.num_preemptions > 0, \
+        "setup: 6 blocks of 4 can't hold a's 21 and b's 14 tokens: a, the last running, is preempted"
+    got = [o.num_cached_tokens for o in outs["a"]]
+    assert set(got) == {8}, \
+        "a's outputs report the cached tokens of its FIRST admission (8) in every step, before and after a " \
+        f"preemption: _preempt leaves admitted and num_cached_tokens alone; got {got}"
+
+
+@hole("BlockManager.allocate_slots")
+def test_allocate_slots_an_adopted_cached_free_block_stays_cached():
+    bm = BlockManager(8, 4)
+    a = req("a", range(9))
+    ta = list(published(bm, a, 9))  # blocks 0 and 1 full and cached
+    bm.free(a)  # cached-free
+    b = req("b", list(range(8)) + [60])
+    cached = bm.find_cached_prefix(b)
+    assert cached == ta[:2], "setup: b's lookup finds a's 2 cached-free blocks"
+    assert bm.allocate_slots(b, 1, cached)
+    assert [bm.block_hash[x] for x in ta[:2]] == list(a.block_hashes[:2]) and bm.num_evicted == 0, \
+        "an adopted block keeps its hash: adopting it is a hit, not an eviction (num_evicted stays 0)"
+    c = req("c", list(range(8)) + [70])
+    assert bm.find_cached_prefix(c) == ta[:2], \
+        "so a later request with the same prefix finds the same 2 blocks in the cache"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_without_chunking_a_history_over_the_whole_budget_gets_only_the_budget_left():
+    s = sched(num_blocks=16, block_size=4, caching=False, max_num_batched_tokens=8, enable_chunked_prefill=False,
+              policy="priority")
+    a = req("a", range(6), max_tokens=10)
+    a.priority, a.arrival_time = 1, 0.0
+    s.add(a)
+    for _ in range(4):  # the 6-token prompt, then 3 decodes: 10 tokens
+        advance(s.schedule())
+    s._preempt(a, SchedulerOutput())  # recompute, no prefix cache: all 10 must run again
+    c = req("c", range(100, 102), max_tokens=1)
+    c.priority, c.arrival_time = 0, 1.0
+    s.add(c)
+    plan = s.schedule()
+    got = [(r.request_id, n) for r, n in plan.scheduled]
+    assert got == [("c", 2), ("a", 6)], \
+        "c takes 2 of the budget of 8; a needs 10, more than the WHOLE budget, so it runs in pieces of at most " \
+        f"the budget LEFT (6), never the whole budget: the step would spend 10 of 8; got {got}"
+    assert plan.num_scheduled_tokens <= 8, "a step never spends more than max_num_batched_tokens"
+
+
+@hole("EngineCore.step")
+def test_step_the_sampler_never_sees_the_prompt_logprob_rows():
+    calls = []
+
+    class Recording(SimpleSampler):
+        def __call__(self, logits, reqs, generators):
+            calls.append((logits.shape[0], [r.request_id for r in reqs]))
+            return super().__call__(logits, reqs, generators)
+
+    e = EngineCore(model64(), EngineConfig(block_size=4), sampler=Recording())
+    pa, pb = prompts([5, 6], seed=43)
+    e.add_request("a", pa, SamplingParams(max_tokens=2, **GREEDY))
+    e.step()  # a's prompt: one sample row
+    e.add_request("b", pb, SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY))
+    e.step()  # a decodes, b's whole prompt runs: 2 sample rows, and 5 prompt-logprob rows of b's
+    assert calls[-1] == (2, ["a", "b"]), \
+        "the sampler gets logits[:batch.num_sample_rows] only (one row per sample row, here a's and b's), " \
+        f"never the prompt-logprob rows after them; got (rows, requests) {calls[-1]}"
 
 
 # ===================================================================== the milestone
