@@ -243,6 +243,7 @@ def test_write_kv_scatters_rows_to_their_slots_and_padding_to_scratch():
     k = torch.arange(3 * 2 * 3, dtype=torch.float32).view(3, 2, 3) + 1
     v = -k
     write_kv(k_pool, v_pool, k, v, torch.tensor([5, PAD_SLOT, 8]))
+    assert not torch.equal(v_pool[1, 1], k[0]), "the V pool holds k's rows: write v into v_cache (and k into k_cache)"
     assert torch.equal(k_pool[1, 1], k[0]) and torch.equal(v_pool[1, 1], v[0]), "slot 5 = block 1, offset 1"
     assert torch.equal(k_pool[2, 0], k[2]), "slot 8 = block 2, offset 0"
     assert torch.equal(k_pool[3, 3], k[1]), "slot -1 (padding) goes to the pool's LAST slot"
@@ -714,7 +715,13 @@ def test_allocate_slots_counts_adopted_cached_free_blocks():
     cached = bm.find_cached_prefix(b)
     assert cached == [0, 1], "b's first two blocks are a's cached (now free) blocks 0 and 1"
     # 2 adopted (cached-free, so they leave the free queue) + 3 new = 5 > 4 blocks
-    assert bm.allocate_slots(b, 12, cached) is False, \
+    ok = bm.allocate_slots(b, 12, cached)
+    got = len(bm.req_blocks.get("b", ()))
+    assert ok is False or got >= 5, \
+        "b's table must cover its 2 adopted blocks' 8 tokens PLUS the 12 new ones (num_computed_tokens + " \
+        f"len(cached_blocks) * block_size + n = 20 tokens, 5 blocks); it got a table of {got} blocks: the total " \
+        "leaves out the adopted blocks' tokens"
+    assert ok is False, \
         "adopting a cached-FREE block takes it out of the free queue: it counts against what is left"
     assert bm.num_free == 4 and "b" not in bm.req_blocks, 'a failed allocation changes nothing'
     c = req("c", list(range(8)) + list(range(50, 58)))  # 16 tokens: 2 cached + 2 new = 4 blocks
@@ -830,8 +837,9 @@ def test_cache_full_blocks_defaults_to_computed_tokens_and_first_writer_wins():
     bm.cache_full_blocks(b)
     assert bm.cached[b.block_hashes[0]] == bm.req_blocks["a"][0], "first writer wins"
     assert bm.block_hash[bm.req_blocks["b"][0]] is None, "the duplicate stays private"
-    assert bm.cached[b.block_hashes[1]] == bm.req_blocks["b"][1], \
-        "b's second block is new to the cache: b publishes it"
+    assert bm.cached.get(b.block_hashes[1]) == bm.req_blocks["b"][1], \
+        "b's second block is new to the cache: b publishes it (8 computed tokens fill 8 // 4 = 2 blocks: a block " \
+        "is full once all block_size of its tokens count, not (n - 1) // block_size)"
 
 
 @hole("BlockManager.free")
@@ -966,6 +974,22 @@ def test_schedule_runs_running_requests_first_and_shares_the_step():
     plan = s.schedule()
     assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 1), ("b", 63)], \
         "the running decode goes first (1 token); the newcomer gets the rest of the budget"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_an_admission_leaves_waiting_from_the_front_and_publishes_its_steps_blocks():
+    s = sched(num_blocks=8, block_size=4, max_num_seqs=1)
+    a, b = req("a", range(9), max_tokens=2), req("b", range(50, 53), max_tokens=2)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 9)], "setup: max_num_seqs=1 admits only a"
+    assert s.waiting == [b] and s.running == [a], \
+        "the admitted request is the FRONT of waiting (waiting[0]) and leaves it from there; b, behind it, " \
+        f"still waits; got waiting {[r.request_id for r in s.waiting]}"
+    assert s.blocks.num_published.get("a") == 2 and len(s.blocks.cached) == 2, \
+        "after a's allocation the scheduler publishes the blocks its step will fill (num_computed_tokens + n = 9 " \
+        "tokens: 2 full blocks), in the plan itself, not only those computed so far (none)"
 
 
 @hole("Scheduler.schedule")
@@ -1386,8 +1410,13 @@ def test_step_runs_one_forward_per_step_and_reports_only_produced_tokens():
     assert len(calls) == 3, "one forward pass per step, whatever it holds"
     assert [o.request_id for o in out] == ["a"] and len(out[0].new_token_ids) == 1, \
         "the step that reaches the prompt's last token reports exactly one new token"
-    done = e.run_until_done()
-    assert_same_tokens(done["a"], oracle(tuple(p), 3), "a", 30, 4)
+    rest = []
+    while e.has_unfinished():
+        rest += e.step()
+    assert rest and rest[-1].finished and rest[-1].finish_reason == "length", \
+        "the output of the step in which a request finishes says so (finished, finish_reason 'length'): finish " \
+        f"the request BEFORE building its output; got {rest[-1] if rest else None}"
+    assert_same_tokens(rest[-1].output_token_ids, oracle(tuple(p), 3), "a", 30, 4)
 
 
 @hole("EngineCore.step")
