@@ -1411,8 +1411,8 @@ def test_step_runs_one_forward_per_step_and_reports_only_produced_tokens():
     assert [o.request_id for o in out] == ["a"] and len(out[0].new_token_ids) == 1, \
         "the step that reaches the prompt's last token reports exactly one new token"
     rest = []
-    while e.has_unfinished():
-        rest += e.step()
+    for _ in range(4):  # 2 more tokens to sample; a few steps spare, never a loop that cannot end
+        rest += e.step() if e.has_unfinished() else []
     assert rest and rest[-1].finished and rest[-1].finish_reason == "length", \
         "the output of the step in which a request finishes says so (finished, finish_reason 'length'): finish " \
         f"the request BEFORE building its output; got {rest[-1] if rest else None}"
@@ -2134,9 +2134,10 @@ def test_preempt_the_output_reports_the_first_admissions_cached_tokens():
     e.add_request("a", p[:8] + [5], SamplingParams(max_tokens=12, **GREEDY))  # adopts x's 8 tokens
     a = e.scheduler.requests["a"]
     outs = {}
-    while e.has_unfinished():
-        for o in e.step():
+    for _ in range(200):  # far more steps than the 20 tokens need; never a loop that cannot end
+        for o in e.step() if e.has_unfinished() else []:
             outs.setdefault(o.request_id, []).append(o)
+    assert not e.has_unfinished(), "setup: a and b finish within 200 steps"
     assert a.num_preemptions > 0, \
         "setup: 6 blocks of 4 can't hold a's 21 and b's 14 tokens: a, the last running, is preempted"
     got = [o.num_cached_tokens for o in outs["a"]]
