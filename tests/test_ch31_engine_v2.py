@@ -983,7 +983,7 @@ def test_schedule_an_admission_leaves_waiting_from_the_front_and_publishes_its_s
     s.add(a)
     s.add(b)
     plan = s.schedule()
-    assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 9)], "setup: max_num_seqs=1 admits only a"
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 9)], "max_num_seqs=1: at most one request runs, so only a is admitted (b waits)"
     assert s.waiting == [b] and s.running == [a], \
         "the admitted request is the FRONT of waiting (waiting[0]) and leaves it from there; b, behind it, " \
         f"still waits; got waiting {[r.request_id for r in s.waiting]}"
