@@ -243,7 +243,7 @@ def test_write_kv_scatters_rows_to_their_slots_and_padding_to_scratch():
     k = torch.arange(3 * 2 * 3, dtype=torch.float32).view(3, 2, 3) + 1
     v = -k
     write_kv(k_pool, v_pool, k, v, torch.tensor([5, PAD_SLOT, 8]))
-    assert not torch.equal(v_pool[1, 1], k[0]), "the V pool holds k's rows: write v into v_cache (and k into k_cache)"
+    assert not torch.equal(v_pool[1, 1], k[0]), "the V pool (v_pool) holds k's rows: write v into v_cache and k into k_cache (the K pool, k_pool)"
     assert torch.equal(k_pool[1, 1], k[0]) and torch.equal(v_pool[1, 1], v[0]), "slot 5 = block 1, offset 1"
     assert torch.equal(k_pool[2, 0], k[2]), "slot 8 = block 2, offset 0"
     assert torch.equal(k_pool[3, 3], k[1]), "slot -1 (padding) goes to the pool's LAST slot"
