@@ -31,6 +31,7 @@ from engine.serve import (BlockManager, EngineConfig, EngineCore, FlatModel, Ref
                           write_kv)
 from engine.serve.scheduler import SchedulerOutput
 from engine.serve.batch import PAD_SLOT
+from engine.serve.sampler import SimpleSampler
 from course.quality.invariants import InvariantError, check_idle
 
 hole = pytest.mark.hole
@@ -242,6 +243,7 @@ def test_write_kv_scatters_rows_to_their_slots_and_padding_to_scratch():
     k = torch.arange(3 * 2 * 3, dtype=torch.float32).view(3, 2, 3) + 1
     v = -k
     write_kv(k_pool, v_pool, k, v, torch.tensor([5, PAD_SLOT, 8]))
+    assert not torch.equal(v_pool[1, 1], k[0]), "the V pool (v_pool) holds k's rows: write v into v_cache and k into k_cache (the K pool, k_pool)"
     assert torch.equal(k_pool[1, 1], k[0]) and torch.equal(v_pool[1, 1], v[0]), "slot 5 = block 1, offset 1"
     assert torch.equal(k_pool[2, 0], k[2]), "slot 8 = block 2, offset 0"
     assert torch.equal(k_pool[3, 3], k[1]), "slot -1 (padding) goes to the pool's LAST slot"
@@ -713,7 +715,13 @@ def test_allocate_slots_counts_adopted_cached_free_blocks():
     cached = bm.find_cached_prefix(b)
     assert cached == [0, 1], "b's first two blocks are a's cached (now free) blocks 0 and 1"
     # 2 adopted (cached-free, so they leave the free queue) + 3 new = 5 > 4 blocks
-    assert bm.allocate_slots(b, 12, cached) is False, \
+    ok = bm.allocate_slots(b, 12, cached)
+    got = len(bm.req_blocks.get("b", ()))
+    assert ok is False or got >= 5, \
+        "b's table must cover its 2 adopted blocks' 8 tokens PLUS the 12 new ones (num_computed_tokens + " \
+        f"len(cached_blocks) * block_size + n = 20 tokens, 5 blocks); it got a table of {got} blocks: the total " \
+        "leaves out the adopted blocks' tokens"
+    assert ok is False, \
         "adopting a cached-FREE block takes it out of the free queue: it counts against what is left"
     assert bm.num_free == 4 and "b" not in bm.req_blocks, 'a failed allocation changes nothing'
     c = req("c", list(range(8)) + list(range(50, 58)))  # 16 tokens: 2 cached + 2 new = 4 blocks
@@ -829,8 +837,9 @@ def test_cache_full_blocks_defaults_to_computed_tokens_and_first_writer_wins():
     bm.cache_full_blocks(b)
     assert bm.cached[b.block_hashes[0]] == bm.req_blocks["a"][0], "first writer wins"
     assert bm.block_hash[bm.req_blocks["b"][0]] is None, "the duplicate stays private"
-    assert bm.cached[b.block_hashes[1]] == bm.req_blocks["b"][1], \
-        "b's second block is new to the cache: b publishes it"
+    assert bm.cached.get(b.block_hashes[1]) == bm.req_blocks["b"][1], \
+        "b's second block is new to the cache: b publishes it (8 computed tokens fill 8 // 4 = 2 blocks: a block " \
+        "is full once all block_size of its tokens count, not (n - 1) // block_size)"
 
 
 @hole("BlockManager.free")
@@ -965,6 +974,22 @@ def test_schedule_runs_running_requests_first_and_shares_the_step():
     plan = s.schedule()
     assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 1), ("b", 63)], \
         "the running decode goes first (1 token); the newcomer gets the rest of the budget"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_an_admission_leaves_waiting_from_the_front_and_publishes_its_steps_blocks():
+    s = sched(num_blocks=8, block_size=4, max_num_seqs=1)
+    a, b = req("a", range(9), max_tokens=2), req("b", range(50, 53), max_tokens=2)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 9)], "max_num_seqs=1: at most one request runs, so only a is admitted (b waits)"
+    assert s.waiting == [b] and s.running == [a], \
+        "the admitted request is the FRONT of waiting (waiting[0]) and leaves it from there; b, behind it, " \
+        f"still waits; got waiting {[r.request_id for r in s.waiting]}"
+    assert s.blocks.num_published.get("a") == 2 and len(s.blocks.cached) == 2, \
+        "after a's allocation the scheduler publishes the blocks its step will fill (num_computed_tokens + n = 9 " \
+        "tokens: 2 full blocks), in the plan itself, not only those computed so far (none)"
 
 
 @hole("Scheduler.schedule")
@@ -1385,8 +1410,13 @@ def test_step_runs_one_forward_per_step_and_reports_only_produced_tokens():
     assert len(calls) == 3, "one forward pass per step, whatever it holds"
     assert [o.request_id for o in out] == ["a"] and len(out[0].new_token_ids) == 1, \
         "the step that reaches the prompt's last token reports exactly one new token"
-    done = e.run_until_done()
-    assert_same_tokens(done["a"], oracle(tuple(p), 3), "a", 30, 4)
+    rest = []
+    for _ in range(4):  # 2 more tokens to sample; a few steps spare, never a loop that cannot end
+        rest += e.step() if e.has_unfinished() else []
+    assert rest and rest[-1].finished and rest[-1].finish_reason == "length", \
+        "the output of the step in which a request finishes says so (finished, finish_reason 'length'): finish " \
+        f"the request BEFORE building its output; got {rest[-1] if rest else None}"
+    assert_same_tokens(rest[-1].output_token_ids, oracle(tuple(p), 3), "a", 30, 4)
 
 
 @hole("EngineCore.step")
@@ -2072,6 +2102,106 @@ def test_record_lookup_counts_each_admission_once():
     assert (bm.num_queries, bm.num_hits) == (18, 8), "a waiting request's repeated lookups count once"
     bm.free(b)
     assert not bm.pending_lookups, 'free() drops the pending lookup of a request that was never admitted'
+
+
+# ===== the fresh walk-through (issue 39): bugs of a newcomer's that escaped every test. Each test pins only
+# what its hole's docstring states.
+@hole("Scheduler._preempt")
+def test_preempt_leaves_admitted_and_num_cached_tokens_alone():
+    s = sched(num_blocks=8, block_size=4)
+    x = req("x", range(9), max_tokens=1)
+    s.add(x)
+    advance(s.schedule())  # x's prompt runs and publishes its 2 full blocks
+    s.finish(x, Status.FINISHED_LENGTH)
+    y = req("y", list(range(8)) + [50], max_tokens=8)
+    s.add(y)
+    advance(s.schedule())
+    assert (y.admitted, y.num_cached_tokens) == (True, 8), "setup: y's admission adopted x's 2 blocks (8 tokens)"
+    s._preempt(y, SchedulerOutput())  # recompute: its K/V is given up
+    assert y.num_computed_tokens == 0, "setup: recompute forgets the computed tokens"
+    assert y.admitted and y.num_cached_tokens == 8, \
+        "a preemption leaves admitted (True) and num_cached_tokens (8) as they are: they describe the FIRST " \
+        f"admission, which the output reports; got admitted={y.admitted}, num_cached_tokens={y.num_cached_tokens}"
+
+
+@hole("Scheduler._preempt")
+def test_preempt_the_output_reports_the_first_admissions_cached_tokens():
+    e = core(EngineConfig(block_size=4, num_blocks=6, max_num_batched_tokens=64))
+    p = prompts([9], seed=41)[0]
+    e.add_request("x", p, SamplingParams(max_tokens=1, **GREEDY))
+    e.run_until_done()  # x publishes the 2 full blocks of its prompt
+    e.add_request("b", prompts([6], seed=42)[0], SamplingParams(max_tokens=8, **GREEDY))
+    e.add_request("a", p[:8] + [5], SamplingParams(max_tokens=12, **GREEDY))  # adopts x's 8 tokens
+    a = e.scheduler.requests["a"]
+    outs = {}
+    for _ in range(200):  # far more steps than the 20 tokens need; never a loop that cannot end
+        for o in e.step() if e.has_unfinished() else []:
+            outs.setdefault(o.request_id, []).append(o)
+    assert not e.has_unfinished(), "setup: a and b finish within 200 steps"
+    assert a.num_preemptions > 0, \
+        "setup: 6 blocks of 4 can't hold a's 21 and b's 14 tokens: a, the last running, is preempted"
+    got = [o.num_cached_tokens for o in outs["a"]]
+    assert set(got) == {8}, \
+        "a's outputs report the cached tokens of its FIRST admission (8) in every step, before and after a " \
+        f"preemption: _preempt leaves admitted and num_cached_tokens alone; got {got}"
+
+
+@hole("BlockManager.allocate_slots")
+def test_allocate_slots_an_adopted_cached_free_block_stays_cached():
+    bm = BlockManager(8, 4)
+    a = req("a", range(9))
+    ta = list(published(bm, a, 9))  # blocks 0 and 1 full and cached
+    bm.free(a)  # cached-free
+    b = req("b", list(range(8)) + [60])
+    cached = bm.find_cached_prefix(b)
+    assert cached == ta[:2], "setup: b's lookup finds a's 2 cached-free blocks"
+    assert bm.allocate_slots(b, 1, cached)
+    assert [bm.block_hash[x] for x in ta[:2]] == list(a.block_hashes[:2]) and bm.num_evicted == 0, \
+        "an adopted block keeps its hash: adopting it is a hit, not an eviction (num_evicted stays 0)"
+    c = req("c", list(range(8)) + [70])
+    assert bm.find_cached_prefix(c) == ta[:2], \
+        "so a later request with the same prefix finds the same 2 blocks in the cache"
+
+
+@hole("Scheduler.schedule")
+def test_schedule_without_chunking_a_history_over_the_whole_budget_gets_only_the_budget_left():
+    s = sched(num_blocks=16, block_size=4, caching=False, max_num_batched_tokens=8, enable_chunked_prefill=False,
+              policy="priority")
+    a = req("a", range(6), max_tokens=10)
+    a.priority, a.arrival_time = 1, 0.0
+    s.add(a)
+    for _ in range(4):  # the 6-token prompt, then 3 decodes: 10 tokens
+        advance(s.schedule())
+    s._preempt(a, SchedulerOutput())  # recompute, no prefix cache: all 10 must run again
+    c = req("c", range(100, 102), max_tokens=1)
+    c.priority, c.arrival_time = 0, 1.0
+    s.add(c)
+    plan = s.schedule()
+    got = [(r.request_id, n) for r, n in plan.scheduled]
+    assert got == [("c", 2), ("a", 6)], \
+        "c takes 2 of the budget of 8; a needs 10, more than the WHOLE budget, so it runs in pieces of at most " \
+        f"the budget LEFT (6), never the whole budget: the step would spend 10 of 8; got {got}"
+    assert plan.num_scheduled_tokens <= 8, "a step never spends more than max_num_batched_tokens"
+
+
+@hole("EngineCore.step")
+def test_step_the_sampler_never_sees_the_prompt_logprob_rows():
+    calls = []
+
+    class Recording(SimpleSampler):
+        def __call__(self, logits, reqs, generators):
+            calls.append((logits.shape[0], [r.request_id for r in reqs]))
+            return super().__call__(logits, reqs, generators)
+
+    e = EngineCore(model64(), EngineConfig(block_size=4), sampler=Recording())
+    pa, pb = prompts([5, 6], seed=43)
+    e.add_request("a", pa, SamplingParams(max_tokens=2, **GREEDY))
+    e.step()  # a's prompt: one sample row
+    e.add_request("b", pb, SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY))
+    e.step()  # a decodes, b's whole prompt runs: 2 sample rows, and 5 prompt-logprob rows of b's
+    assert calls[-1] == (2, ["a", "b"]), \
+        "the sampler gets logits[:batch.num_sample_rows] only (one row per sample row, here a's and b's), " \
+        f"never the prompt-logprob rows after them; got (rows, requests) {calls[-1]}"
 
 
 # ===================================================================== the milestone

@@ -188,8 +188,9 @@ class BlockManager:
         then new blocks from the FRONT of the free queue. All or nothing: if the free queue can't
         supply what is needed, return False and change nothing. Adopting a cached-FREE block
         (ref 0) takes it out of the free queue, so it counts against what is left. A new block
-        loses its old hash (and the ``cached`` entry, if that entry pointed at it: ``_evict``).
-        Every block the request gains, adopted or new, has its ``ref_count`` raised by one — an
+        loses its old hash (and the ``cached`` entry, if that entry pointed at it: ``_evict``);
+        an adopted block keeps its hash and its ``cached`` entry — it is a hit, not an eviction —
+        so a later request with the same prefix finds it again. Every block the request gains, adopted or new, has its ``ref_count`` raised by one — an
         adopted block another request still holds goes from 1 to 2 (shared), a cached-free one
         from 0 to 1.
         Returns True on success, and then also: a request's first allocation creates its

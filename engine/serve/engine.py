@@ -164,8 +164,11 @@ class EngineCore:
            EOS rule), not the engine's default ``self.eos_token_id``, which only seeds new requests.
         2. Otherwise, ``max_tokens`` outputs or ``max_model_len`` tokens in all -> FINISHED_LENGTH.
         The stop rules come first, so a stop token or EOS that is also the last token allowed
-        finishes STOPPED, not LENGTH (vLLM V1's check_stop tests the length first, then EOS, then
-        stop_token_ids; here the token's meaning wins, and a stop token's stop_reason is kept).
+        finishes STOPPED, not LENGTH, and a stop token's stop_reason is kept. (vLLM V1's check_stop
+        today also puts the stop rules first: min_tokens, then EOS, then stop_token_ids, then the
+        length limits; only its first V1 releases tested the length first. Here a stop id is
+        looked at before EOS, so an EOS that is also listed in stop_token_ids records its
+        stop_reason.)
         """
         raise NotImplementedError("EngineCore.check_stop is a hole: fill it in (Chapter 31, engine/serve/engine.py)")
 

@@ -161,7 +161,9 @@ class Scheduler:
         scheduler's, append it to ``out.preempted``, and requeue it at the FRONT of ``waiting``
         (under the priority policy, at its ``order_key`` place instead — ``_insert_sorted`` —
         which puts it ahead of every waiting request of the same priority that arrived after it,
-        not behind all of its priority).
+        not behind all of its priority). Leave ``admitted`` and ``num_cached_tokens`` as they are,
+        in both modes: they describe the request's first admission, so a readmission records no
+        new hit and its output still reports the first admission's cached tokens.
         """
         raise NotImplementedError("Scheduler._preempt is a hole: fill it in (Chapter 31, engine/serve/scheduler.py)")
 
