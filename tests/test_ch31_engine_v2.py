@@ -216,6 +216,8 @@ def test_build_batch_rejects_a_table_too_short_for_the_positions():
         build_batch([(r, 3)], [[3]], 16)
     except ValueError as exc:
         assert "'r'" in str(exc), f"the ValueError names the request (its id 'r'): {exc}"
+    except NotImplementedError:  # the unfilled hole says so itself
+        raise
     except Exception as exc:  # noqa: BLE001 - any other error is the bug this test is for
         pytest.fail(f"a table of 1 block (16 slots) for positions 14..16 must be a ValueError naming the request, "
                     f"raised before any slot is looked up; got {type(exc).__name__}: {exc} (check "
