@@ -2043,20 +2043,27 @@ def test_schedule_without_chunking_a_prompt_exactly_the_budget_left_is_admitted(
         "left (need > budget), so it runs whole"
 
 
-@hole("Scheduler.schedule")
-def test_schedule_without_chunking_a_history_exactly_the_whole_budget_waits():
+def recomputed_history_behind_a_newcomer(steps: int):
+    """Chunking off, a budget of 8, the priority policy: request a (a 6-token prompt) runs ``steps``
+    steps (its prompt, then decodes), is preempted by recompute (no prefix cache: its whole history
+    must run again), and c (2 tokens, a better priority) arrives. Returns (scheduler, a, the plan)."""
     s = sched(num_blocks=16, block_size=4, caching=False, max_num_batched_tokens=8, enable_chunked_prefill=False,
               policy="priority")
     a = req("a", range(6), max_tokens=10)
     a.priority, a.arrival_time = 1, 0.0
     s.add(a)
-    for _ in range(2):  # the 6-token prompt, then one decode: 8 tokens
+    for _ in range(steps):
         advance(s.schedule())
-    s._preempt(a, SchedulerOutput())  # recompute, no prefix cache: all 8 must run again
+    s._preempt(a, SchedulerOutput())
     c = req("c", range(100, 102), max_tokens=1)
     c.priority, c.arrival_time = 0, 1.0
     s.add(c)
-    plan = s.schedule()
+    return s, a, s.schedule()
+
+
+@hole("Scheduler.schedule")
+def test_schedule_without_chunking_a_history_exactly_the_whole_budget_waits():
+    s, a, plan = recomputed_history_behind_a_newcomer(2)  # the prompt, one decode: 8 tokens to run again
     assert [(r.request_id, n) for r, n in plan.scheduled] == [("c", 2)] and s.waiting == [a], \
         "c takes 2 of the budget of 8; a needs 8, more than the 6 left but NOT more than the whole budget (8 = 8), " \
         "so with chunking off it waits for room for all of it rather than running in pieces"
@@ -2169,18 +2176,7 @@ def test_allocate_slots_an_adopted_cached_free_block_stays_cached():
 
 @hole("Scheduler.schedule")
 def test_schedule_without_chunking_a_history_over_the_whole_budget_gets_only_the_budget_left():
-    s = sched(num_blocks=16, block_size=4, caching=False, max_num_batched_tokens=8, enable_chunked_prefill=False,
-              policy="priority")
-    a = req("a", range(6), max_tokens=10)
-    a.priority, a.arrival_time = 1, 0.0
-    s.add(a)
-    for _ in range(4):  # the 6-token prompt, then 3 decodes: 10 tokens
-        advance(s.schedule())
-    s._preempt(a, SchedulerOutput())  # recompute, no prefix cache: all 10 must run again
-    c = req("c", range(100, 102), max_tokens=1)
-    c.priority, c.arrival_time = 0, 1.0
-    s.add(c)
-    plan = s.schedule()
+    s, a, plan = recomputed_history_behind_a_newcomer(4)  # the prompt, 3 decodes: 10 tokens to run again
     got = [(r.request_id, n) for r, n in plan.scheduled]
     assert got == [("c", 2), ("a", 6)], \
         "c takes 2 of the budget of 8; a needs 10, more than the WHOLE budget, so it runs in pieces of at most " \

@@ -26,6 +26,17 @@ from test_grade_outputs import fake_doc
 
 # --- scratch cleanup --------------------------------------------------------------------------------
 
+def deep_chain(fd: int, depth: int = 1200) -> int:
+    """``depth`` nested folders "d" under the folder open as ``fd`` (closed): the deepest, open.
+    By file descriptors: deeper than Python's recursion limit, and than PATH_MAX as one path."""
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        nxt = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = nxt
+    return fd
+
+
 def test_remove_tree_takes_a_1200_deep_folder_and_never_follows_links(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -33,12 +44,7 @@ def test_remove_tree_takes_a_1200_deep_folder_and_never_follows_links(tmp_path):
     # a tmpfs where there is one: ext4 here takes ~5 ms per rmdir under load (the grader's own 6 s)
     base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path
     top = Path(tempfile.mkdtemp(prefix="deep-", dir=base))
-    fd = os.open(top, os.O_RDONLY)
-    for _ in range(1200):  # deeper than Python's recursion limit and than PATH_MAX as one path
-        os.mkdir("d", dir_fd=fd)
-        nxt = os.open("d", os.O_RDONLY, dir_fd=fd)
-        os.close(fd)
-        fd = nxt
+    fd = deep_chain(os.open(top, os.O_RDONLY))
     os.symlink(str(outside), "link", dir_fd=fd)
     os.mkfifo("pipe", dir_fd=fd)
     os.mkdir("locked", dir_fd=fd)
@@ -371,13 +377,7 @@ def test_grade_after_a_startup_hang_gives_the_scenarios_a_short_start_and_remove
 
     def fake_tests(bed, top, *a, startup):
         tops.append(top)
-        fd = os.open(top, os.O_RDONLY)
-        for _ in range(1200):
-            os.mkdir("d", dir_fd=fd)
-            nxt = os.open("d", os.O_RDONLY, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        os.close(fd)
+        os.close(deep_chain(os.open(top, os.O_RDONLY)))
         return wd.Watched(startup_hang="the test session hung at start-up")
 
     def fake_scenarios(bed, top, *a, startup):
@@ -440,13 +440,7 @@ def test_the_checkout_walks_take_a_1200_deep_folder(tmp_path):
         (top / "engine").mkdir()
         (top / "engine" / "extra.py").write_text("x = 1\n")
         os.symlink("/etc", top / "engine" / "out")
-        fd = os.open(top / "engine", os.O_RDONLY)
-        for _ in range(1200):
-            os.mkdir("d", dir_fd=fd)
-            nxt = os.open("d", os.O_RDONLY, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        os.close(fd)
+        os.close(deep_chain(os.open(top / "engine", os.O_RDONLY)))
         assert copycheck.symlinks(top) == ["engine/out -> /etc (OUTSIDE the checkout)"]
         assert copycheck.changed_outside(top, []) == ["engine/extra.py (a file the course does not have)"]
     finally:

@@ -35,7 +35,7 @@ BRANCH = "solutions"
 ANSWERS = ("solutions", "tests/learner_fill.py", "course/quality/data", "course/quality/mutants.py",
            "course/quality/bug_corpus.py", "tests/test_mutants.py", "tests/test_bug_corpus.py",
            "course/grading/grade_table.py", "tests/copy_cases.py", "tests/test_copycheck.py",
-           "tests/test_gradescope.py", "tests/test_gradescope_zip.py")
+           "tests/test_gradescope.py", "tests/test_gradescope_zip.py", "tests/test_grading_attacks.py")
 HANDOUT_README = Path("course") / "learner" / "HANDOUT.md"
 
 
