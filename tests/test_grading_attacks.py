@@ -294,7 +294,8 @@ def test_honest_and_harmless_checkouts_are_verified_in_full(graded):
     # its classmates here share its hole bodies (near-identical pairs: a copy between them, rightly), but
     # nothing says it copied the reference or that its tests contradict its scenarios
     honest = docs["honest"]["grade"]
-    assert all(f.startswith("near-identical holes to ") for f in honest["flags"]), honest["flags"]
+    assert honest["flags"] and all(" similar to class-" in f and "reference" not in f and "contradict" not in f
+                                   for f in honest["flags"]), honest["flags"]
 
 
 def test_a_forged_report_or_a_smuggled_reference_earns_nothing(graded):
@@ -321,7 +322,7 @@ def test_a_file_too_deep_for_the_syntax_tree_is_an_error_row_with_its_reason(gra
     error row (0 points, the reason named), never the grader's crash."""
     doc = graded["docs"]["deep-expression"]["grade"]
     assert doc.get("error") and doc["score"] == 0, doc["problems"]
-    assert any("serve/flat.py" in p and "too deep" in p for p in doc["problems"]), doc["problems"]
+    assert any("flat.py" in p and "too deep" in p for p in doc["problems"]), doc["problems"]  # paths elided
 
 
 def test_the_reference_with_a_no_op_line_per_hole_is_a_copy(graded):
@@ -336,9 +337,9 @@ def test_a_chapter_file_over_the_cap_is_an_error_row_and_said_so(graded):
     (the grader never reads the rest of it)."""
     doc = graded["docs"]["big-list"]["grade"]
     assert doc.get("error") and doc["score"] == 0, doc["problems"]
-    assert any("serve/batch.py" in p and "MiB" in p for p in doc["problems"]), doc["problems"]
+    assert any("batch.py" in p and "2 MiB" in p for p in doc["problems"]), doc["problems"]  # paths elided
     row = next(r for r in graded["csv"] if r["id"] == graded["docs"]["big-list"]["id"])
-    assert "serve/batch.py" in row["problems"], row
+    assert "batch.py" in row["problems"], row
 
 
 def test_a_named_pipe_for_the_report_blocks_nothing(graded):
