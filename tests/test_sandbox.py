@@ -316,3 +316,35 @@ def test_a_sandbox_as_a_whole_is_held_to_its_memory_cgroup(tmp_path):
     exits = eval(fin.output.split("exits")[-1].strip().splitlines()[0]) if "exits" in fin.output else None  # noqa: S307
     assert exits is not None and 9 in exits and fin.oom_kills >= 1, (fin.output, fin.oom_kills)
     assert 0 < fin.memory_peak <= limits.sandbox_memory_bytes, fin.memory_peak
+
+
+def test_the_allow_list_holds_every_course_and_test_module_the_sandboxed_files_import():
+    """The sandbox's copy of the course is an allow-list; a module of this repository that an allowed
+    file imports and the list leaves out fails every graded test at collection ("found no collectors"),
+    and an honest checkout scores 0 (course/quality/oracle.py once did). Followed transitively on the
+    syntax tree, so a new import is caught here, not by a class's grades."""
+    import ast
+
+    from course.isolation.allowlist import allowed_paths
+
+    allowed = set(allowed_paths())
+    tests_dir = {p.name for p in (ROOT / "tests").iterdir()}  # tests/ is on sys.path in the sandbox
+    missing, todo, seen = [], [p for p in allowed if p.endswith(".py")], set()
+    while todo:
+        rel = todo.pop()
+        if rel in seen:
+            continue
+        seen.add(rel)
+        for node in ast.walk(ast.parse((ROOT / rel).read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] + [f"{node.module}.{a.name}" for a in node.names] \
+                if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "course" or f"{parts[0]}.py" in tests_dir and len(parts) == 1:
+                    base = "/".join(parts) if parts[0] == "course" else f"tests/{parts[0]}"
+                    for cand in (f"{base}.py", f"{base}/__init__.py"):
+                        if (ROOT / cand).is_file():
+                            (todo.append(cand) if cand in allowed else missing.append(f"{rel} imports {cand}"))
+                            break
+    assert not missing, f"imported in the sandbox but not on its allow-list (course/isolation/allowlist.py): {missing}"

@@ -26,6 +26,7 @@ ALLOWED_FILES = (
     "tests/test_ch31_engine_v2.py", "tests/test_isolation.py", "tests/test_reliability.py",
     "course/__init__.py", "course/learner/__init__.py", "course/learner/holes.py",
     "course/quality/__init__.py", "course/quality/invariants.py", "course/quality/faults.py",
+    "course/quality/oracle.py",
     "course/grading/__init__.py", "course/grading/scenarios.py",
 )
 NEVER = ("solutions", ".git", "grades")  # checked: no allowed path starts with one of these
