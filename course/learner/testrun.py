@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from course.learner.warm import WarmPool
+
 ROOT = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = Path(__file__).resolve().parent / "pytest_plugins"
 CHAPTER_TESTS = "tests/test_ch31_engine_v2.py"
@@ -102,8 +104,11 @@ class TestRun:
 
 def run_pytest(args: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None,
                python: str = sys.executable, timeout: float | None = None,
-               per_test_timeout: float = 0) -> TestRun:
+               per_test_timeout: float = 0, warm: WarmPool | None = None) -> TestRun:
     """``python -m pytest ARGS`` in ``cwd`` with the report plugin; ``env`` adds variables.
+    With ``warm`` (``course/learner/warm.py``) the session is forked from a server that has
+    imported torch already, the same run without the seconds of start-up (cold when ``env`` sets a
+    variable read at start-up, or when the server has died).
 
     ``ENGINE_IMPL`` is not inherited from this process (``--impl`` in args decides). With
     ``per_test_timeout`` a test that runs longer fails alone (pytest-timeout, signal method),
@@ -119,13 +124,22 @@ def run_pytest(args: list[str], cwd: Path = ROOT, env: dict[str, str] | None = N
             if per_test_timeout else []
         cmd = [python, "-m", "pytest", "-p", "ch31_report", "--report-json", str(report), *LEAN, *limit, *args]
         start = time.monotonic()
-        try:
-            proc = subprocess.run(cmd, cwd=cwd, env=child_env, capture_output=True, text=True, timeout=timeout)
-            returncode, output, timed_out = proc.returncode, proc.stdout + proc.stderr, False
-        except subprocess.TimeoutExpired as exc:
-            out = exc.stdout or b""
-            output = out.decode(errors="replace") if isinstance(out, bytes) else out
-            returncode, timed_out = -1, True
+        forked = None
+        if warm is not None and warm.serves(python, child_env):
+            try:
+                forked = warm.server().run(cmd[3:], cwd, child_env, timeout)
+            except RuntimeError:  # the server itself died (killed, out of memory): this session runs cold
+                report.unlink(missing_ok=True)
+        if forked is not None:
+            returncode, output, timed_out = forked
+        else:
+            try:
+                proc = subprocess.run(cmd, cwd=cwd, env=child_env, capture_output=True, text=True, timeout=timeout)
+                returncode, output, timed_out = proc.returncode, proc.stdout + proc.stderr, False
+            except subprocess.TimeoutExpired as exc:
+                out = exc.stdout or b""
+                output = out.decode(errors="replace") if isinstance(out, bytes) else out
+                returncode, timed_out = -1, True
         run = TestRun(returncode, round(time.monotonic() - start, 2), output=output[-6000:], timed_out=timed_out)
         if report.exists():
             data = json.loads(report.read_text())

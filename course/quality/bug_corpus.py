@@ -37,6 +37,7 @@ from pathlib import Path
 from course.bench.machine import machine_line
 from course.quality.mutants import Mutant, apply_mutant, check_applies
 from course.learner.testrun import CHAPTER_TESTS, run_pytest, workspace
+from course.learner.warm import WarmPool
 from course.quality.records import DATA, FILE_OF, REQUIRED, RecordError, filled, hole_body, load
 
 # The rates the corpus must reach over its non-equivalent bugs (tests/test_bug_corpus.py).
@@ -111,7 +112,7 @@ def in_a_hole_body(bug: Bug) -> bool:
     return bug.old in hole_body(bug.holes[0])
 
 
-def run_bug(bug: Bug, timeout: float = 600) -> BugResult:
+def run_bug(bug: Bug, timeout: float = 600, warm: WarmPool | None = None) -> BugResult:
     """Apply one bug to the reference in a workspace; run its hole's tests, then (if they all pass)
     the whole chapter file, each stopping at the first failure."""
     files = filled()
@@ -125,7 +126,7 @@ def run_bug(bug: Bug, timeout: float = 600) -> BugResult:
         stages = [("hole", [*base, *[f"--hole={h}" for h in bug.holes],
                             *(["-k", bug.keyword] if bug.keyword else [])]), ("chapter", base)]
         for stage, args in stages:
-            run = run_pytest(args, cwd=bed, timeout=timeout, per_test_timeout=60)
+            run = run_pytest(args, cwd=bed, timeout=timeout, per_test_timeout=60, warm=warm)
             failed = run.first_failure()
             if failed is not None:
                 res = BugResult(bug, "ok", by_hole=stage == "hole", by_chapter=True, test=failed.name,
@@ -139,10 +140,11 @@ def run_bug(bug: Bug, timeout: float = 600) -> BugResult:
     return BugResult(bug, "ok", seconds=round(time.monotonic() - start, 1))
 
 
-def run_all(bugs: list[Bug], workers: int = 2, progress=None) -> list[BugResult]:
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+def run_all(bugs: list[Bug], workers: int = 2, progress=None, warm: bool = True) -> list[BugResult]:
+    """Every bug, ``workers`` sessions at a time (forked from warm servers unless ``warm=False``)."""
+    with WarmPool() as servers, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         results = []
-        for f in [pool.submit(run_bug, b) for b in bugs]:
+        for f in [pool.submit(run_bug, b, 600, servers if warm else None) for b in bugs]:
             results.append(f.result())
             if progress:
                 progress(results[-1])

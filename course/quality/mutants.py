@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from course.learner.testrun import CHAPTER_TESTS, reference_files, run_pytest, workspace
+from course.learner.warm import WarmPool
 from course.quality.records import DATA, FILE_OF, REQUIRED, filled, load
 
 
@@ -102,7 +103,8 @@ def apply_mutant(mutant: Mutant, files: dict[str, str]) -> dict[str, str]:
     return {**files, mutant.file: files[mutant.file].replace(mutant.old, mutant.new)}
 
 
-def run_mutant(mutant: Mutant, timeout: float = 600, milestone_only: bool = False) -> Result:
+def run_mutant(mutant: Mutant, timeout: float = 600, milestone_only: bool = False,
+               warm: WarmPool | None = None) -> Result:
     """Apply one mutant to the reference in a workspace's engine/ and run its selected tests (``-x``);
     ``milestone_only``: the milestone alone."""
     files = filled()
@@ -115,7 +117,7 @@ def run_mutant(mutant: Mutant, timeout: float = 600, milestone_only: bool = Fals
         keyword = ["-k", f"({mutant.keyword}) or milestone"] if mutant.keyword else []
         select = [f"--hole={h}" for h in ([] if milestone_only else mutant.holes)] + ["--hole=milestone"]
         run = run_pytest(["-x", "-q", "--tb=line", "--impl", "engine", CHAPTER_TESTS, *select,
-                          *([] if milestone_only else keyword)], cwd=bed, timeout=timeout, per_test_timeout=120)
+                          *([] if milestone_only else keyword)], cwd=bed, timeout=timeout, per_test_timeout=120, warm=warm)
     failed = run.first_failure()
     if failed is not None and failed.outcome == "failed":
         first = failed.message.splitlines()[0] if failed.message else ""
@@ -131,10 +133,12 @@ def run_mutant(mutant: Mutant, timeout: float = 600, milestone_only: bool = Fals
                   run.seconds)
 
 
-def run_all(mutants: list[Mutant], workers: int = 2, progress=None, milestone_only: bool = False) -> list[Result]:
-    """Every mutant, ``workers`` subprocesses at a time; results in the order given."""
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        futures = [pool.submit(run_mutant, m, 600, milestone_only) for m in mutants]
+def run_all(mutants: list[Mutant], workers: int = 2, progress=None, milestone_only: bool = False,
+            warm: bool = True) -> list[Result]:
+    """Every mutant, ``workers`` sessions at a time (forked from warm servers unless ``warm=False``);
+    results in the order given."""
+    with WarmPool() as servers, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures = [pool.submit(run_mutant, m, 600, milestone_only, servers if warm else None) for m in mutants]
         results = []
         for f in futures:
             results.append(f.result())
