@@ -12,7 +12,8 @@ LEARNER_TESTS := tests/test_ch31_engine_v2.py tests/test_isolation.py tests/test
 # scenarios and outputs. `make test` runs everything else.
 COURSE_TESTS := tests/test_mutants.py tests/test_learner_contract.py tests/test_notebook.py \
                 tests/test_grading_hostile.py tests/test_gradescope.py tests/test_grade_outputs.py \
-                tests/test_sandbox.py tests/test_verify.py tests/test_bug_corpus.py tests/test_grading_attacks.py
+                tests/test_sandbox.py tests/test_verify.py tests/test_bug_corpus.py tests/test_grading_attacks.py \
+                tests/test_grade_honest.py
 
 .PHONY: setup run test test-course test-learner solutions-branch handout grade gradescope mutants bug-corpus soak notebooks lab figures test-triton gpu-check bench bench-peers serve train-tiny clean
 
