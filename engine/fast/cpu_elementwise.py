@@ -17,6 +17,7 @@ bfloat16 where the PyTorch ops (and so ``generate()``) round, so a bfloat16 engi
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import torch
@@ -29,16 +30,22 @@ MAX_HEAD_DIM = 1024  # the kernel's per-head scratch buffer
 
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # each kernel's variants
+ISAS = ("avx2", "avx512")  # the vector widths the kernel is built in: 8 floats, and 16 where AVX-512F compiles
+ISA_ENV = "ENGINE_KERNEL_ISA"  # forces one of ISAS (tests exercise both); unset: the widest built here
+KERNELS = ("add_rms_norm", "qk_norm_rope", "silu_mul")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
-    for name in DTYPES.values():
-        getattr(lib, f"add_rms_norm_{name}").argtypes = [ptr] * 4 + [i64] * 2 + [f64] + [i64] * 2
-        getattr(lib, f"qk_norm_rope_{name}").argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f64, i64]
-        getattr(lib, f"silu_mul_{name}").argtypes = [ptr, ptr, i64, i64, i64]
-        for kernel in ("add_rms_norm", "qk_norm_rope", "silu_mul"):
-            getattr(lib, f"{kernel}_{name}").restype = None
+    lib.elementwise_isas.restype, lib.elementwise_isas.argtypes = ctypes.c_char_p, []
+    for isa in lib.elementwise_isas().decode().split(","):
+        for name in DTYPES.values():
+            getattr(lib, f"add_rms_norm_{name}_{isa}").argtypes = [ptr] * 4 + [i64] * 2 + [f64] + [i64] * 2
+            getattr(lib, f"qk_norm_rope_{name}_{isa}").argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
+                                                                   f64, i64]
+            getattr(lib, f"silu_mul_{name}_{isa}").argtypes = [ptr, ptr, i64, i64, i64]
+            for kernel in KERNELS:
+                getattr(lib, f"{kernel}_{name}_{isa}").restype = None
 
 
 _kernels = OptionalKernels(SOURCE, _declare)
@@ -47,6 +54,39 @@ _kernels = OptionalKernels(SOURCE, _declare)
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None when they cannot be built here (no C++ compiler, a failed build)."""
     return _kernels.get()
+
+
+def built_isas() -> tuple[str, ...]:
+    """The widths the library holds here: ("avx2",) or ("avx2", "avx512"); () where it does not build."""
+    lib = library()
+    if lib is None:
+        return ()
+    if not hasattr(lib, "isas"):  # asked once per library: the kernels' calls read it
+        lib.isas = tuple(lib.elementwise_isas().decode().split(","))
+    return lib.isas
+
+
+def isa() -> str:
+    """The width the kernels run at: ``$ENGINE_KERNEL_ISA`` when set (ValueError when it names none of
+    ``ISAS`` or one this build lacks), else the widest one built here. Read at each call, so a test
+    can switch it."""
+    forced, built = os.environ.get(ISA_ENV), built_isas()
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"{ISA_ENV}={forced!r}: choose one of {', '.join(ISAS)}")
+        if built and forced not in built:
+            raise ValueError(f"{ISA_ENV}={forced}: this CPU's build of the elementwise kernels has only "
+                             f"{', '.join(built)}; unset {ISA_ENV}")
+        return forced
+    return built[-1] if built else ISAS[0]
+
+
+def describe() -> str:
+    """One line for start-up reports: which width the elementwise kernels run at, and why."""
+    if library() is None:
+        return f"elementwise kernels: not built here ({_kernels.why})"
+    how = f"forced by {ISA_ENV}" if os.environ.get(ISA_ENV) else f"the widest of {', '.join(built_isas())}"
+    return f"elementwise kernels: {isa()} ({how})"
 
 
 def takes_head_dim(dh: int) -> bool:
@@ -66,7 +106,7 @@ def _kernel(name: str, *tensors: torch.Tensor):
         if t.dtype != dtype or dtype not in DTYPES or t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"the elementwise kernels take contiguous CPU tensors of one dtype, float32 or "
                              f"bfloat16, not {t.dtype} {tuple(t.shape)} on {t.device} (with {dtype})")
-    return getattr(library(), f"{name}_{DTYPES[dtype]}")
+    return getattr(library(), f"{name}_{DTYPES[dtype]}_{isa()}")
 
 
 def add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
