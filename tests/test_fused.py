@@ -386,3 +386,51 @@ def test_bfloat16_kernels_keep_subnormals_and_specials_as_torch_does(isa, monkey
     assert (want[1:].float().abs() < 2.0 ** -126).all() and (want[1:] != 0).any()
     same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
     assert bool(same.all()), f"silu_mul differs from PyTorch at {(~same).nonzero()[:4].tolist()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1000, 151_936 + 5])
+def test_greedy_kernel_is_float64_argmax_first_on_a_tie(dtype, vocab, monkeypatch):
+    """``cpu_greedy.argmax_rows`` (the fused CPU model's greedy reduction, handed to the sampler)
+    picks what argmax of the exact float64 values picks, the first index on a tie, on rows whose
+    width is not a multiple of the vector; on bfloat16 rows, exactly the argmax of their float32
+    widening; rows with NaN answer as torch's max does (the first NaN), an all -inf row index 0.
+    Shared by two threads too."""
+    from engine.fast import cpu_greedy
+
+    assert cpu_greedy.library() is not None, f"the greedy kernel did not build: {cpu_greedy._kernels.why}"
+    monkeypatch.setattr(cpu_greedy, "MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, vocab, generator=gen).to(dtype)
+    logits[1, [7, 500, vocab - 1]] = 30.0  # a three-way tie: 7
+    logits[2] = 0.0  # every entry tied: 0
+    logits[3, vocab - 1] = 30.0  # the last entry alone (in the scalar tail)
+    logits[4, [vocab - 3, vocab - 1]] = 31.0  # a tie inside the tail
+    logits[5, [16, 33]] = 29.0  # a tie across vector lanes
+    logits[6] = -float("inf")  # nothing above -inf: index 0
+    got = cpu_greedy.argmax_rows(logits)
+    rows = [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert got.dtype == torch.int64 and got.tolist() == torch.argmax(logits.double(), dim=-1)[rows].tolist()
+    assert got.tolist()[1:7] == [7, 0, vocab - 1, vocab - 3, 16, 0]
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, cpu_greedy.argmax_rows(logits.float())), "bf16 rows vs their float32 widening"
+    logits[7, [40, 9]] = float("nan")
+    assert cpu_greedy.argmax_rows(logits)[7] == logits.max(dim=-1).indices[7] == 9, "a NaN row: its first NaN"
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        cpu_greedy.argmax_rows(logits.double())
+
+
+def test_fused_cpu_engine_samples_greedily_with_the_kernel():
+    """The engine hands the fused CPU model's greedy reduction to its sampler, which returns
+    generate()'s tokens with it (float32 and bfloat16 logits rows through the same call)."""
+    from engine.fast import cpu_greedy
+
+    model = tiny_model(seed=3)
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused"))
+    assert core.sampler.greedy == core.flat.greedy_tokens and cpu_greedy.library() is not None
+    calls = []
+    inner = core.sampler.greedy
+    core.sampler.greedy = lambda logits: calls.append(logits.shape) or inner(logits)
+    assert_serves_generate(core, model, "fused float32 with the greedy kernel")
+    assert calls, "the sampler never called the model's greedy reduction"
