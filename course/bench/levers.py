@@ -433,19 +433,30 @@ def ew_step(args) -> None:
 
 def argmax(args) -> None:
     """The greedy sampler's one batched reduction at the Qwen3 vocabulary (151,936): torch.argmax
-    against max(dim=-1).indices (``sampler.greedy_tokens``; the same indices, first on a tie) and
-    against argmax of a float32 copy, per logits dtype."""
+    against max(dim=-1).indices (``sampler.greedy_tokens``; the same indices, first on a tie),
+    against argmax of a float32 copy, and against ``cpu_greedy``'s one-pass kernel (the fused CPU
+    model's ``greedy_tokens``, float32 and bfloat16 rows), per logits dtype."""
+    from course.bench.machine import machine_line
+    from engine.fast import cpu_greedy
     from engine.serve.sampler import greedy_tokens
 
+    print(machine_line(torch.get_num_threads()))
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         logits = torch.randn(args.requests, 151_936, generator=gen).to(dtype)
         assert torch.equal(greedy_tokens(logits), torch.argmax(logits, dim=-1))
-        res = interleaved({"argmax": lambda: torch.argmax(logits, dim=-1),
-                           "float32 copy + argmax": lambda: torch.argmax(logits.float(), dim=-1),
-                           "max().indices": lambda: greedy_tokens(logits)}, args.rounds)
+        fns = {"argmax": lambda: torch.argmax(logits, dim=-1),
+               "float32 copy + argmax": lambda: torch.argmax(logits.float(), dim=-1),
+               "max().indices": lambda: greedy_tokens(logits),
+               "float32 copy + max().indices": lambda: greedy_tokens(logits.float())}
+        if dtype in cpu_greedy.DTYPES and cpu_greedy.library() is not None:
+            assert torch.equal(cpu_greedy.argmax_rows(logits), torch.argmax(logits, dim=-1))
+            fns["kernel"] = lambda: cpu_greedy.argmax_rows(logits)
+        if dtype == torch.bfloat16 and cpu_greedy.library() is not None:  # the engine's path: widened, then the kernel
+            fns["float32 copy + kernel"] = lambda: cpu_greedy.argmax_rows(logits.float())
+        res = interleaved(fns, args.rounds)
         print(f"{str(dtype).removeprefix('torch.')} logits [{args.requests}, 151936], "
-              f"{torch.get_num_threads()} thread(s) (median ms): {res}")
+              f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f} (median ms): {res}")
 
 
 def main() -> int:
