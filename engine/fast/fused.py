@@ -21,7 +21,10 @@ and, on a CPU, a few microseconds of dispatch. This class serves the same comput
   lookups from its panels, or from the embedding's pages of the tokens looked up);
 - on a CPU in float32 or bfloat16, each seam's elementwise work (residual add + norm, q/k norm +
   RoPE, SiLU-mul) as one call of ``cpu_elementwise``'s kernels instead of ~25 PyTorch operations a
-  layer (in bfloat16 rounding where those operations round);
+  layer (in bfloat16 rounding where those operations round; AVX-512 wide where the CPU has it),
+  writing into buffers reused by every layer (``_scratch``: no fresh memory per call);
+- on a CPU, greedy rows reduced by ``cpu_greedy``'s one-pass argmax (``greedy_tokens``, which the
+  engine hands to its sampler: the same indices as ``sampler.greedy_tokens``);
 - the last layer past its K/V write only on the rows whose logits are needed (``keep_rows``: the
   batch's ``logits_indices``). Nothing reads the other rows' last hidden state, so a prefill step
   skips a quarter of the attention and ~20% of the matmuls of a 4-layer model with the same results.
