@@ -434,3 +434,18 @@ def test_fused_cpu_engine_samples_greedily_with_the_kernel():
     core.sampler.greedy = lambda logits: calls.append(logits.shape) or inner(logits)
     assert_serves_generate(core, model, "fused float32 with the greedy kernel")
     assert calls, "the sampler never called the model's greedy reduction"
+
+
+def test_kernel_isa_switch_is_checked_and_reported(monkeypatch):
+    """``ENGINE_KERNEL_ISA`` names one of the widths or is refused with the choices; unset, the
+    widest width built here runs, and ``describe()`` says which and why."""
+    from engine.fast import cpu_elementwise as ew
+
+    assert ew.library() is not None, f"the elementwise kernels did not build: {ew._kernels.why}"
+    monkeypatch.delenv(ew.ISA_ENV, raising=False)
+    assert ew.isa() == ew.built_isas()[-1] and ew.isa() in ew.describe() and "widest" in ew.describe()
+    monkeypatch.setenv(ew.ISA_ENV, "sse2")
+    with pytest.raises(ValueError, match="choose one of avx2, avx512"):
+        ew.silu_mul(torch.ones(2, 4))
+    monkeypatch.setenv(ew.ISA_ENV, "avx2")
+    assert ew.isa() == "avx2" and "forced by ENGINE_KERNEL_ISA" in ew.describe()
