@@ -124,6 +124,32 @@ def test_fused_bfloat16_matches_generate_in_bfloat16(tied):
     assert_serves_generate(core, model, f"bfloat16 (tied={tied})")
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_engine_matches_generate_at_each_elementwise_width(dtype, isa, monkeypatch):
+    """The fused CPU engine with its elementwise kernels forced to each vector width
+    (``ENGINE_KERNEL_ISA``) serves generate()'s greedy tokens in float32 and in bfloat16 (16-bit
+    matmuls where the CPU has bf16 units; without them the README's numerics exception applies,
+    and the oracle is the same engine on PyTorch's elementwise ops)."""
+    use_isa(isa, monkeypatch)
+    model = tiny_model(seed=3, dtype=dtype)
+
+    def engine(elementwise: bool) -> EngineCore:
+        core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused",
+                                              max_num_batched_tokens=16, long_prefill_token_threshold=8))
+        assert core.flat.elementwise, "the fused CPU model must take the elementwise kernels here"
+        core.flat.elementwise = core.flat.qk_elementwise = elementwise
+        return core
+    if engine(True).flat.numerics is None:
+        assert_serves_generate(engine(True), model, f"{dtype} elementwise kernels at {isa}")
+        return
+    prompts, want, got = prompts_for(model), engine(False), engine(True)
+    for core in (want, got):
+        for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+            core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
+    assert got.run_until_done() == want.run_until_done(), f"{dtype} (float32 linears): kernels at {isa} differ from torch's ops"
+
+
 def test_an_unknown_flat_model_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="unknown flat model 'fast'.*'compiled', 'flat', 'fused'"):
         EngineConfig(flat_model="fast")
@@ -229,17 +255,31 @@ def test_bfloat16_panels_compute_what_float32_panels_of_the_same_values_do(threa
     assert torch.equal(small16.rows(ids), weight[ids]), "rows() must undo the bfloat16 panels' column order"
 
 
+def use_isa(isa: str, monkeypatch) -> None:
+    """Run the elementwise kernels at ``isa``'s width (``ENGINE_KERNEL_ISA``); the 16-float
+    (AVX-512) kernels exist only where the compiler targets AVX-512F: elsewhere the test says so."""
+    from engine.fast import cpu_elementwise as ew
+
+    assert ew.library() is not None, f"the elementwise kernels did not build: {ew._kernels.why}"
+    if isa not in ew.built_isas():
+        pytest.skip(f"this CPU's build of the elementwise kernels has {ew.built_isas()}, not {isa} (no AVX-512F)")
+    monkeypatch.setenv(ew.ISA_ENV, isa)
+    assert ew.isa() == isa
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_elementwise_kernels_match_torch(threads, monkeypatch):
+def test_elementwise_kernels_match_torch(threads, isa, monkeypatch):
     """The float32 elementwise kernels equal the PyTorch expressions they replace (float32, up to
-    summation order), on widths that are not a multiple of the 8-float vector and with enough rows
-    to be shared by two threads; the residual is updated in place and v is left alone."""
+    summation order), at both vector widths, on widths that are not a multiple of the 8- or 16-float
+    vector and with enough rows to be shared by two threads; the residual is updated in place and v
+    is left alone."""
     import torch.nn.functional as F
 
     from engine.rope import rope_cos_sin
     from engine.fast import cpu_elementwise as ew
 
-    assert ew.library() is not None, "the elementwise kernels did not build (is there a C++ compiler?)"
+    use_isa(isa, monkeypatch)
     monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", 1)  # share even these small calls
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen = torch.Generator().manual_seed(1)
@@ -279,23 +319,26 @@ def test_elementwise_kernels_match_torch(threads, monkeypatch):
         ew.add_rms_norm(hidden, residual, weight.bfloat16(), 1e-6)
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_bfloat16_elementwise_kernels_round_as_torch_does(threads, monkeypatch):
+@pytest.mark.parametrize("dh", [18, 64])
+def test_bfloat16_elementwise_kernels_round_as_torch_does(threads, isa, dh, monkeypatch):
     """The bfloat16 kernels round where the PyTorch ops of a bfloat16 model (and so generate())
     round: RMSNorm (the model's module: normalised in float32, rounded, times the weight), the
     residual add, RoPE's products and sum, SiLU then the product with up. On these inputs every
-    value is bit-equal to PyTorch's, at widths that are not a multiple of the 8-float vector."""
+    value is bit-equal to PyTorch's, at both vector widths, at widths that are not a multiple of
+    the 8- or 16-float vector, and with heads whose halves fill whole vectors (64)."""
     import torch.nn.functional as F
 
     from engine.models.layers import RMSNorm
     from engine.rope import apply_rope, rope_cos_sin
     from engine.fast import cpu_elementwise as ew
 
-    assert ew.library() is not None, "the elementwise kernels did not build (is there a C++ compiler?)"
+    use_isa(isa, monkeypatch)
     monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen, bf = torch.Generator().manual_seed(1), torch.bfloat16
-    n, d, hq, hkv, dh, inter = 37, 100, 3, 1, 18, 75
+    n, d, hq, hkv, inter = 37, 100, 3, 1, 75
     hidden, residual = torch.randn(n, d, generator=gen).to(bf), torch.randn(n, d, generator=gen).to(bf)
     norm = RMSNorm(d, 1e-6).requires_grad_(False)
     norm.weight.copy_(torch.rand(d, generator=gen) + 0.5)
@@ -315,3 +358,94 @@ def test_bfloat16_elementwise_kernels_round_as_torch_does(threads, monkeypatch):
     gate_up = (torch.randn(n, 2 * inter, generator=gen) * 3).to(bf)
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(ew.silu_mul(gate_up), F.silu(gate) * up), "silu_mul differs in bfloat16"
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_bfloat16_kernels_keep_subnormals_and_specials_as_torch_does(isa, monkeypatch):
+    """Rounding to bfloat16 keeps subnormal results (AVX512-BF16's conversion instruction flushes
+    them to zero: the kernels must not), and NaN / infinity pass through as PyTorch's ops pass them:
+    residual sums and SiLU products far below 2^-126, bit-equal to PyTorch's."""
+    import torch.nn.functional as F
+
+    from engine.fast import cpu_elementwise as ew
+
+    use_isa(isa, monkeypatch)
+    gen, bf = torch.Generator().manual_seed(2), torch.bfloat16
+    n, d, inter = 5, 48, 40
+    tiny = 2.0 ** -130  # subnormal in float32 and in bfloat16
+    hidden, residual = (torch.randn(n, d, generator=gen) * tiny).to(bf), (torch.randn(n, d, generator=gen) * tiny).to(bf)
+    assert (residual.float().abs() < 2.0 ** -126).all() and residual.float().abs().max() > 0
+    want_res = hidden + residual
+    _, res = ew.add_rms_norm(hidden, residual, torch.ones(d, dtype=bf), 1e-6)
+    assert torch.equal(res.view(torch.int16), want_res.view(torch.int16)), "subnormal residual sums must be kept"
+    gate_up = torch.randn(n, 2 * inter, generator=gen).to(bf)
+    gate_up[:, :inter] *= tiny  # SiLU(x) ~ x / 2: subnormal; times up: subnormal
+    gate_up[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    want, got = F.silu(gate) * up, ew.silu_mul(gate_up)
+    assert (want[1:].float().abs() < 2.0 ** -126).all() and (want[1:] != 0).any()
+    same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+    assert bool(same.all()), f"silu_mul differs from PyTorch at {(~same).nonzero()[:4].tolist()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1000, 151_936 + 5])
+def test_greedy_kernel_is_float64_argmax_first_on_a_tie(dtype, vocab, monkeypatch):
+    """``cpu_greedy.argmax_rows`` (the fused CPU model's greedy reduction, handed to the sampler)
+    picks what argmax of the exact float64 values picks, the first index on a tie, on rows whose
+    width is not a multiple of the vector; on bfloat16 rows, exactly the argmax of their float32
+    widening; rows with NaN answer as torch's max does (the first NaN), an all -inf row index 0.
+    Shared by two threads too."""
+    from engine.fast import cpu_greedy
+
+    assert cpu_greedy.library() is not None, f"the greedy kernel did not build: {cpu_greedy._kernels.why}"
+    monkeypatch.setattr(cpu_greedy, "MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, vocab, generator=gen).to(dtype)
+    logits[1, [7, 500, vocab - 1]] = 30.0  # a three-way tie: 7
+    logits[2] = 0.0  # every entry tied: 0
+    logits[3, vocab - 1] = 30.0  # the last entry alone (in the scalar tail)
+    logits[4, [vocab - 3, vocab - 1]] = 31.0  # a tie inside the tail
+    logits[5, [16, 33]] = 29.0  # a tie across vector lanes
+    logits[6] = -float("inf")  # nothing above -inf: index 0
+    got = cpu_greedy.argmax_rows(logits)
+    rows = [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert got.dtype == torch.int64 and got.tolist() == torch.argmax(logits.double(), dim=-1)[rows].tolist()
+    assert got.tolist()[1:7] == [7, 0, vocab - 1, vocab - 3, 16, 0]
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, cpu_greedy.argmax_rows(logits.float())), "bf16 rows vs their float32 widening"
+    logits[7, [40, 9]] = float("nan")
+    assert cpu_greedy.argmax_rows(logits)[7] == logits.max(dim=-1).indices[7] == 9, "a NaN row: its first NaN"
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        cpu_greedy.argmax_rows(logits.double())
+
+
+def test_fused_cpu_engine_samples_greedily_with_the_kernel():
+    """The engine hands the fused CPU model's greedy reduction to its sampler, which returns
+    generate()'s tokens with it (float32 and bfloat16 logits rows through the same call)."""
+    from engine.fast import cpu_greedy
+
+    model = tiny_model(seed=3)
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused"))
+    assert core.sampler.greedy == core.flat.greedy_tokens and cpu_greedy.library() is not None
+    calls = []
+    inner = core.sampler.greedy
+    core.sampler.greedy = lambda logits: calls.append(logits.shape) or inner(logits)
+    assert_serves_generate(core, model, "fused float32 with the greedy kernel")
+    assert calls, "the sampler never called the model's greedy reduction"
+
+
+def test_kernel_isa_switch_is_checked_and_reported(monkeypatch):
+    """``ENGINE_KERNEL_ISA`` names one of the widths or is refused with the choices; unset, the
+    widest width built here runs, and ``describe()`` says which and why."""
+    from engine.fast import cpu_elementwise as ew
+
+    assert ew.library() is not None, f"the elementwise kernels did not build: {ew._kernels.why}"
+    monkeypatch.delenv(ew.ISA_ENV, raising=False)
+    assert ew.isa() == ew.built_isas()[-1] and ew.isa() in ew.describe() and "widest" in ew.describe()
+    monkeypatch.setenv(ew.ISA_ENV, "sse2")
+    with pytest.raises(ValueError, match="choose one of avx2, avx512"):
+        ew.silu_mul(torch.ones(2, 4))
+    monkeypatch.setenv(ew.ISA_ENV, "avx2")
+    assert ew.isa() == "avx2" and "forced by ENGINE_KERNEL_ISA" in ew.describe()

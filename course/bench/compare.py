@@ -40,7 +40,7 @@ import torch
 
 from engine.serve import EngineConfig, EngineCore, SamplingParams
 from engine.fast.choose import FASTEST_FLAT_MODEL, fastest_options
-from engine.fast import linear_layout
+from engine.fast import cpu_elementwise, linear_layout
 from engine.fast.fused import default_linear_dtype, numerics_note
 from engine.slots import SlotEngine
 from course.bench.workloads import (OPENINGS, ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload,
@@ -585,6 +585,7 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
     layouts = linear_layout.chosen_report()
     if layouts:  # which linear kernels the figures came from (measured at load; ENGINE_LINEAR_LAYOUT forces)
         print("linear layouts chosen in this sitting:", *(f"  {line}" for line in layouts), sep="\n", flush=True)
+        print(f"  {cpu_elementwise.describe()}", flush=True)  # the fused CPU model ran: its kernels' width
     limits = None
     if points:
         print_scaling(points)

@@ -7,6 +7,7 @@
     python -m course.bench.levers linear [--threads 1]                          one step's linears: the kernel, prefetch on/off, oneDNN
     python -m course.bench.levers elementwise                                  eager vs compiled norms/RoPE/SiLU
     python -m course.bench.levers argmax --requests 16                         greedy rows: argmax vs max().indices per dtype
+    python -m course.bench.levers ew-step [--preset qwen3-0.6b] [--rows 2048]   one step's elementwise kernels: torch ops / avx2 / avx512
 
 ``attention`` times one layer's decode attention on the bench's small-model shapes (8 query / 4
 kv heads of 64, blocks of 16): TorchBackend (gather, then bmm), CPUBackend (the C++ kernel reading
@@ -345,26 +346,122 @@ def elementwise(args) -> None:
             print(f"norms + RoPE + SiLU-mul of one layer, {n} rows (ms): {res}")
 
 
+def ew_step(args) -> None:
+    """One prefill step's elementwise work (every layer: two add + RMSNorm, the q/k norm + RoPE,
+    SiLU-mul) at ``--preset``'s shapes for ``--rows`` tokens (one value of ``--rows``; default
+    2,048), float32 and bfloat16: PyTorch's eager ops (the fused model without its kernels) against
+    ``cpu_elementwise``'s kernels at each vector width built here (``ENGINE_KERNEL_ISA``), through
+    the Python calls the model makes (into reused outputs, as the model passes them). Interleaved rounds; median wall and
+    CPU ms per step. k is rotated in place, so every call gets a fresh copy of qkv (not timed)."""
+    from course.bench.compare import MODEL_PRESETS
+    from course.bench.machine import machine_line
+    from engine.fast import cpu_elementwise as ew
+    from engine.models.config import Qwen3Config
+    from engine.rope import rope_cos_sin
+
+    if ew.library() is None:
+        raise SystemExit(f"the elementwise kernels do not build here: {ew._kernels.why}")
+    cfg = Qwen3Config(**MODEL_PRESETS[args.preset])
+    d, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    hq, hkv, dh, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 1e-6
+    n = int(args.rows.split(",")[0]) if args.rows != "16,64,256" else 2048
+    print(machine_line(torch.get_num_threads()))
+
+    def torch_ops(t):  # fused.py's PyTorch code for the three seams
+        def add_norm(h, r, w):
+            r = h + r
+            return F.rms_norm(r, (d,), w, eps), r
+
+        def qk(qkv):
+            qk_ = F.rms_norm(qkv[:, :(hq + hkv) * dh].view(n, hq + hkv, dh), (dh,), None, eps) * t["qw"]
+            rotated = torch.cat([-qk_[..., dh // 2:], qk_[..., :dh // 2]], dim=-1)
+            return qk_ * t["cos"][:, None, :] + rotated * t["sin"][:, None, :]
+
+        def silu(gu):
+            gate, up = gu.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return add_norm, qk, silu
+
+    def kernels(t):  # into reused outputs, as the fused model passes them (FusedFlatModel._scratch)
+        x, q, o = t["h"].new_empty((n, d)), t["h"].new_empty((n, hq, dh)), t["h"].new_empty((n, inter))
+        return (lambda h, r, w: ew.add_rms_norm(h, r, w, eps, out=x),
+                lambda qkv: ew.qk_norm_rope(qkv, hq, hkv, dh, t["qw"], t["cos"], t["sin"], eps, out=q),
+                lambda gu: ew.silu_mul(gu, out=o))
+
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(0)
+        t = {"h": torch.randn(n, d, generator=gen).to(dtype), "r": torch.randn(n, d, generator=gen).to(dtype),
+             "w": (torch.rand(d, generator=gen) + 0.5).to(dtype),
+             "qkv": torch.randn(n, (hq + 2 * hkv) * dh, generator=gen).to(dtype),
+             "qw": (torch.rand(hq + hkv, dh, generator=gen) + 0.5).to(dtype),
+             "gu": torch.randn(n, 2 * inter, generator=gen).to(dtype)}
+        t["cos"], t["sin"] = rope_cos_sin(torch.randint(0, 4096, (n,), generator=gen), dh, cfg.rope_theta, dtype)
+        work = torch.empty_like(t["qkv"])
+
+        def variant(isa: str | None):
+            add_norm, qk, silu = torch_ops(t) if isa is None else kernels(t)
+
+            def step() -> tuple[float, float]:
+                wall = cpu = 0.0
+                for _ in range(layers):
+                    work.copy_(t["qkv"])
+                    w0, c0 = time.perf_counter(), time.process_time()
+                    if isa is not None:
+                        os.environ[ew.ISA_ENV] = isa
+                    add_norm(t["h"], t["r"], t["w"])
+                    qk(work)
+                    silu(t["gu"])
+                    add_norm(t["h"], t["r"], t["w"])
+                    wall, cpu = wall + time.perf_counter() - w0, cpu + time.process_time() - c0
+                os.environ.pop(ew.ISA_ENV, None)
+                return wall, cpu
+            return step
+        fns = {"torch ops": variant(None), **{isa: variant(isa) for isa in ew.built_isas()}}
+        with torch.inference_mode():
+            for f in fns.values():
+                f()
+            times = {k: [] for k in fns}
+            for _ in range(args.rounds):
+                for k, f in fns.items():
+                    times[k].append(f())
+        med = {k: (statistics.median(w for w, _ in v) * 1000, statistics.median(c for _, c in v) * 1000)
+               for k, v in times.items()}
+        print(f"{args.preset}, {n} rows x {layers} layers, {str(dtype).removeprefix('torch.')}, "
+              f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f}, ms per step (wall / CPU): "
+              + ", ".join(f"{k} {w:.1f} / {c:.1f}" for k, (w, c) in med.items()))
+
+
 def argmax(args) -> None:
     """The greedy sampler's one batched reduction at the Qwen3 vocabulary (151,936): torch.argmax
-    against max(dim=-1).indices (``sampler.greedy_tokens``; the same indices, first on a tie) and
-    against argmax of a float32 copy, per logits dtype."""
+    against max(dim=-1).indices (``sampler.greedy_tokens``; the same indices, first on a tie),
+    against argmax of a float32 copy, and against ``cpu_greedy``'s one-pass kernel (the fused CPU
+    model's ``greedy_tokens``, float32 and bfloat16 rows), per logits dtype."""
+    from course.bench.machine import machine_line
+    from engine.fast import cpu_greedy
     from engine.serve.sampler import greedy_tokens
 
+    print(machine_line(torch.get_num_threads()))
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         logits = torch.randn(args.requests, 151_936, generator=gen).to(dtype)
         assert torch.equal(greedy_tokens(logits), torch.argmax(logits, dim=-1))
-        res = interleaved({"argmax": lambda: torch.argmax(logits, dim=-1),
-                           "float32 copy + argmax": lambda: torch.argmax(logits.float(), dim=-1),
-                           "max().indices": lambda: greedy_tokens(logits)}, args.rounds)
+        fns = {"argmax": lambda: torch.argmax(logits, dim=-1),
+               "float32 copy + argmax": lambda: torch.argmax(logits.float(), dim=-1),
+               "max().indices": lambda: greedy_tokens(logits),
+               "float32 copy + max().indices": lambda: greedy_tokens(logits.float())}
+        if dtype in cpu_greedy.DTYPES and cpu_greedy.library() is not None:
+            assert torch.equal(cpu_greedy.argmax_rows(logits), torch.argmax(logits, dim=-1))
+            fns["kernel"] = lambda: cpu_greedy.argmax_rows(logits)
+        if dtype == torch.bfloat16 and cpu_greedy.library() is not None:  # the engine's path: widened, then the kernel
+            fns["float32 copy + kernel"] = lambda: cpu_greedy.argmax_rows(logits.float())
+        res = interleaved(fns, args.rounds)
         print(f"{str(dtype).removeprefix('torch.')} logits [{args.requests}, 151936], "
-              f"{torch.get_num_threads()} thread(s) (median ms): {res}")
+              f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f} (median ms): {res}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("attention", "step", "parts", "linear", "elementwise", "argmax"))
+    ap.add_argument("what", choices=("attention", "step", "parts", "linear", "elementwise", "ew-step", "argmax"))
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--dtype", default="float32")
@@ -380,11 +477,12 @@ def main() -> int:
     ap.add_argument("--prefill", action="store_true", help="step: time a fresh engine's first (prefill) step")
     ap.add_argument("--preset", default="small", help="step, linear: the bench's model preset (small, qwen3-0.6b, test)")
     ap.add_argument("--layers", type=int, default=0, help="step, linear: this many of the preset's layers (0: all)")
-    ap.add_argument("--rows", default="16,64,256", help="linear: the row counts, comma-separated")
+    ap.add_argument("--rows", default="16,64,256", help="linear: the row counts, comma-separated; ew-step: one "
+                    "row count (default there 2048)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     {"attention": attention, "step": step, "parts": parts, "linear": linear, "elementwise": elementwise,
-     "argmax": argmax}[args.what](args)
+     "ew-step": ew_step, "argmax": argmax}[args.what](args)
     return 0
 
 

@@ -17,6 +17,7 @@ bfloat16 where the PyTorch ops (and so ``generate()``) round, so a bfloat16 engi
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import torch
@@ -29,16 +30,22 @@ MAX_HEAD_DIM = 1024  # the kernel's per-head scratch buffer
 
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # each kernel's variants
+ISAS = ("avx2", "avx512")  # the vector widths the kernel is built in: 8 floats, and 16 where AVX-512F compiles
+ISA_ENV = "ENGINE_KERNEL_ISA"  # forces one of ISAS (tests exercise both); unset: the widest built here
+KERNELS = ("add_rms_norm", "qk_norm_rope", "silu_mul")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
-    for name in DTYPES.values():
-        getattr(lib, f"add_rms_norm_{name}").argtypes = [ptr] * 4 + [i64] * 2 + [f64] + [i64] * 2
-        getattr(lib, f"qk_norm_rope_{name}").argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f64, i64]
-        getattr(lib, f"silu_mul_{name}").argtypes = [ptr, ptr, i64, i64, i64]
-        for kernel in ("add_rms_norm", "qk_norm_rope", "silu_mul"):
-            getattr(lib, f"{kernel}_{name}").restype = None
+    lib.elementwise_isas.restype, lib.elementwise_isas.argtypes = ctypes.c_char_p, []
+    for isa in lib.elementwise_isas().decode().split(","):
+        for name in DTYPES.values():
+            getattr(lib, f"add_rms_norm_{name}_{isa}").argtypes = [ptr] * 4 + [i64] * 2 + [f64] + [i64] * 2
+            getattr(lib, f"qk_norm_rope_{name}_{isa}").argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
+                                                                   f64, i64]
+            getattr(lib, f"silu_mul_{name}_{isa}").argtypes = [ptr, ptr, i64, i64, i64]
+            for kernel in KERNELS:
+                getattr(lib, f"{kernel}_{name}_{isa}").restype = None
 
 
 _kernels = OptionalKernels(SOURCE, _declare)
@@ -47,6 +54,39 @@ _kernels = OptionalKernels(SOURCE, _declare)
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None when they cannot be built here (no C++ compiler, a failed build)."""
     return _kernels.get()
+
+
+def built_isas() -> tuple[str, ...]:
+    """The widths the library holds here: ("avx2",) or ("avx2", "avx512"); () where it does not build."""
+    lib = library()
+    if lib is None:
+        return ()
+    if not hasattr(lib, "isas"):  # asked once per library: the kernels' calls read it
+        lib.isas = tuple(lib.elementwise_isas().decode().split(","))
+    return lib.isas
+
+
+def isa() -> str:
+    """The width the kernels run at: ``$ENGINE_KERNEL_ISA`` when set (ValueError when it names none of
+    ``ISAS`` or one this build lacks), else the widest one built here. Read at each call, so a test
+    can switch it."""
+    forced, built = os.environ.get(ISA_ENV), built_isas()
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"{ISA_ENV}={forced!r}: choose one of {', '.join(ISAS)}")
+        if built and forced not in built:
+            raise ValueError(f"{ISA_ENV}={forced}: this CPU's build of the elementwise kernels has only "
+                             f"{', '.join(built)}; unset {ISA_ENV}")
+        return forced
+    return built[-1] if built else ISAS[0]
+
+
+def describe() -> str:
+    """One line for start-up reports: which width the elementwise kernels run at, and why."""
+    if library() is None:
+        return f"elementwise kernels: not built here ({_kernels.why})"
+    how = f"forced by {ISA_ENV}" if os.environ.get(ISA_ENV) else f"the widest of {', '.join(built_isas())}"
+    return f"elementwise kernels: {isa()} ({how})"
 
 
 def takes_head_dim(dh: int) -> bool:
@@ -66,15 +106,28 @@ def _kernel(name: str, *tensors: torch.Tensor):
         if t.dtype != dtype or dtype not in DTYPES or t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"the elementwise kernels take contiguous CPU tensors of one dtype, float32 or "
                              f"bfloat16, not {t.dtype} {tuple(t.shape)} on {t.device} (with {dtype})")
-    return getattr(library(), f"{name}_{DTYPES[dtype]}")
+    return getattr(library(), f"{name}_{DTYPES[dtype]}_{isa()}")
+
+
+def _out(out: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``out`` (checked: contiguous, ``like``'s dtype and device, ``shape``) or a new tensor. A
+    caller that passes the same buffer every layer saves the allocation and the page faults of
+    fresh memory (tens of MB per call at a 2,048-token step)."""
+    if out is None:
+        return like.new_empty(shape)
+    if out.shape != shape or out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {like.dtype} tensor of shape {shape}, not {out.dtype} "
+                         f"{tuple(out.shape)}")
+    return out
 
 
 def add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden, residual [N, D] -> (normed [N, D], the new residual [N, D]).
 
     With a residual: ``residual += hidden`` in place, normed = RMSNorm(residual) * weight. Without
-    (the first layer): the residual is ``hidden`` itself and only the norm is computed."""
+    (the first layer): the residual is ``hidden`` itself and only the norm is computed. ``out``:
+    where to write normed (else a new tensor)."""
     if residual is None:
         residual, add = hidden, 0
     else:
@@ -84,17 +137,17 @@ def add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor | None, weight: to
         raise ValueError(f"add_rms_norm takes hidden and residual [N, D] and weight [D], got {tuple(hidden.shape)}, "
                          f"{tuple(residual.shape)}, {tuple(weight.shape)}")
     n, d = residual.shape
-    out = torch.empty_like(residual)
+    out = _out(out, residual, (n, d))
     kernel(hidden.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
                                    n, d, eps, add, _threads(n * d))
     return out, residual
 
 
 def qk_norm_rope(qkv: torch.Tensor, hq: int, hkv: int, dh: int, weight: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, eps: float) -> torch.Tensor:
+                 sin: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [N, (Hq + 2 Hkv) Dh] (q, k, v heads side by side); weight [Hq + Hkv, Dh] (each head's
-    norm weight); cos, sin [N, Dh] -> q [N, Hq, Dh] normed and rotated. The k heads are normed
-    and rotated in place in ``qkv``; the v heads are not touched."""
+    norm weight); cos, sin [N, Dh] -> q [N, Hq, Dh] normed and rotated (into ``out`` when given).
+    The k heads are normed and rotated in place in ``qkv``; the v heads are not touched."""
     if not takes_head_dim(dh):
         raise ValueError(f"qk_norm_rope takes an even head size of at most {MAX_HEAD_DIM}, not {dh}")
     kernel = _kernel("qk_norm_rope", qkv, weight, cos, sin)
@@ -104,18 +157,18 @@ def qk_norm_rope(qkv: torch.Tensor, hq: int, hkv: int, dh: int, weight: torch.Te
         raise ValueError(f"qk_norm_rope(hq={hq}, hkv={hkv}, dh={dh}) takes qkv [N, {(hq + 2 * hkv) * dh}], weight "
                          f"[{hq + hkv}, {dh}], cos and sin [N, {dh}]; got {tuple(qkv.shape)}, {tuple(weight.shape)}, "
                          f"{tuple(cos.shape)}, {tuple(sin.shape)}")
-    q = qkv.new_empty((n, hq, dh))
+    q = _out(out, qkv, (n, hq, dh))
     kernel(qkv.data_ptr(), qkv.shape[1], n, hq, hkv, dh, weight.data_ptr(), cos.data_ptr(),
                                    sin.data_ptr(), q.data_ptr(), eps, _threads(n * (hq + hkv) * dh))
     return q
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [N, 2I] (gate, then up) -> SiLU(gate) * up [N, I]."""
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [N, 2I] (gate, then up) -> SiLU(gate) * up [N, I] (into ``out`` when given)."""
     kernel = _kernel("silu_mul", gate_up)
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"silu_mul takes gate_up [N, 2I], got {tuple(gate_up.shape)}")
     n, width = gate_up.shape[0], gate_up.shape[1] // 2
-    out = gate_up.new_empty((n, width))
+    out = _out(out, gate_up, (n, width))
     kernel(gate_up.data_ptr(), out.data_ptr(), n, width, _threads(n * width))
     return out

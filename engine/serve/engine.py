@@ -68,7 +68,8 @@ class EngineCore:
         scheduler.on_finish = self._on_finish  # a finished request's swapped K/V and generator go too
         self.scheduler = scheduler
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
-        self.sampler = sampler or SimpleSampler(self.generator)
+        # The flat model's own greedy reduction where it has one (the same indices, faster).
+        self.sampler = sampler or SimpleSampler(self.generator, getattr(self.flat, "greedy_tokens", None))
         self.generators: dict[str, torch.Generator] = {}
         # The front door: every request is checked (and n > 1 fanned out) before it is queued.
         self.processor = Processor(cfg.vocab_size, self.max_model_len, self.sampler, eos_token_id)

@@ -1,0 +1,177 @@
+// Width-generic float vectors for the CPU kernels that come in two widths: Wide<32> (8 floats:
+// AVX2 on x86, two NEON registers on ARM) and Wide<64> (16 floats: one AVX-512 register, used
+// only where the compile target has AVX-512F). GCC/Clang vector extensions carry the arithmetic,
+// so both widths compute the same IEEE operations lane by lane (no contraction into FMA: the
+// kernels are built with -std=c++17, where GCC keeps a * b + c as two roundings); only the number
+// of lanes, and so the order of a sum's partial sums, differs. Part of each kernel's build cache key.
+//
+// bfloat16 <-> float32: widening is exact (a bfloat16 is a float32's high half); narrowing rounds
+// to nearest even as PyTorch does, NaN staying a quiet NaN. On an AVX512-BF16 target Wide<64>
+// narrows (stores) with VCVTNEPS2BF16, which rounds the same way but flushes subnormal inputs to
+// zero; PyTorch keeps them, so a vector holding one (|x| < 2^-126, not 0) takes the integer path.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// The vector types of each width (GCC applies no vector_size that depends on a template argument).
+template <int Bytes>
+struct WideTypes;
+template <>
+struct WideTypes<32> {
+  typedef float F __attribute__((vector_size(32)));
+  typedef int32_t I __attribute__((vector_size(32)));
+  typedef uint32_t U __attribute__((vector_size(32)));
+  typedef uint16_t H __attribute__((vector_size(16)));  // 8 bfloat16 bit patterns
+};
+template <>
+struct WideTypes<64> {
+  typedef float F __attribute__((vector_size(64)));
+  typedef int32_t I __attribute__((vector_size(64)));
+  typedef uint32_t U __attribute__((vector_size(64)));
+  typedef uint16_t H __attribute__((vector_size(32)));  // 16 bfloat16 bit patterns
+};
+
+template <int Bytes>
+struct Wide {
+  static constexpr int N = Bytes / 4;  // lanes
+  using F = typename WideTypes<Bytes>::F;
+  using I = typename WideTypes<Bytes>::I;
+  using U = typename WideTypes<Bytes>::U;
+  using H = typename WideTypes<Bytes>::H;
+
+  static F load(const float* p) {
+    F v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+  static void store(float* p, F v) { std::memcpy(p, &v, sizeof v); }
+
+  static F load(const uint16_t* p) {  // N bfloat16 -> float32, exact
+#if defined(__AVX512F__)
+    if constexpr (Bytes == 64)
+      return (F)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#endif
+#if defined(__AVX2__)
+    if constexpr (Bytes == 32)
+      return (F)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#endif
+    H h;
+    std::memcpy(&h, p, sizeof h);
+    return (F)(__builtin_convertvector(h, U) << 16);
+  }
+
+  // Round-to-nearest-even to bfloat16, as the bit pattern in each lane's high half (integer path).
+  static U bf16_bits(F v) {
+    const U u = (U)v;
+    const I nan = v != v;
+    const U rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return nan ? ((u | 0x400000u) & 0xffff0000u) : rounded;
+  }
+
+#if defined(__AVX512BF16__)
+  // VCVTNEPS2BF16 (AVX512-BF16), unless a lane is subnormal (that instruction flushes it to zero).
+  static bool narrow_natively(F v, __m256i& out) {
+    if constexpr (Bytes == 64) {
+      if (_mm512_fpclass_ps_mask((__m512)v, 0x20)) return false;  // 0x20: subnormal
+      out = (__m256i)_mm512_cvtneps_pbh((__m512)v);
+      return true;
+    }
+    return false;
+  }
+#endif
+
+  static H narrow(F v) {  // N float32 -> N bfloat16, rounded to nearest even
+#if defined(__AVX512BF16__)
+    if constexpr (Bytes == 64) {
+      __m256i h;
+      if (narrow_natively(v, h)) return (H)h;
+    }
+#endif
+#if defined(__AVX512F__)
+    if constexpr (Bytes == 64) return (H)_mm512_cvtepi32_epi16((__m512i)(bf16_bits(v) >> 16));
+#endif
+#if defined(__AVX2__)
+    if constexpr (Bytes == 32) {
+      const __m256i s = (__m256i)(bf16_bits(v) >> 16);  // each lane <= 0xffff: packing saturates nothing
+      return (H)_mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    }
+#endif
+    return __builtin_convertvector(bf16_bits(v) >> 16, H);
+  }
+
+  static void store(uint16_t* p, F v) {
+    const H h = narrow(v);
+    std::memcpy(p, &h, sizeof h);
+  }
+
+  // Store values that are bfloat16 already (round_bf16's results): their high halves, no rounding.
+  static void store_exact(uint16_t* p, F v) {
+#if defined(__AVX512BW__)
+    if constexpr (Bytes == 64) {
+      const __m512i odd = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 31, 29, 27, 25, 23, 21,
+                                           19, 17, 15, 13, 11, 9, 7, 5, 3, 1);  // each lane's high half
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                          _mm512_castsi512_si256(_mm512_permutexvar_epi16(odd, (__m512i)v)));
+      return;
+    }
+#endif
+    const H h = __builtin_convertvector((U)v >> 16, H);
+    std::memcpy(p, &h, sizeof h);
+  }
+  static void store_exact(float* p, F v) { store(p, v); }
+
+  // v rounded to the nearest bfloat16 (ties to even), as a float32: the integer form, which here
+  // costs fewer instructions than a conversion and back. It skips bf16_bits' NaN test: the kernels
+  // round only results of float32 arithmetic on bfloat16 values, and every NaN those yield has its
+  // low 16 bits zero (the CPU's default NaN, or an input's payload, quieted), so adding at most
+  // 0x8000 never carries into the high half: a NaN stays that quiet NaN, as PyTorch's rounding keeps it.
+  static F round_bf16(F v) {
+    const U u = (U)v;
+    return (F)((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+  }
+
+  static float sum(F v) {  // the lanes' sum, in lane order
+    float s = 0;
+    for (int j = 0; j < N; ++j) s += v[j];
+    return s;
+  }
+
+  // exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-7 Taylor polynomial
+  // (relative error < 1e-8, under one ulp), times 2^n built in the exponent bits. Below -87 (a
+  // weight under 2^-125 of the largest) the result is 0. The same steps as cpu_kernel_vec.h's.
+  static F exp_nonpositive(F x) {
+    const I under = x < -87.0f;
+    x = under ? F{} - 87.0f : x;
+    const I n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, I);  // round(x / ln2), x <= 0
+    const F nf = __builtin_convertvector(n, F);
+    const F r = x - nf * 0.693145751953125f - nf * 1.428606765330187045e-06f;  // ln2 in two parts
+    F p = F{} + 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const I bits = (n + 127) << 23;  // 2^n, n in [-126, 0]
+    F two_n;
+    std::memcpy(&two_n, &bits, sizeof two_n);
+    return under ? F{} : p * two_n;
+  }
+
+  // silu(x) = x / (1 + exp(-x)): for x >= 0 directly, for x < 0 as x e / (1 + e), e = exp(-|x|).
+  static F silu(F x) {
+    const I negative = x < 0;
+    const F neg = negative ? x : -x;
+    const F e = exp_nonpositive(neg);
+    return (negative ? x * e : x) / (1.0f + e);
+  }
+};
+
+}  // namespace
