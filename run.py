@@ -33,9 +33,9 @@ def _run_guarded(fn, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Before anything loads torch (and its OpenMP runtime, which reads this once): idle OpenMP
-    # threads spin briefly, then sleep (engine/fast/openmp.py says why; GOMP_SPINCOUNT or
-    # OMP_WAIT_POLICY in the environment overrides it).
+    # Before anything loads torch (and its OpenMP runtime, which reads this once): on a busy
+    # machine idle OpenMP threads spin briefly, then sleep (engine/fast/openmp.py says why;
+    # GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment overrides the probe).
     prefer_short_spins()
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"core": "course.bench.core:core_main", "generate": "course.learner.cli_generate:generate_main",

@@ -1,5 +1,5 @@
 """One thread pool (engine/fast/openmp.py, cpu_kernel_share.h): the C++ kernels and torch run on one
-OpenMP runtime with one thread count, and run.py sets the spin policy before torch loads it.
+OpenMP runtime with one thread count, and run.py chooses the spin policy (a probe of the load) before torch loads it.
 
 The oracle for "one runtime" is behaviour, not a file name: ``torch.set_num_threads(n)`` sets the
 thread count of torch's runtime only, so a kernel whose OpenMP calls reach another runtime reports
@@ -126,13 +126,19 @@ def test_runtimes_reads_every_openmp_runtime_once(tmp_path):
     assert openmp.runtimes(str(tmp_path / "absent")) == []
 
 
-def test_prefer_short_spins_keeps_a_policy_already_set():
+def test_the_spin_probe_shortens_spins_on_a_busy_machine_only():
+    """Load above half the cores: GOMP_SPINCOUNT=BUSY_SPIN_COUNT; cores to spare: libgomp's default;
+    a policy already in the environment stands either way."""
     env: dict[str, str] = {}
-    assert openmp.prefer_short_spins(env) == f"GOMP_SPINCOUNT={openmp.SPIN_COUNT}"
-    assert env == {"GOMP_SPINCOUNT": str(openmp.SPIN_COUNT)}
+    assert openmp.prefer_short_spins(env, load=1.5, cores=2).startswith(f"GOMP_SPINCOUNT={openmp.BUSY_SPIN_COUNT}")
+    assert env == {"GOMP_SPINCOUNT": str(openmp.BUSY_SPIN_COUNT)}
+    env = {}
+    assert "libgomp's default spin" in openmp.prefer_short_spins(env, load=0.9, cores=2) and env == {}
+    assert "libgomp's default spin" in openmp.prefer_short_spins(env, load=7.0, cores=16) and env == {}
+    assert not openmp.busy(None, 2) and not openmp.busy(3.0, None)
     for given in ({"GOMP_SPINCOUNT": "300000"}, {"OMP_WAIT_POLICY": "PASSIVE"}):
         env = dict(given)
-        assert openmp.prefer_short_spins(env) == "{}={}".format(*next(iter(given.items())))
+        assert openmp.prefer_short_spins(env, load=9.0, cores=2).startswith("{}={}".format(*next(iter(given.items()))))
         assert env == given, "a policy the user set was changed"
 
 
@@ -141,16 +147,16 @@ import json, os, sys
 sys.path.insert(0, {root!r})
 if {via_run}:
     import run
-    assert "torch" not in sys.modules, "run.py imported torch before setting the spin policy"
+    assert "torch" not in sys.modules, "run.py imported torch before choosing the spin policy"
     run.main(["--help"])
 else:
     import torch
     from engine.fast import openmp
-    openmp.prefer_short_spins()
+    openmp.prefer_short_spins(load=99.0)  # busy: it would set the policy, but torch has loaded libgomp
 import torch
 from engine.fast import openmp
 torch.ones(1 << 16).sum()  # the runtime is loaded and in use
-print(json.dumps([os.environ.get("GOMP_SPINCOUNT"), openmp.spin_policy()]))
+print(json.dumps([os.environ.get("GOMP_SPINCOUNT"), openmp.spin_policy(), openmp.describe()]))
 """
 
 
@@ -162,10 +168,15 @@ def _probe(via_run: bool, **env: str) -> list:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_run_py_sets_the_spin_policy_before_torch_loads():
-    """run.py's main sets GOMP_SPINCOUNT before any import of torch (libgomp reads it once, when
-    loaded); a user's OMP_WAIT_POLICY stands; set after torch loaded, the policy says it is not in effect."""
-    assert _probe(True) == [str(openmp.SPIN_COUNT), f"GOMP_SPINCOUNT={openmp.SPIN_COUNT}"]
-    assert _probe(True, OMP_WAIT_POLICY="PASSIVE") == [None, "OMP_WAIT_POLICY=PASSIVE"]
+def test_run_py_chooses_the_spin_policy_before_torch_loads():
+    """run.py's main runs the probe before any import of torch (libgomp reads the variable once,
+    when loaded), and says what it saw; a user's OMP_WAIT_POLICY stands; set after torch loaded,
+    the policy says it is not in effect."""
+    spin, policy, line = _probe(True)
+    if "busy machine" in line:  # whichever the machine is now, the child acted on what it saw
+        assert (spin, policy) == (str(openmp.BUSY_SPIN_COUNT), f"GOMP_SPINCOUNT={openmp.BUSY_SPIN_COUNT}"), line
+    else:
+        assert "cores to spare" in line and spin is None and "libgomp's default" in policy, line
+    assert _probe(True, OMP_WAIT_POLICY="PASSIVE")[:2] == [None, "OMP_WAIT_POLICY=PASSIVE"]
     late = _probe(False)
-    assert late[0] == str(openmp.SPIN_COUNT) and "after torch loaded" in late[1], late
+    assert late[0] == str(openmp.BUSY_SPIN_COUNT) and "after torch loaded" in late[1], late

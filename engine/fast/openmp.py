@@ -1,4 +1,5 @@
-"""One thread pool for torch and the C++ kernels: one OpenMP runtime, one thread count, short spins.
+"""One thread pool for torch and the C++ kernels: one OpenMP runtime, one thread count, and idle
+threads that spin only where the machine has cores to spare.
 
 Whose threads run a CPU step's parallel work: torch's ops (ATen's loops, oneDNN's matmuls, MKL) run
 it on the OpenMP runtime torch ships (``torch/lib/libgomp.so.1``) with ``torch.set_num_threads``
@@ -10,22 +11,26 @@ one a kernel library calls and ``problems(lib)`` says what breaks "one pool" (te
 
 How long idle threads spin: after each parallel region libgomp's workers busy-wait for the next one,
 ``GOMP_SPINCOUNT`` iterations of a pause (libgomp's default, with ``OMP_WAIT_POLICY`` unset: 300,000,
-measured at ~3.3 ms on the 2-core Xeon of issue 40), then sleep until woken. A step of the core is
-dozens of parallel regions with Python's work between them, so at the default the workers spin
-through whole steps: on two threads the process burns two CPU-seconds per second whatever share of
-the step was parallel. With cores to spare that costs only CPU time. On a shared machine it costs
-the wall clock too: a region ends when every thread of its team has run its part, and while the
-other jobs hold a core the thread left behind keeps spinning on its own core for milliseconds,
-time its partner (or anyone) could have run in; a thread that sleeps instead gets the core back
-promptly when it is woken. ``SPIN_COUNT`` spins about 0.1 ms here: longer than the gaps between
-the ops of a step (Python dispatch, tens of microseconds), shorter than a step. Measurements:
-``docs/performance.md`` (issue 40's thread section).
+~3.3 ms on the 2-core Xeon of issue 40), then sleep until woken. A step of the core is dozens of
+parallel regions with Python's work between them, so at the default the workers spin through whole
+steps. With cores to spare that is the fastest choice (a worker picks the next region up at once: a
+bfloat16 linear of 64 rows took 49 us on two threads against 89 on one, the fastest of 400 calls;
+at 10,000 spins 190-215, at 1,000 about 108) and costs only CPU time. On
+a busy machine it is ruinous: a region ends when every thread of its team has run its part, and while
+other jobs hold a core the thread left behind spins on its own core for milliseconds, time its
+partner could have run in. Measured there (``run.py bench`` random workload, small preset, load
+average 6-7, three interleaved rounds): two threads at the default ran 0.10x (bfloat16) and 0.23x
+(float32) of one thread's tokens per second; at 1,000 spins 0.93x and 0.96x (10,000: 0.70x, 0.69x;
+OMP_WAIT_POLICY=PASSIVE: 0.93x, 0.94x). No spin count makes two threads pay on a machine that has no
+second core free, but a short one keeps them from costing ten times.
 
-libgomp reads these variables once, when it is loaded (by ``import torch``), so the setting
-belongs at a process's entry point, before torch: ``prefer_short_spins()`` (``run.py`` calls it).
-A ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` already in the environment wins (to force another
-policy: ``GOMP_SPINCOUNT=300000`` is libgomp's default, ``OMP_WAIT_POLICY=PASSIVE`` sleeps at once);
-child processes inherit it, so ``bench-peers``' vLLM worker runs under the core's policy.
+So the policy is chosen by a probe at a process's entry point (``prefer_short_spins()``; ``run.py``
+calls it): the load average against the cores. Load above half the cores (``BUSY_SHARE``): a busy
+machine, ``GOMP_SPINCOUNT=BUSY_SPIN_COUNT``; otherwise libgomp's default stands. The choice is
+printed in every benchmark's machine line (``describe()``). libgomp reads these variables once, when
+it is loaded (by ``import torch``), so the probe must run before torch is imported; a
+``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` already in the environment wins (the way to force either
+choice), and child processes inherit it, so ``bench-peers``' vLLM worker runs under the core's policy.
 """
 from __future__ import annotations
 
@@ -35,13 +40,16 @@ import os
 import re
 import sys
 
-SPIN_COUNT = 10_000  # libgomp spin iterations before an idle worker sleeps (its default: 300,000)
+BUSY_SPIN_COUNT = 1_000  # libgomp spin iterations before an idle worker sleeps, on a busy machine (~11 us here)
+DEFAULT_SPIN_COUNT = 300_000  # libgomp's own, with OMP_WAIT_POLICY unset (~3.3 ms here)
+BUSY_SHARE = 0.5  # a 1-minute load average above this share of the cores: a busy machine
 SPIN_VARS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")  # either one set by the user: their policy stands
 # The OpenMP runtimes a process may map: GNU (libgomp, or a wheel's renamed libgomp-<hash>),
 # Intel (libiomp5) and LLVM (libomp).
 RUNTIME_NAME = re.compile(r"^lib(gomp|iomp5|omp)([-.][^/]*)?\.so(\.[0-9.]+)?$")
 
 _too_late = False  # prefer_short_spins ran after an OpenMP runtime was loaded: its setting is not in effect here
+_why = ""  # what the probe saw, for describe()
 
 
 def runtimes(maps: str = "/proc/self/maps") -> list[str]:
@@ -61,17 +69,34 @@ def runtimes(maps: str = "/proc/self/maps") -> list[str]:
     return seen
 
 
-def prefer_short_spins(environ: dict | None = None) -> str:
-    """Set ``GOMP_SPINCOUNT=SPIN_COUNT`` in ``environ`` (``os.environ``) unless a spin policy is
-    already set there; returns what is now in effect (``spin_policy``). Call it before torch is
-    imported: libgomp reads the variable when it is loaded (later, it reaches child processes only)."""
-    global _too_late
+def busy(load: float | None, cores: int | None) -> bool:
+    """The probe: a machine whose 1-minute load average is above ``BUSY_SHARE`` of its cores is busy
+    (other jobs hold the cores two threads would need). Unknown load or cores: not busy."""
+    return load is not None and bool(cores) and load > BUSY_SHARE * cores
+
+
+def prefer_short_spins(environ: dict | None = None, load: float | None = None, cores: int | None = None) -> str:
+    """On a busy machine (``busy``: the load average now, unless ``load`` is given) set
+    ``GOMP_SPINCOUNT=BUSY_SPIN_COUNT`` in ``environ`` (``os.environ``), unless a spin policy is set
+    there already; returns what is now in effect (``spin_policy``). Call it before torch is imported:
+    libgomp reads the variable when it is loaded (later, it reaches child processes only)."""
+    global _too_late, _why
     env = os.environ if environ is None else environ
-    if not any(v in env for v in SPIN_VARS):
-        env["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+    if load is None and hasattr(os, "getloadavg"):
+        load = os.getloadavg()[0]
+    cores = cores if cores is not None else os.cpu_count()
+    if any(v in env for v in SPIN_VARS):
+        why = "set in the environment"
+    elif busy(load, cores):
+        env["GOMP_SPINCOUNT"] = str(BUSY_SPIN_COUNT)
+        why = f"busy machine: load {load:.1f} on {cores} cores"
         if environ is None and runtimes():
             _too_late = True
-    return spin_policy(env)
+    else:
+        why = f"cores to spare: load {load:.1f} on {cores} cores" if load is not None else "load unknown"
+    if environ is None:
+        _why = why
+    return f"{spin_policy(env)} ({why})"
 
 
 def spin_policy(environ: dict | None = None) -> str:
@@ -82,7 +107,7 @@ def spin_policy(environ: dict | None = None) -> str:
     for var in SPIN_VARS:
         if var in env:
             return f"{var}={env[var]}"
-    return "libgomp's default spin (300000)"
+    return f"libgomp's default spin ({DEFAULT_SPIN_COUNT})"
 
 
 class _DlInfo(ctypes.Structure):
@@ -159,11 +184,11 @@ def problems(lib: ctypes.CDLL) -> list[str]:
 
 
 def describe() -> str:
-    """One phrase for a benchmark's machine line: the runtime(s) and the spin policy."""
+    """One phrase for a benchmark's machine line: the runtime(s), the spin policy and why."""
     mapped = runtimes()
     names = ", ".join(os.path.basename(p) for p in mapped) or "not loaded"
     pools = "" if len(mapped) <= 1 else f" ({len(mapped)} runtimes: {len(mapped)} pools)"
-    return f"OpenMP {names}{pools}, {spin_policy()}"
+    return f"OpenMP {names}{pools}, {spin_policy()}" + (f" ({_why})" if _why else "")
 
 
 if __name__ == "__main__":  # python -m engine.fast.openmp: what this process gets
