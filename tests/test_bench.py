@@ -287,7 +287,8 @@ def test_cpu_flags_come_from_cpuinfo(tmp_path):
                                               ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16",
                                                "amx_int8", "amx_fancy"])
     m = machine_info(2)
-    assert m["torch_threads"] == 2 and m["line"].endswith("2 torch thread(s)") and m["cpu"] in m["line"]
+    assert m["torch_threads"] == 2 and "; 2 torch thread(s), OpenMP " in m["line"] and m["cpu"] in m["line"]
+    assert m["line"].endswith(m["openmp"]), "the OpenMP runtime and its spin policy close the line"
 
 
 # ----- qwen3-0.6b workloads and the LM head ------------------------------------------------------

@@ -1,5 +1,6 @@
 """One thread pool (engine/fast/openmp.py, cpu_kernel_share.h): the C++ kernels and torch run on one
-OpenMP runtime with one thread count, and run.py chooses the spin policy (a probe of the load) before torch loads it.
+OpenMP runtime with one thread count, and run.py chooses the spin policy (a probe of the load)
+before torch loads it.
 
 The oracle for "one runtime" is behaviour, not a file name: ``torch.set_num_threads(n)`` sets the
 thread count of torch's runtime only, so a kernel whose OpenMP calls reach another runtime reports
