@@ -48,7 +48,6 @@ SPIN_VARS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")  # either one set by the user:
 # Intel (libiomp5) and LLVM (libomp).
 RUNTIME_NAME = re.compile(r"^lib(gomp|iomp5|omp)([-.][^/]*)?\.so(\.[0-9.]+)?$")
 
-_too_late = False  # prefer_short_spins ran after an OpenMP runtime was loaded: its setting is not in effect here
 _why = ""  # what the probe saw, for describe()
 
 
@@ -78,20 +77,21 @@ def busy(load: float | None, cores: int | None) -> bool:
 def prefer_short_spins(environ: dict | None = None, load: float | None = None, cores: int | None = None) -> str:
     """On a busy machine (``busy``: the load average now, unless ``load`` is given) set
     ``GOMP_SPINCOUNT=BUSY_SPIN_COUNT`` in ``environ`` (``os.environ``), unless a spin policy is set
-    there already; returns what is now in effect (``spin_policy``). Call it before torch is imported:
-    libgomp reads the variable when it is loaded (later, it reaches child processes only)."""
-    global _too_late, _why
+    there already; returns what is now in effect and why. Call it before torch is imported: libgomp
+    reads the variable once, when it is loaded, so with ``os.environ`` and an OpenMP runtime already
+    in the process this changes nothing and says so."""
+    global _why
     env = os.environ if environ is None else environ
     if load is None and hasattr(os, "getloadavg"):
         load = os.getloadavg()[0]
     cores = cores if cores is not None else os.cpu_count()
     if any(v in env for v in SPIN_VARS):
         why = "set in the environment"
+    elif environ is None and runtimes():
+        why = "not chosen: the OpenMP runtime was loaded before the probe"
     elif busy(load, cores):
         env["GOMP_SPINCOUNT"] = str(BUSY_SPIN_COUNT)
         why = f"busy machine: load {load:.1f} on {cores} cores"
-        if environ is None and runtimes():
-            _too_late = True
     else:
         why = f"cores to spare: load {load:.1f} on {cores} cores" if load is not None else "load unknown"
     if environ is None:
@@ -102,8 +102,6 @@ def prefer_short_spins(environ: dict | None = None, load: float | None = None, c
 def spin_policy(environ: dict | None = None) -> str:
     """How long this process's idle OpenMP threads spin before they sleep, in one phrase."""
     env = os.environ if environ is None else environ
-    if _too_late and environ is None:
-        return "libgomp's default spin (GOMP_SPINCOUNT was set after torch loaded)"
     for var in SPIN_VARS:
         if var in env:
             return f"{var}={env[var]}"
