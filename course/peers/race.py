@@ -30,8 +30,10 @@ Then, for each dtype and thread count: the time to first token of a single promp
 random prompts, the median of ``--ttft-tries``), and the decode step at R requests (distinct
 64-token prompts), measured the same way for every engine: once the prefill is done and 3 steps
 have settled the batch, the median of the next ``--decode-steps`` engine steps (the fastest of
-``--decode-tries`` round-robin tries), beside this machine's roofline for that step
-(``course.bench.roofline``: measured peak GEMM FLOP/s and memory bandwidth).
+``--decode-tries`` round-robin tries), each beside this machine's roofline for it
+(``course.bench.roofline``: measured peak GEMM FLOP/s and memory bandwidth). Every table prints
+CPU time beside wall time, and the summary ends with one roofline line per preset, dtype and
+thread count (the limits, and the bound they put on the first token and on each decode step).
 
 A configuration that fails (a torch recompile limit in the compiled core, a dead worker) is
 reported, dropped for the rest of that dtype and thread count, and the sitting goes on. A core
