@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 
 from engine._impl import apply_impl
+from engine.fast.openmp import prefer_short_spins
 
 
 def _run_guarded(fn, argv: list[str]) -> int:
@@ -32,6 +33,10 @@ def _run_guarded(fn, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before anything loads torch (and its OpenMP runtime, which reads this once): on a busy
+    # machine idle OpenMP threads spin briefly, then sleep (engine/fast/openmp.py says why;
+    # GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment overrides the probe).
+    prefer_short_spins()
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"core": "course.bench.core:core_main", "generate": "course.learner.cli_generate:generate_main",
                 "bench": "course.bench.compare:bench_main", "serve": "engine.entrypoints.cli:serve_main",

@@ -200,6 +200,26 @@ def test_decode_step_cost_matches_a_hand_count():
         decode_step_cost(cfg, requests=0, context=5, weight_bytes=4, kv_bytes=4)
 
 
+def test_prefill_cost_matches_a_hand_count():
+    """FLOPs and bytes of one prompt's prefill to its first token, by hand for the same tiny config:
+    every token through every layer, causal attention, the LM head on the last token only."""
+    from types import SimpleNamespace
+
+    from course.bench.roofline import prefill_cost
+
+    cfg = SimpleNamespace(hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=4, vocab_size=10, num_experts=0)
+    cost = prefill_cost(cfg, tokens=3, weight_bytes=4, kv_bytes=2)
+    # layers: 2 * 480 = 960 weights, 2 FLOPs each per token: 5,760 for 3 tokens; LM head one row: 2 * 80 = 160;
+    # attention: causal pairs 1 + 2 + 3 = 6, 2 layers * (2 + 2) * 2 heads * 4 * 6 = 384.
+    assert cost.flops == 5760 + 160 + 384
+    assert cost.weight_bytes == (960 + 80) * 4
+    # K/V written: 2 layers * 3 tokens * (K + V) 2 * 1 kv head * 4 = 48 values of 2 bytes.
+    assert cost.kv_bytes == 96
+    with pytest.raises(ValueError, match="tokens >= 1"):
+        prefill_cost(cfg, tokens=0, weight_bytes=4, kv_bytes=4)
+
+
 def test_decode_step_cost_counts_every_weight_of_a_real_model():
     """The weights counted are the model's own matrices (each linear and the LM head, the tied
     embedding counted once as the head), counted from its parameters."""
@@ -267,7 +287,8 @@ def test_cpu_flags_come_from_cpuinfo(tmp_path):
                                               ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16",
                                                "amx_int8", "amx_fancy"])
     m = machine_info(2)
-    assert m["torch_threads"] == 2 and m["line"].endswith("2 torch thread(s)") and m["cpu"] in m["line"]
+    assert m["torch_threads"] == 2 and "; 2 torch thread(s), OpenMP " in m["line"] and m["cpu"] in m["line"]
+    assert m["line"].endswith(m["openmp"]), "the OpenMP runtime and its spin policy close the line"
 
 
 # ----- qwen3-0.6b workloads and the LM head ------------------------------------------------------
@@ -378,6 +399,15 @@ def test_bench_peers_end_to_end_with_a_fake_peer(tmp_path, monkeypatch, capsys):
     assert point["requests"] == 2 and point["vLLM b32"] == 1.0 and point["roofline"]["roofline_ms"] > 0
     assert point["cpu_ms"]["vLLM b32"] == 0.75 and point["cpu_ms"][row["core"]] > 0
     assert "time to first token" in text and "core reached" in text and s["failures"] == []
+    # CPU beside wall in every table: the time to first token too (vLLM's own clocks: the fake's 0.25 s)
+    assert s["ttft_cpu_s"]["vLLM b32"] == 0.25 and s["ttft_cpu_s"][row["core"]] > 0
+    assert "ms (CPU " in text.split("time to first token, one 8-token prompt")[1].splitlines()[0]
+    # one roofline line per preset and sitting, with the first token's bound and the decode step's
+    assert s["ttft_prompt"] == 8 and s["ttft_roofline"]["roofline_ms"] > 0 and s["limits"]["peak_flops"] > 0
+    roof = text.split("roofline per preset")[1].splitlines()[1]
+    assert roof.startswith("test float32 1t: peak GEMM") and "first token of a 8-token prompt >=" in roof
+    assert "decode step at R = 2 >=" in roof, roof
+    assert "OpenMP" in s["configs"][row["core"]] and "OpenMP" in s["configs"]["vLLM b32"]
 
 
 def test_bench_peers_drops_a_failing_configuration_and_goes_on(tmp_path, monkeypatch, capsys):
@@ -419,7 +449,56 @@ def test_bench_peers_drops_a_failing_configuration_and_goes_on(tmp_path, monkeyp
     (failure,) = s["failures"]
     assert "recompile_limit" in failure["error"] and failure["where"] == "workload 'shared'"
     assert [r["engine"] for r in s["workloads"]["shared"]] == ["vLLM b32"]
-    assert "FAILED" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "FAILED" in text
+    # no decode table and no first-token run: the sitting's roofline line still says the machine's limits
+    assert s["limits"]["bandwidth"] > 0 and "the limit: peak GEMM" in text
+
+
+def _sitting(dtype: str, threads: int) -> dict:
+    """A bench-peers sitting's record as ``sitting`` writes it, with made-up figures."""
+    limits = {"dtype": dtype, "peak_dtype": dtype, "threads": threads, "peak_flops": 1e11, "bandwidth": 1e10,
+              "copy_bandwidth": 1e10, "read_bandwidth": 9e9}
+    roof = lambda ms, bound: {"roofline_ms": ms, "bound": bound}  # noqa: E731
+    core, peer = "core/cpu+fused", "vLLM b32"
+    return {"preset": "small", "dtype": dtype, "threads": threads, "limits": limits, "startup_s": {core: 1.0},
+            "failures": [], "configs": {},
+            "workloads": {"random": [{"engine": core, "output_tok_s": 200.0, "seconds": 2.0, "cpu_seconds": 3.5,
+                                      "agrees": None},
+                                     {"engine": peer, "output_tok_s": 100.0, "seconds": 4.0, "cpu_seconds": 4.5,
+                                      "agrees": 1.0}]},
+            "ttft_s": {core: 0.05, peer: 0.1}, "ttft_cpu_s": {core: 0.06, peer: 0.12}, "ttft_prompt": 228,
+            "ttft_roofline": roof(1.25, "compute"),
+            "decode": [{"requests": 16, core: 5.0, peer: 10.0, "cpu_ms": {core: 6.0, peer: 11.0},
+                        "roofline": roof(2.5, "memory")}]}
+
+
+def test_bench_peers_summary_has_cpu_beside_wall_and_a_roofline_per_preset(capsys):
+    """Every table of bench-peers' summary prints CPU time beside wall time (the ratio that
+    survives a shared machine), and each sitting gets one roofline line."""
+    from course.peers.race import print_summary
+
+    print_summary([_sitting("float32", 1), _sitting("bfloat16", 2)])
+    text = capsys.readouterr().out
+    tables = [t.strip("\n") for t in text.split("\n\n") if "-----" in t]
+    assert len(tables) == 3, text  # workloads, time to first token, decode step
+    for table in tables:
+        head = table.splitlines()[1]
+        assert ("wall s" in head and "CPU s" in head) or ("ms" in head and "CPU ms" in head), head
+        assert "x CPU" in head, head
+    ttft = tables[1].splitlines()
+    assert "x CPU" in ttft[1] and "roofline" in ttft[1]
+    row = ttft[3].split()
+    # float32 1t, prompt 228: core 50.0 ms (CPU 60.0), vLLM 100.0 (CPU 120.0), x 2.00, x CPU 2.00,
+    # roofline 1.25 ms: reached 2.5% and 1.2%
+    assert row[:3] == ["float32", "1", "228"] and row[4:6] == ["50.0", "60.0"] and row[6:10] == ["vLLM", "b32", "100.0", "120.0"]
+    assert row[10:] == ["2.00", "2.00", "1.25", "2.5%", "1.2%"], row
+    roof = text.split("roofline per preset")[1].splitlines()[1:3]
+    assert roof[0].startswith("small float32 1t: peak GEMM 100.0 GFLOP/s") and "bfloat16 2t" in roof[1]
+    assert "first token of a 228-token prompt >= 1.25 ms (compute)" in roof[0]
+    assert "decode step at R = 16 >= 2.50 ms (memory)" in roof[0]
+    decode = tables[2].splitlines()[3].split()
+    assert decode[4:6] == ["5.00", "6.00"] and decode[8:12] == ["10.00", "11.00", "2.00", "1.83"], decode
 
 
 def test_bench_dtype_option_builds_the_preset_in_that_dtype(tmp_path):
@@ -444,3 +523,38 @@ def test_bench_dtype_option_builds_the_preset_in_that_dtype(tmp_path):
     assert (report["numerics"] is not None) == widened, report["numerics"]
     if widened:
         assert "matmuls in float32" in report["numerics"]
+
+
+# ----- two threads against one: course.bench.threads -----------------------------------------------
+def test_thread_scaling_ratios_are_taken_per_round():
+    """The summary's ratios are medians of each round's side-by-side pair, not ratios of medians."""
+    from course.bench.threads import policy_env, summarize
+
+    run = lambda wall, cpu: {"wall": wall, "cpu": cpu, "tokens": 100, "load": 1.0, "openmp": "x"}  # noqa: E731
+    runs = {("float32", "probe", 1): [run(2.0, 2.0), run(4.0, 4.0), run(3.0, 3.0)],
+            ("float32", "probe", 2): [run(1.0, 2.0), run(4.0, 8.0), run(2.0, 3.0)]}
+    (row,) = summarize(runs)
+    assert (row["x_wall"], row["x_cpu"]) == (1.5, 1.0)  # pairs 2.0, 1.0, 1.5 and 1.0, 0.5, 1.0
+    assert (row["tok_s_1"], row["tok_s_2"], row["tok_cpu_s_2"]) == (33.3, 50.0, 33.3)
+    assert policy_env("probe") == {} and policy_env("GOMP_SPINCOUNT=5,OMP_WAIT_POLICY=PASSIVE") == {
+        "GOMP_SPINCOUNT": "5", "OMP_WAIT_POLICY": "PASSIVE"}
+    with pytest.raises(ValueError, match="spin policy"):
+        policy_env("OMP_NUM_THREADS=3")
+
+
+def test_thread_scaling_runs_each_count_in_its_own_process_under_the_policy(tmp_path, capsys):
+    """One round on the test preset: a run.py bench process per thread count, the spin policy in its
+    environment (its machine line says so), CPU seconds beside wall, the load printed."""
+    from course.bench.threads import main
+
+    out = tmp_path / "threads.json"
+    assert main(["--rounds", "1", "--dtypes", "float32", "--preset", "test", "--scale", "0.1",
+                 "--spin", "GOMP_SPINCOUNT=300000", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert sorted(r["threads"] for r in report["runs"]) == [1, 2]
+    assert all("GOMP_SPINCOUNT=300000 (set in the environment)" in r["openmp"] for r in report["runs"])
+    assert all(r["cpu"] > 0 and r["wall"] > 0 for r in report["runs"])
+    (row,) = report["summary"]
+    assert row["x_wall"] > 0 and row["x_cpu"] > 0 and row["tok_cpu_s_1"] > 0
+    text = capsys.readouterr().out
+    assert "load average" in text and "x CPU" in text

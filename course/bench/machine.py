@@ -1,11 +1,14 @@
 """The machine a figure was measured on: CPU model, the SIMD and matrix-unit flags that matter to
-the kernels (AMX, avx512_bf16, ...), cores, torch threads and the load average (several jobs may
-share the machine). The one reader of ``/proc/cpuinfo`` in the repository: ``machine_line`` for a
-printed line, ``machine_info`` for the same facts in a JSON report."""
+the kernels (AMX, avx512_bf16, ...), cores, torch threads with their OpenMP runtime and spin
+policy, and the load average (several jobs may share the machine). The one reader of
+``/proc/cpuinfo`` in the repository: ``machine_line`` for a printed line, ``machine_info`` for the
+same facts in a JSON report."""
 from __future__ import annotations
 
 import os
 import platform
+
+from engine.fast import openmp
 
 # Flags named in the line when the CPU has them: vector width, and the units a bf16 GEMM can use
 # (avx512_bf16: bf16 dot products in AVX-512; amx_*: Intel's tile matrix units, which oneDNN uses).
@@ -41,7 +44,7 @@ def machine_info(threads: int | None = None) -> dict:
     model, flags = cpu_model_and_flags()
     return {"cpu": model, "flags": flags, "bf16_units": any(f in flags for f in ("avx512_bf16", "amx_bf16")),
             "cores": os.cpu_count(), "load_average": load_average(), "torch_threads": threads,
-            "line": machine_line(threads)}
+            "openmp": openmp.describe(), "line": machine_line(threads)}
 
 
 def machine_line(threads: int | None = None) -> str:
@@ -49,4 +52,5 @@ def machine_line(threads: int | None = None) -> str:
     load = load_average()
     load_s = "/".join(f"{x:.1f}" for x in load) if load else "?"
     line = f"{model}; {' '.join(flags) or '(flags unknown)'}; {os.cpu_count()} cores; load average {load_s}"
-    return line + (f"; {threads} torch thread(s)" if threads is not None else "")
+    # The OpenMP runtime(s) and spin policy: one runtime is one pool of threads (engine/fast/openmp.py).
+    return line + (f"; {threads} torch thread(s), {openmp.describe()}" if threads is not None else "")

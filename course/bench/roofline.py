@@ -9,6 +9,7 @@ step from below:
     roofline time = max(FLOPs / peak FLOP/s, bytes / bandwidth)
 
 and ``roofline time / measured step`` is the fraction of the limit an engine reached (1.0: at it).
+A prompt's prefill up to its first token is bounded the same way (``prefill_cost``).
 
 Counted (dense Qwen3 decoder, one new token per request, context ``c`` tokens each, the new one
 included): per layer the q/k/v, o, gate/up and down matrices, D·(Hq + 2·Hkv)·Dh + Hq·Dh·D + 3·D·I
@@ -66,6 +67,27 @@ def decode_step_cost(cfg, requests: int, context: int, weight_bytes: int, kv_byt
     attention_flops = layers * requests * 4 * cfg.num_attention_heads * dh * context
     kv_values = layers * requests * 2 * cfg.num_key_value_heads * dh * context
     return StepCost(flops=2.0 * weights * requests + attention_flops, weight_bytes=float(weights * weight_bytes),
+                    kv_bytes=float(kv_values * kv_bytes))
+
+
+def prefill_cost(cfg, tokens: int, weight_bytes: int, kv_bytes: int) -> StepCost:
+    """FLOPs and bytes of one prompt's prefill up to its first token (the time-to-first-token step).
+
+    Every prompt token goes through every layer (two FLOPs per layer weight per token), attention
+    is causal (token i attends to i + 1 tokens: 2·Hq·Dh FLOPs for q·k and as many for p·v per pair),
+    and the LM head runs on the last token only. Bytes: every weight read once, and the prompt's
+    K/V written once (``kv_values``, ``kv_bytes`` each)."""
+    if getattr(cfg, "num_experts", 0):
+        raise ValueError("the roofline counts dense models only (this one has MoE layers)")
+    if tokens < 1:
+        raise ValueError(f"need tokens >= 1, got {tokens}")
+    layers, d, dh = cfg.num_hidden_layers, cfg.hidden_size, cfg.head_dim
+    layer_weights = layers * weights_per_layer(cfg)
+    pairs = tokens * (tokens + 1) // 2  # (query, key) pairs of a causal prompt
+    attention_flops = layers * 4 * cfg.num_attention_heads * dh * pairs
+    kv_values = layers * tokens * 2 * cfg.num_key_value_heads * dh
+    return StepCost(flops=2.0 * layer_weights * tokens + 2.0 * cfg.vocab_size * d + attention_flops,
+                    weight_bytes=float((layer_weights + cfg.vocab_size * d) * weight_bytes),
                     kv_bytes=float(kv_values * kv_bytes))
 
 

@@ -30,8 +30,10 @@ Then, for each dtype and thread count: the time to first token of a single promp
 random prompts, the median of ``--ttft-tries``), and the decode step at R requests (distinct
 64-token prompts), measured the same way for every engine: once the prefill is done and 3 steps
 have settled the batch, the median of the next ``--decode-steps`` engine steps (the fastest of
-``--decode-tries`` round-robin tries), beside this machine's roofline for that step
-(``course.bench.roofline``: measured peak GEMM FLOP/s and memory bandwidth).
+``--decode-tries`` round-robin tries), each beside this machine's roofline for it
+(``course.bench.roofline``: measured peak GEMM FLOP/s and memory bandwidth). Every table prints
+CPU time beside wall time, and the summary ends with one roofline line per preset, dtype and
+thread count (the limits, and the bound they put on the first token and on each decode step).
 
 A configuration that fails (a torch recompile limit in the compiled core, a dead worker) is
 reported, dropped for the rest of that dtype and thread count, and the sitting goes on. A core
@@ -57,6 +59,7 @@ from course.bench.compare import (MODEL_PRESETS, SIZED_WORKLOADS, WORKLOADS, Cor
                           make_workload, print_results, release_memory, scaling_point)
 from course.bench.machine import machine_info, machine_line
 from course.bench.workloads import WorkItem
+from engine.fast import openmp
 from engine.fast.choose import FASTEST_FLAT_MODEL
 from engine._impl import add_impl_argument
 
@@ -197,7 +200,8 @@ class VLLMRunner:
         return (f"vLLM-CPU {self.info['vllm']} (torch {self.info['torch']}, {self.info['threads']} thread(s)): block "
                 f"size {c.get('block_size')}, {c.get('kv_cache_gib')} GiB K/V, prefix caching on, max_num_seqs "
                 f"{c.get('max_num_seqs')}, max_num_batched_tokens {c.get('max_num_batched_tokens')}, in-process "
-                f"engine, threads {c.get('thread_bind')}, compilation {c.get('compilation', '?')}")
+                f"engine, threads {c.get('thread_bind')}, compilation {c.get('compilation', '?')}, "
+                f"OpenMP {c.get('openmp') or '?'}")
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -222,22 +226,24 @@ def graphs_compiled() -> int:
 
 
 def time_to_first_token(runners: dict[str, object], prompt_len: int, vocab: int, tries: int,
-                        seed: int = 0) -> dict[str, list[float]]:
-    """Per runner, the seconds of ``tries`` single-prompt runs that stop at the first token:
+                        seed: int = 0) -> dict[str, list[tuple[float, float]]]:
+    """Per runner, (wall, CPU) seconds of ``tries`` single-prompt runs that stop at the first token:
     round-robin (every runner once per try), ``prompt_len`` random tokens, a new prompt each try
-    (no prefix hit), each run timed by the runner when it times itself (a peer in another process)."""
+    (no prefix hit), each run timed by the runner when it times itself (a peer in another process:
+    its own clocks), else here (this process's CPU time: the core runs in it)."""
     rng = random.Random(seed)
-    times: dict[str, list[float]] = {k: [] for k in runners}
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in runners}
     for k in range(tries):
         prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
         for label, runner in runners.items():
             fresh = getattr(getattr(runner, "runner", runner), "fresh", None)
             if fresh is not None:
                 fresh()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             runner.serve([WorkItem(f"ttft{k}", prompt, 1)])
-            wall = time.perf_counter() - start
-            times[label].append((getattr(runner, "timed", None) or (wall,))[0])
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+            wall, cpu = getattr(runner, "timed", None) or (wall, cpu)
+            times[label].append((wall, cpu))
     return times
 
 
@@ -248,7 +254,7 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
             ttft_tries: int = 3) -> dict:
     """One dtype at one thread count: workloads round-robin, time to first token, decode steps."""
     from course.bench.checkpoints import preset_checkpoint
-    from course.bench.roofline import decode_step_cost, describe, machine_limits, roofline
+    from course.bench.roofline import decode_step_cost, describe, machine_limits, prefill_cost, roofline
     from engine.models import load_model
 
     torch.set_num_threads(threads)
@@ -264,7 +270,8 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
           f"(block sizes {', '.join(map(str, block_sizes))}) ===", flush=True)
     print(f"  machine: {machine_line(threads)}", flush=True)
     out: dict = {"preset": preset, "dtype": dname, "threads": threads, "machine": machine_info(threads),
-                 "configs": {}, "startup_s": {}, "workloads": {}, "ttft_s": {}, "decode": [], "failures": []}
+                 "configs": {}, "startup_s": {}, "workloads": {}, "ttft_s": {}, "ttft_cpu_s": {}, "decode": [],
+                 "failures": []}
     failed: set[str] = set()
 
     def fail(exc: EngineFailed, where: str) -> None:
@@ -289,7 +296,8 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
             continue
         out["startup_s"][label] = round(time.perf_counter() - start, 2)
         out["configs"][label] = (f"EngineCore, attention backend {backend}, flat_model={flat!r}, prefix caching on, "
-                                 f"max_num_seqs 256, max_num_batched_tokens 2048, {KV_CACHE_GIB} GiB K/V")
+                                 f"max_num_seqs 256, max_num_batched_tokens 2048, {KV_CACHE_GIB} GiB K/V, "
+                                 f"{openmp.describe()}")
         cores[label] = guarded(label, make)
     peers: dict[str, VLLMRunner] = {}
     try:
@@ -329,10 +337,15 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
             out["workloads"][name] = [{"engine": r.engine, "output_tok_s": r.output_tok_s, "seconds": r.seconds,
                                        "cpu_seconds": r.cpu_seconds, "agrees": r.agrees,
                                        "output_tokens": r.output_tokens, "hit_rate": r.hit_rate} for r in res]
+        # The limit of this machine at this dtype and thread count, for every preset (the summary's
+        # roofline line), whether or not the decode table runs.
+        limits = machine_limits(dtype)
+        out["limits"] = limits
+        print(f"  the limit: {describe(limits)}", flush=True)
         if ttft_prompt:
             # One core engine at a time beside the vLLM engines (a large preset's engines would not
             # all fit in memory at once), round-robin with them; each label's median over its tries.
-            tries: dict[str, list[float]] = {}
+            tries: dict[str, list[tuple[float, float]]] = {}
             for k, make in cores.items():
                 try:
                     runners = {k: make(), **{p: Guarded(r) for p, r in peers.items() if p not in failed}}
@@ -343,13 +356,16 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
                     fail(exc, "time to first token")
                 runners = {}
                 release_memory()
-            out["ttft_s"] = {k: round(statistics.median(v), 4) for k, v in tries.items()}
+            out["ttft_s"] = {k: round(statistics.median(w for w, _ in v), 4) for k, v in tries.items()}
+            out["ttft_cpu_s"] = {k: round(statistics.median(c for _, c in v), 4) for k, v in tries.items()}
+            out["ttft_prompt"] = ttft_prompt
+            out["ttft_roofline"] = roofline(prefill_cost(model.cfg, ttft_prompt, dtype.itemsize, dtype.itemsize),
+                                            limits)
             print(f"  time to first token, one {ttft_prompt}-token prompt (median of {ttft_tries} per core "
-                  "configuration): " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in out["ttft_s"].items()), flush=True)
-        limits = machine_limits(dtype) if decode_points else None
-        if limits:
-            out["limits"] = limits
-            print(f"  the limit: {describe(limits)}", flush=True)
+                  "configuration): " + ", ".join(f"{k} {v * 1000:.1f} ms (CPU {out['ttft_cpu_s'][k] * 1000:.1f})"
+                                                 for k, v in out["ttft_s"].items())
+                  + f"; roofline {out['ttft_roofline']['roofline_ms']:.2f} ms ({out['ttft_roofline']['bound']})",
+                  flush=True)
         for r_count in decode_points:
             row: dict = {"requests": r_count, "cpu_ms": {}}
             for _ in range(decode_tries):  # round-robin: each engine in turn, the fastest kept
@@ -417,6 +433,27 @@ def summary_rows(sittings: list[dict]) -> list[dict]:
     return rows
 
 
+def roofline_line(s: dict) -> str | None:
+    """One sitting's roofline in one line: the machine's limits, and the bound they put on its time
+    to first token and on each decode step it timed (None when the sitting measured no limits)."""
+    limits = s.get("limits")
+    if not limits:
+        return None
+    from course.bench.roofline import describe
+
+    parts = []
+    if s.get("ttft_roofline"):
+        r = s["ttft_roofline"]
+        parts.append(f"first token of a {s.get('ttft_prompt')}-token prompt >= {r['roofline_ms']:.2f} ms ({r['bound']})")
+    if s.get("decode"):
+        rows = [row for row in s["decode"] if "roofline" in row]
+        parts.append("decode step at R = " + "/".join(str(row["requests"]) for row in rows) + " >= "
+                     + "/".join(f"{row['roofline']['roofline_ms']:.2f}" for row in rows) + " ms ("
+                     + "/".join(row["roofline"]["bound"] for row in rows) + ")")
+    return (f"{s.get('preset') or '?'} {s['dtype']} {s['threads']}t: {describe(limits)}"
+            + ("; " + "; ".join(parts) if parts else ""))
+
+
 def print_summary(sittings: list[dict]) -> None:
     print("\nsummary: output tok/s, each engine's best configuration on each workload (x > 1: the core leads; by "
           "wall clock, and by CPU time: vLLM's CPU s / the core's; agrees = share of vLLM's requests whose greedy "
@@ -431,19 +468,32 @@ def print_summary(sittings: list[dict]) -> None:
               f"{r['core_s']:7.2f} {r['core_cpu_s']:7.2f} {r['vllm']:>9s} {r['vllm_tok_s']:8.1f} {r['vllm_s']:7.2f} "
               f"{r['vllm_cpu_s']:7.2f} {r['x']:6.2f} {fmt(r['x_cpu'], '6.2f'):>6s} {fmt(r['agrees'], '7.3f'):>7s}")
     if any(s["ttft_s"] for s in sittings):
-        print("\ntime to first token (ms), one prompt, each engine's best configuration (x > 1: the core's is shorter)")
+        print("\ntime to first token (ms), one prompt, each engine's best configuration, beside the roofline "
+              "(x > 1: the core's is shorter; x CPU: vLLM's CPU ms / the core's; reached = roofline / ms)")
+        head = (f"{'dtype':9s} {'thr':>3s} {'prompt':>6s} {'core':>20s} {'ms':>9s} {'CPU ms':>8s} {'vLLM':>9s} "
+                f"{'ms':>9s} {'CPU ms':>8s} {'x':>6s} {'x CPU':>6s} {'roofline':>9s} {'core reached':>12s} "
+                f"{'vLLM reached':>12s}")
+        print(head)
+        print("-" * len(head))
         for s in sittings:
             core = {k: v for k, v in s["ttft_s"].items() if k.startswith("core/")}
             peer = {k: v for k, v in s["ttft_s"].items() if not k.startswith("core/")}
             if core and peer:
                 kc, kp = min(core, key=core.get), min(peer, key=peer.get)
-                print(f"{s['dtype']:9s} {s['threads']:3d}  {kc} {core[kc] * 1000:.1f}  {kp} {peer[kp] * 1000:.1f}  "
-                      f"x {peer[kp] / core[kc]:.2f}")
+                cpu = s.get("ttft_cpu_s", {})
+                cc, cp = cpu.get(kc), cpu.get(kp)
+                roof = s.get("ttft_roofline", {}).get("roofline_ms")
+                print(f"{s['dtype']:9s} {s['threads']:3d} {fmt(s.get('ttft_prompt'), '6d'):>6s} {kc:>20s} "
+                      f"{core[kc] * 1000:9.1f} {fmt(cc and cc * 1000, '8.1f'):>8s} {kp:>9s} {peer[kp] * 1000:9.1f} "
+                      f"{fmt(cp and cp * 1000, '8.1f'):>8s} {peer[kp] / core[kc]:6.2f} "
+                      f"{fmt(cp / cc if cc and cp else None, '6.2f'):>6s} {fmt(roof, '9.2f'):>9s} "
+                      f"{fmt(roof and roof / (core[kc] * 1000), '12.1%'):>12s} "
+                      f"{fmt(roof and roof / (peer[kp] * 1000), '12.1%'):>12s}")
     if any(s["decode"] for s in sittings):
         print("\ndecode step (ms) at R requests running, each engine's best configuration, beside the roofline "
-              "(x > 1: the core is faster; reached = roofline / step)")
+              "(x > 1: the core is faster; x CPU: vLLM's CPU ms / the core's; reached = roofline / step)")
         head = (f"{'dtype':9s} {'thr':>3s} {'R':>4s} {'core':>20s} {'ms':>9s} {'CPU ms':>8s} {'vLLM':>9s} {'ms':>9s} "
-                f"{'CPU ms':>8s} {'x':>6s} {'roofline':>9s} {'core reached':>12s} {'vLLM reached':>12s}")
+                f"{'CPU ms':>8s} {'x':>6s} {'x CPU':>6s} {'roofline':>9s} {'core reached':>12s} {'vLLM reached':>12s}")
         print(head)
         print("-" * len(head))
         for s in sittings:
@@ -456,7 +506,17 @@ def print_summary(sittings: list[dict]) -> None:
                 roof, cpu = row["roofline"]["roofline_ms"], row.get("cpu_ms", {})
                 print(f"{s['dtype']:9s} {s['threads']:3d} {row['requests']:4d} {kc:>20s} {core[kc]:9.2f} "
                       f"{fmt(cpu.get(kc), '8.2f'):>8s} {kp:>9s} {peer[kp]:9.2f} {fmt(cpu.get(kp), '8.2f'):>8s} "
-                      f"{peer[kp] / core[kc]:6.2f} {roof:9.2f} {roof / core[kc]:12.1%} {roof / peer[kp]:12.1%}")
+                      f"{peer[kp] / core[kc]:6.2f} "
+                      f"{fmt(cpu[kp] / cpu[kc] if cpu.get(kc) and cpu.get(kp) else None, '6.2f'):>6s} "
+                      f"{roof:9.2f} {roof / core[kc]:12.1%} {roof / peer[kp]:12.1%}")
+    lines = [roofline_line(s) for s in sittings]
+    if any(lines):
+        print("\nroofline per preset (course/bench/roofline.py: FLOPs and bytes from the model's shape against this "
+              "machine's measured peak GEMM rate and memory bandwidth, at the dtype and thread count; no engine "
+              "can be faster)")
+        for line in lines:
+            if line:
+                print(line)
     print("\nstartup (s): " + "; ".join(f"{s['dtype']}/{s['threads']}t: " + ", ".join(
         f"{k} {v}" for k, v in s["startup_s"].items()) for s in sittings))
     failures = [f for s in sittings for f in s["failures"]]

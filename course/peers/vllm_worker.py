@@ -60,7 +60,10 @@ def main() -> int:
               "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
               "kv_cache_gib": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]),
               "in_process": os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0",
-              "thread_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}
+              "thread_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+              # the OpenMP spin policy it inherited: run.py chose the core's before torch loaded, the same here
+              "openmp": ", ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+                                  if k in os.environ)}
     try:  # how vLLM compiles its model (its own default unless told otherwise)
         cc = llm.llm_engine.vllm_config.compilation_config
         config["compilation"] = f"{getattr(cc, 'mode', '?')}, backend {getattr(cc, 'backend', '?') or 'default'}"

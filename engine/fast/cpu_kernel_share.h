@@ -1,20 +1,41 @@
-// Shared by the CPU kernels (cpu_paged_kernel.cpp, cpu_linear_kernel.cpp): how the threads of
-// one call split its work. Part of each kernel's build cache key (engine/fast/cpu_attention.py).
+// Shared by the CPU kernels (cpu_paged_kernel.cpp, cpu_linear_kernel.cpp, cpu_elementwise_kernel.cpp):
+// how the threads of one call split its work. Part of each kernel's build cache key
+// (engine/fast/cpu_attention.py).
 //
-// share(total, threads, run) calls run(begin, end) over chunks of [0, total) on `threads`
-// threads through OpenMP. The library is linked against the OpenMP runtime torch itself loaded
-// (libgomp.so.1), so these are torch's own worker threads: the ones that, between torch's ops,
-// are still spinning for the next parallel region pick the chunks up at once. (A pool of our own
-// competed with those spinning workers for the same cores: on two threads the kernels ran no
-// faster than on one.) Chunks are handed out dynamically, several per thread, so a thread that
-// starts late finds less left rather than holding the call back.
+// share(total, threads, run) calls run(begin, end) over chunks of [0, total) through OpenMP. The
+// library is linked against the OpenMP runtime torch itself loaded (libgomp.so.1: the loader binds
+// the kernel's libgomp.so.1 to the copy already in the process; engine/fast/openmp.py checks it), so
+// these are torch's own worker threads: the ones that, between torch's ops, are still spinning for
+// the next parallel region pick the chunks up at once. (A pool of our own competed with those
+// spinning workers for the same cores: on two threads the kernels ran no faster than on one.)
+//
+// `threads` (at least 2 to share at all) sets how finely the work is cut, about kChunksPerThread
+// chunks per thread; the team is torch's whole thread count (omp_get_max_threads(): what
+// torch.set_num_threads set), never a smaller one. libgomp keeps one pool of workers per calling
+// thread and ends the workers a smaller team leaves out, so a kernel asking for fewer threads than
+// torch's ops would make the next op of torch's start its threads again (an experiment alternating
+// teams of 4 and 2 saw a new thread id on every large team). Chunks are handed out dynamically, so a
+// thread that starts late finds less left rather than holding the call back, and a team larger
+// than the work's chunks leaves its extra threads nothing to do.
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace {
 
 constexpr int64_t kChunksPerThread = 8;
+
+// The team a share() of `threads` runs on: torch's thread count (at least `threads`).
+inline int share_team(int64_t threads) {
+#ifdef _OPENMP
+  return static_cast<int>(std::max<int64_t>(threads, omp_get_max_threads()));
+#else
+  return 1;  // built without OpenMP: one thread does every chunk
+#endif
+}
 
 template <typename F>
 void share(int64_t total, int64_t threads, F&& run) {
@@ -24,10 +45,42 @@ void share(int64_t total, int64_t threads, F&& run) {
   }
   const int64_t chunk = std::max<int64_t>(1, (total + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
   const int64_t chunks = (total + chunk - 1) / chunk;
-#pragma omp parallel for num_threads(static_cast<int>(threads)) schedule(dynamic, 1)
+#pragma omp parallel for num_threads(share_team(threads)) schedule(dynamic, 1)
   for (int64_t c = 0; c < chunks; ++c) {
     run(c * chunk, std::min(total, (c + 1) * chunk));
   }
 }
 
 }  // namespace
+
+// What the kernels' OpenMP runtime says, for engine/fast/openmp.py (one runtime, one thread count).
+// share_max_threads: the runtime's thread count as this kernel sees it (torch.set_num_threads sets it
+// in torch's runtime: a kernel bound to another runtime would not follow). share_team_size: the
+// threads a share() of `threads` really runs on. share_runtime_address: where this kernel's
+// omp_get_max_threads lives (dladdr names the library). Each is 1 / 0 in a build without OpenMP.
+extern "C" int64_t share_max_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+extern "C" int64_t share_team_size(int64_t threads) {
+  int64_t seen = 1;
+  share(threads, threads, [&](int64_t, int64_t) {
+#ifdef _OPENMP
+#pragma omp critical(share_team_size)
+    seen = std::max<int64_t>(seen, omp_get_num_threads());
+#endif
+  });
+  return seen;
+}
+
+extern "C" const void* share_runtime_address() {
+#ifdef _OPENMP
+  return reinterpret_cast<const void*>(&omp_get_max_threads);
+#else
+  return nullptr;
+#endif
+}
