@@ -3,6 +3,8 @@
     python -m course.bench.levers attention [--requests 64] [--context 200]   decode attention, one layer
     python -m course.bench.levers step [--requests 64] [--dtype float32]      one engine decode step
     python -m course.bench.levers step --prefill [--requests 8]               one prefill step (a fresh engine's first)
+    python -m course.bench.levers prefill-attention --preset small --requests 32 --context 64 --dtype bfloat16
+                                                                               one step's attention, every layer: kernel / sdpa / probe
     python -m course.bench.levers parts [--requests 64] [--context 64]        the fast core's decode step: linears / attention / write / rest
     python -m course.bench.levers linear [--threads 1]                          one step's linears: the kernel, prefetch on/off, oneDNN
     python -m course.bench.levers elementwise                                  eager vs compiled norms/RoPE/SiLU
@@ -110,6 +112,88 @@ def attention(args) -> None:
                            "inductor (compiled, gather-free)": lambda: compiled(q, *cache, tab, q_pos, d ** -0.5)},
                           args.rounds)
     print(f"decode attention, one layer, R={r}, context ~{args.context}, {torch.get_num_threads()} thread(s): {res}")
+
+
+def paged_step(preset: str, requests: int, rows: int, prefix: int, dtype: torch.dtype, bs: int = 16):
+    """A step of ``requests`` requests of ``rows`` query rows each after ``prefix`` cached tokens
+    (rows=1: decodes), at the preset's attention shape, with one pool per layer (a step's layers
+    do not share a cache line): (q per layer [N, Hq, D], pools per layer, meta)."""
+    from course.bench.compare import MODEL_PRESETS
+    from engine.models.tiny import tiny_config
+    from engine.serve.batch import build_batch
+    from engine.serve.request import Request
+
+    cfg = tiny_config(False, **MODEL_PRESETS[preset])
+    hq, hkv, d, layers = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+    gen = torch.Generator().manual_seed(0)
+    need = -(-(prefix + rows) // bs)
+    num_blocks = requests * need + 1
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    scheduled, tables = [], []
+    for i in range(requests):
+        req = Request(f"r{i}", [1] * (prefix + rows + 1))
+        req.num_computed_tokens = prefix
+        scheduled.append((req, rows))
+        tables.append(perm[i * need:(i + 1) * need])
+    meta = build_batch(scheduled, tables, bs).meta
+    pools = [tuple(torch.randn(num_blocks + 1, bs, hkv, d, generator=gen).to(dtype) for _ in range(2))
+             for _ in range(layers)]
+    qs = [torch.randn(requests * rows, hq, d, generator=gen).to(dtype) for _ in range(layers)]
+    return qs, pools, meta
+
+
+def prefill_attention(args) -> None:
+    """One step's attention over every layer of the preset (``--requests`` x ``--context`` rows
+    after ``--prefix`` cached tokens; ``--context 1``: decodes): the cpu backend's paths side by
+    side, interleaved (wall and CPU ms, median), checked against each other first."""
+    from course.bench.machine import machine_line
+    from engine.fast import cpu_prefill
+    from engine.fast.cpu_attention import CPUBackend
+    from engine.fast.torch_attention import TorchBackend
+
+    dtype = getattr(torch, args.dtype)
+    qs, pools, meta = paged_step(args.preset, args.requests, args.context, args.prefix, dtype)
+    variants = {name: CPUBackend(prefill=path) for name, path in (("kernel", "kernel"), ("sdpa", "sdpa"))}
+    if args.context > 1:
+        variants["auto (probe)"] = CPUBackend(prefill="auto")
+        variants["torch tiles"] = TorchBackend(cascade_min_reqs=0)
+    with torch.inference_mode():
+        outs = {k: b.forward(qs[0], pools[0], meta) for k, b in variants.items()}
+        base = outs["kernel"].double()
+        for k, o in outs.items():
+            err = (o.double() - base).abs().max().item()
+            assert err < (3e-2 if dtype == torch.bfloat16 else 1e-4), f"{k} differs from the kernel by {err}"
+
+        def run(b):
+            def f():
+                for q, c in zip(qs, pools):
+                    b.forward(q, c, meta)
+            return f
+        wall, cpu = timed_rounds({k: run(b) for k, b in variants.items()}, args.rounds)
+    hq, d = qs[0].shape[1:]
+    gflop = len(qs) * args.requests * cpu_prefill.flops(args.context, args.prefix, hq, d) / 1e9
+    print(machine_line(torch.get_num_threads()))
+    print(f"attention of one step, {args.preset} preset ({len(qs)} layers, {hq} heads of {d}), {args.dtype}, "
+          f"{args.requests} x {args.context} rows after {args.prefix} cached, {torch.get_num_threads()} thread(s), "
+          f"{gflop:.2f} GFLOP; median ms (wall / cpu, GFLOP/s):")
+    for k in variants:
+        print(f"  {k:14s} {wall[k]:9.3f} / {cpu[k]:9.3f}  ({gflop / wall[k] * 1000:.0f} GFLOP/s)")
+    print("  prefill choice: " + "; ".join(cpu_prefill.chosen_report()))
+
+
+def timed_rounds(fns: dict, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """``interleaved`` with CPU time beside wall time: (median wall ms, median process CPU ms) per callable."""
+    for f in fns.values():
+        f()
+    wall, cpu = {k: [] for k in fns}, {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            w, c = time.perf_counter(), time.process_time()
+            f()
+            wall[k].append(time.perf_counter() - w)
+            cpu[k].append(time.process_time() - c)
+    med = lambda v: round(statistics.median(v) * 1000, 3)  # noqa: E731
+    return {k: med(v) for k, v in wall.items()}, {k: med(v) for k, v in cpu.items()}
 
 
 def step(args) -> None:
@@ -364,7 +448,8 @@ def argmax(args) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("attention", "step", "parts", "linear", "elementwise", "argmax"))
+    ap.add_argument("what", choices=("attention", "prefill-attention", "step", "parts", "linear", "elementwise",
+                                     "argmax"))
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--dtype", default="float32")
@@ -380,10 +465,11 @@ def main() -> int:
     ap.add_argument("--prefill", action="store_true", help="step: time a fresh engine's first (prefill) step")
     ap.add_argument("--preset", default="small", help="step, linear: the bench's model preset (small, qwen3-0.6b, test)")
     ap.add_argument("--layers", type=int, default=0, help="step, linear: this many of the preset's layers (0: all)")
+    ap.add_argument("--prefix", type=int, default=0, help="prefill-attention: cached tokens before each request's rows")
     ap.add_argument("--rows", default="16,64,256", help="linear: the row counts, comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    {"attention": attention, "step": step, "parts": parts, "linear": linear, "elementwise": elementwise,
+    {"attention": attention, "prefill-attention": prefill_attention, "step": step, "parts": parts, "linear": linear, "elementwise": elementwise,
      "argmax": argmax}[args.what](args)
     return 0
 

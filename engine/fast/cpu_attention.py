@@ -6,9 +6,13 @@ copy is the largest part of a CPU decode step. This backend's rows go through
 ``cpu_paged_kernel.cpp`` instead: for each row and kv head it walks the request's block table,
 reads each key's K and V row from the pool in place (in the pool's own dtype: bfloat16 stays
 bfloat16 in memory and is widened in registers) and computes softmax(q k^T * scale) v in float
-(double for float64 pools). Every row takes the kernel, prefill rows included, each with its own
-causal limit (``prefill_in_place=False``: requests with several query rows keep ``TorchBackend``'s
-tile path of one gather per 32-row tile and ``scaled_dot_product_attention``, measured slower).
+(double for float64 pools). Decode rows take the kernel; a request with several rows (a prefill
+chunk) takes it too, each row with its own causal limit, or is served as matrix products by
+``cpu_prefill`` (PyTorch's CPU flash attention over its context gathered once, on the CPU's
+AMX / bf16 units where it has them): which, is measured per attention shape on the machine at hand
+(``cpu_prefill.choose``), printed by ``run.py bench``, and forced by ``prefill="kernel"|"sdpa"`` or
+``$ENGINE_ATTENTION_PREFILL`` (``prefill_in_place=False``: the older design, requests with several
+rows through ``TorchBackend``'s tile path of one gather per 32-row tile, measured slower).
 ``write`` stores the step's K/V rows with one kernel call too, and ``forward_rows`` attends only
 the rows asked for (the fast flat models' last layer).
 
@@ -45,6 +49,7 @@ import torch
 
 from engine.serve.attention import KVCache
 from engine.serve.batch import BatchMeta
+from engine.fast import cpu_prefill
 from engine.fast.torch_attention import TorchBackend, _TileGroup
 
 SOURCE = Path(__file__).with_name("cpu_paged_kernel.cpp")
@@ -269,25 +274,31 @@ class CPUBackend(TorchBackend):
     contract and results as the reference. Cascade attention is off: with no per-request copy
     there is nothing for a shared prefix to save.
 
-    ``prefill_in_place=True`` (the default): every row of the batch — decodes and prefill chunks
-    alike — goes through the kernel, each with its request's block table and its own position
-    (the causal limit), so no K/V is ever copied out of the pool. ``False``: only decode tiles
-    take the kernel; tiles of several rows take ``TorchBackend``'s gather-and-SDPA path (the
-    previous design, kept to measure against).
+    ``prefill_in_place=True`` (the default): every row of the batch goes through the kernel, each
+    with its request's block table and its own position (the causal limit), except the rows of
+    requests the prefill choice sends to matrix products (``prefill``: "kernel", "sdpa", or
+    None / "auto": ``$ENGINE_ATTENTION_PREFILL``, else measured; ``cpu_prefill``). ``False``:
+    only decode tiles take the kernel; tiles of several rows take ``TorchBackend``'s
+    gather-and-SDPA path (an earlier design, kept to measure against).
 
-    Invariant: ``_rows`` caches the per-row plan of exactly one BatchMeta (``_rows_key``); every
-    layer of a step reuses it.
+    Invariant: ``_rows`` caches the per-row plan of exactly one BatchMeta (``_rows_key``), and
+    ``_matrix`` the matrix path's groups of one (BatchMeta, rows, min_rows) (``_matrix_key``);
+    every layer of a step reuses them.
     """
 
     name = "cpu"
 
-    def __init__(self, prefill_in_place: bool = True, **options) -> None:
+    def __init__(self, prefill_in_place: bool = True, prefill: str | None = None, **options) -> None:
         options.setdefault("cascade_min_reqs", 0)
         super().__init__(**options)
         self.prefill_in_place = prefill_in_place
+        cpu_prefill.forced_path(prefill)  # a bad name: ValueError now, not at the first prefill
+        self.prefill = prefill  # None: $ENGINE_ATTENTION_PREFILL, else measured (cpu_prefill.choose)
         self._lib = load_kernel()
         self._rows_key: tuple[BatchMeta, int] | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._matrix_key: tuple[BatchMeta, int, int] | None = None
+        self._matrix: tuple[dict, torch.Tensor] | None = None
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
         if torch.device(device).type != "cpu" or dtype not in DTYPES:
@@ -340,9 +351,70 @@ class CPUBackend(TorchBackend):
         if hq % cache[0].shape[2] != 0:
             raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({cache[0].shape[2]})")
         tables, q_pos = self._row_plan(meta, n)
-        if rows is not None:
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        if rows is not None:  # a few rows (the logits rows): one kernel row each, nothing else computed
             q, tables, q_pos = (t.index_select(0, rows) for t in (q, tables, q_pos))
-        return self._run(q, cache, tables, q_pos, 1.0 / math.sqrt(d) if scale is None else scale, window)
+            return self._run(q, cache, tables, q_pos, scale, window)
+        if meta.max_query_len > 1:
+            choice = self.prefill_choice(q.dtype, hq, cache)
+            if choice.min_rows:
+                return self._with_matrices(q, cache, meta, tables, q_pos, choice.min_rows, scale, window)
+        return self._run(q, cache, tables, q_pos, scale, window)
+
+    def prefill_choice(self, dtype: torch.dtype, hq: int, cache: KVCache) -> cpu_prefill.PrefillChoice:
+        """Which requests of a step take the matrix path (``cpu_prefill.choose``: forced, or
+        measured once per attention shape)."""
+        _, bs, hkv, d = cache[0].shape
+        return cpu_prefill.choose(lambda q, c, tables, q_pos: self._run(q, c, tables, q_pos, d ** -0.5, 0),
+                                  dtype, hq, hkv, d, bs, self.prefill)
+
+    def _with_matrices(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, tables: torch.Tensor,
+                       q_pos: torch.Tensor, min_rows: int, scale: float, window: int) -> torch.Tensor:
+        """Requests of ``min_rows`` rows or more through ``cpu_prefill.attend_requests`` (those of
+        one shape together, their contexts gathered once), every other row through the kernel."""
+        groups, kernel_pos = self._matrix_plan(meta, q_pos, min_rows)
+        k_pool, v_pool = cache
+        if bool((kernel_pos >= 0).any()):
+            out = self._run(q, cache, tables, kernel_pos, scale, window)  # the matrix rows come back as zeros
+        else:
+            out = q.new_zeros(q.shape)  # padding rows stay zeros
+        hq, d = q.shape[1:]
+        for (t, context), (rows, reqs, start) in groups.items():
+            b = reqs.shape[0]
+            blocks = meta.block_table.index_select(0, reqs)  # [B, W]
+            if start is not None:  # the group's rows are consecutive: views in and out, no copies
+                out[start:start + b * t].view(b, t, hq, d)[:] = cpu_prefill.attend_requests(
+                    q[start:start + b * t].view(b, t, hq, d), k_pool, v_pool, blocks, context, scale, window)
+            else:
+                o = cpu_prefill.attend_requests(q.index_select(0, rows).view(b, t, hq, d), k_pool, v_pool, blocks,
+                                                context, scale, window)
+                out.index_copy_(0, rows, o.reshape(b * t, hq, d))
+        return out
+
+    def _matrix_plan(self, meta: BatchMeta, q_pos: torch.Tensor, min_rows: int) -> tuple[dict, torch.Tensor]:
+        """The requests of ``min_rows`` rows or more, grouped by (rows t, cached context): per group
+        its rows (int64 [B * t]), its requests (int64 [B]) and its first row when the rows are
+        consecutive (else None); and the kernel's positions: ``q_pos`` with those rows at -1 (skipped)."""
+        key = (meta, q_pos.shape[0], min_rows)
+        if self._matrix_key is not None and self._matrix_key[0] is meta and self._matrix_key[1:] == key[1:]:
+            return self._matrix
+        qsl = meta.query_start_loc_cpu.tolist()
+        seq_lens = meta.seq_lens_cpu.tolist()
+        kernel_pos = q_pos.clone()
+        members: dict[tuple[int, int], list[int]] = {}
+        for r, seq_len in enumerate(seq_lens):
+            t = qsl[r + 1] - qsl[r]
+            if t >= min_rows and seq_len > 0:
+                members.setdefault((t, seq_len - t), []).append(r)
+                kernel_pos[qsl[r]:qsl[r + 1]] = -1
+        groups = {}
+        for (t, context), reqs in members.items():
+            starts = [qsl[r] for r in reqs]
+            consecutive = all(s == starts[0] + i * t for i, s in enumerate(starts))
+            rows = torch.tensor([s + j for s in starts for j in range(t)], dtype=torch.int64)
+            groups[(t, context)] = (rows, torch.tensor(reqs, dtype=torch.int64), starts[0] if consecutive else None)
+        self._matrix_key, self._matrix = key, (groups, kernel_pos)
+        return self._matrix
 
     def _row_plan(self, meta: BatchMeta, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row: its request's block table (int32 [N, W]) and position (int64 [N]; -1 for a

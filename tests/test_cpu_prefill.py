@@ -1,0 +1,165 @@
+"""The cpu backend's prefill paths against plain float64 attention, and the engine on each path.
+
+``CPUBackend`` serves a request of several rows either through its C++ row kernel or as matrix
+products (``engine/fast/cpu_prefill.py``: PyTorch's CPU flash attention over the request's
+gathered context, requests of one shape together). A probe picks one per machine; here every
+path is forced (``prefill=`` and ``$ENGINE_ATTENTION_PREFILL``), so both are tested on any CPU:
+float32, bfloat16 and float64 pools, cached prefixes (the log-sum-exp join), block boundaries,
+sliding windows, grouped query heads, decodes and prefills mixed in one step, and requests of one
+shape batched together whether or not their rows are consecutive.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.generate import generate
+from engine.models.tiny import tiny_model
+from engine.serve import EngineConfig, EngineCore, SamplingParams
+from engine.serve.attention import ReferenceBackend
+from engine.serve.batch import build_batch
+from engine.serve.request import Request
+
+from test_backends import CASES, random_paged_batch
+
+pytestmark = pytest.mark.given
+
+PATHS = ("kernel", "sdpa", "auto")
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max |got - float64 oracle|
+
+
+def oracle(q, cache, meta, window=0, scale=None):
+    """The reference backend on float64 copies: plain attention, exact to float64."""
+    return ReferenceBackend().forward(q.double(), tuple(c.double() for c in cache), meta, window=window, scale=scale)
+
+
+def backend(path: str):
+    from engine.fast.cpu_attention import CPUBackend
+
+    return CPUBackend(prefill=path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("path", PATHS)
+def test_every_prefill_path_matches_float64_attention(path, dtype):
+    """Ragged mixed batches (decodes, chunks over cached prefixes, fresh prompts longer than a tile,
+    padding requests) on every CASES shape and window: each path within the dtype's rounding."""
+    for seed, block_size, hq, hkv, window in CASES:
+        q, cache, meta = random_paged_batch(seed, block_size, hq, hkv, dtype=dtype)
+        got = backend(path).forward(q, cache, meta, window=window)
+        assert got.dtype == dtype
+        err = (got.double() - oracle(q, cache, meta, window)).abs().max().item()
+        assert err < TOLERANCE[dtype], (f"prefill path {path!r} ({dtype}) differs from float64 attention by "
+                                        f"{err:.2e} (seed {seed}, block_size={block_size}, Hq={hq}, Hkv={hkv}, "
+                                        f"window={window}): check the cached-prefix join or the window mask")
+        num_real = int((meta.seq_lens_cpu > 0).sum())
+        assert got[int(meta.query_start_loc_cpu[num_real]):].abs().max().item() == 0.0, "padding rows must be zeros"
+
+
+def same_shape_batch(dtype: torch.dtype, block_size: int = 4, hq: int = 4, hkv: int = 2, d: int = 16):
+    """Requests that share (rows, cached prefix) so the matrix path batches them: three of 5 rows
+    after 3 cached tokens separated by decodes (rows not consecutive), two fresh prompts of 7 rows
+    side by side (consecutive), one of 9 rows after 8 cached (a block boundary), decodes."""
+    gen = torch.Generator().manual_seed(21)
+    shapes = [(3, 5), (6, 1), (3, 5), (0, 7), (0, 7), (11, 1), (3, 5), (8, 9), (4, 1)]  # (cached, rows)
+    scheduled, tables, need = [], [], []
+    for i, (c, n) in enumerate(shapes):
+        req = Request(f"r{i}", [1] * (c + n + 1))
+        req.num_computed_tokens = c
+        scheduled.append((req, n))
+        need.append(-(-(c + n) // block_size))
+    perm = torch.randperm(sum(need) + 3, generator=gen).tolist()
+    at = 0
+    for k in need:
+        tables.append(perm[at:at + k])
+        at += k
+    meta = build_batch(scheduled, tables, block_size, pad_to=len(shapes) + 1).meta
+    shape = (sum(need) + 4, block_size, hkv, d)
+    cache = tuple(torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    q = torch.randn(int(meta.query_start_loc_cpu[-1]), hq, d, generator=gen, dtype=torch.float64).to(dtype)
+    return q, cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("window", [0, 4])
+def test_requests_of_one_shape_are_batched_exactly(dtype, window):
+    """The matrix path groups requests by (rows, cached prefix): consecutive groups are served as
+    views, scattered ones gathered and put back; either way each row gets its own request's keys."""
+    q, cache, meta = same_shape_batch(dtype)
+    b = backend("sdpa")
+    got = b.forward(q, cache, meta, window=window, scale=0.3)
+    groups, kernel_pos = b._matrix_plan(meta, b._row_plan(meta, q.shape[0])[1], 2)
+    assert {key: (start is not None) for key, (_, _, start) in groups.items()} == {(5, 3): False, (7, 0): True, (9, 8): True}
+    assert int((kernel_pos >= 0).sum()) == 3, "the three decodes take the kernel"
+    err = (got.double() - oracle(q, cache, meta, window, scale=0.3)).abs().max().item()
+    assert err < TOLERANCE[dtype], f"batched requests of one shape ({dtype}, window={window}) differ by {err:.2e}"
+
+
+def test_forward_rows_and_the_path_agree():
+    """forward_rows (the logits rows only) takes the kernel for its few rows: the same values as the
+    matrix path's full forward at those rows."""
+    q, cache, meta = same_shape_batch(torch.float64)
+    rows = torch.tensor([4, 17, 30])
+    full = backend("sdpa").forward(q, cache, meta)
+    assert (backend("sdpa").forward_rows(q, cache, meta, rows) - full[rows]).abs().max().item() < 1e-12
+
+
+def test_the_path_is_forced_by_option_or_environment(monkeypatch):
+    from engine.fast import cpu_prefill
+
+    q, cache, meta = same_shape_batch(torch.float32)
+    shape = (torch.float32, 4, 2, 16, 4)
+    monkeypatch.setenv(cpu_prefill.ENV, "sdpa")
+    choice = backend(None).prefill_choice(torch.float32, 4, cache)
+    assert choice.forced and choice.min_rows == cpu_prefill.FORCED_MIN_ROWS
+    monkeypatch.setenv(cpu_prefill.ENV, "kernel")
+    assert backend(None).prefill_choice(*shape[:2], cache).min_rows == 0
+    assert backend("sdpa").prefill_choice(*shape[:2], cache).min_rows == 2, "the option outranks the environment"
+    monkeypatch.setenv(cpu_prefill.ENV, "amx")
+    with pytest.raises(ValueError, match="ENGINE_ATTENTION_PREFILL"):
+        backend(None)
+    with pytest.raises(ValueError, match="must be one of kernel, sdpa"):
+        backend("tiles")
+    assert any("forced" in line for line in cpu_prefill.chosen_report())
+
+
+def test_the_probe_measures_both_paths_and_reports(monkeypatch):
+    """The probe times both paths at every PROBE_ROWS count and keeps the smallest count from which
+    sdpa wins at it and every larger one; its choice is listed as measured, with the times."""
+    from engine.fast import cpu_prefill
+
+    monkeypatch.delenv(cpu_prefill.ENV, raising=False)
+    monkeypatch.setattr(cpu_prefill, "PROBE_ROWS", (4, 8))  # quick
+    monkeypatch.setattr(cpu_prefill, "_chosen", {})
+    _, cache, _ = same_shape_batch(torch.float32)
+    choice = backend("auto").prefill_choice(torch.float32, 4, cache)
+    assert not choice.forced and set(choice.ms) == {"kernel", "sdpa"} and all(len(t) == 2 for t in choice.ms.values())
+    assert choice.min_rows in (0, 4, 8)
+    assert any("measured" in line and "ms at 4/8 rows" in line for line in cpu_prefill.chosen_report())
+    monkeypatch.setattr(cpu_prefill, "PROBE_ROWS", (8, 32, 128))
+    assert cpu_prefill.decide({"kernel": (1.0, 2.0, 9.0), "sdpa": (2.0, 1.0, 3.0)}) == 32
+    assert cpu_prefill.decide({"kernel": (1.0, 2.0, 9.0), "sdpa": (0.5, 3.0, 3.0)}) == 128, "a loss at 32 rows"
+    assert cpu_prefill.decide({"kernel": (1.0, 2.0, 3.0), "sdpa": (2.0, 3.0, 2.99)}) == 0, "within the margin"
+
+
+# ----- the engine on each path: greedy tokens equal generate() ------------------------------------
+@pytest.mark.parametrize("path", ["kernel", "sdpa"])
+@pytest.mark.parametrize("config", [dict(), dict(max_num_batched_tokens=16, long_prefill_token_threshold=8)])
+def test_engine_on_each_prefill_path_matches_generate(path, config, monkeypatch):
+    """Float64 model, prompts that share a cached prefix (two blocks) and, chunked, prefill chunks
+    over cached context beside decodes in one step: the tokens of generate()."""
+    from engine.fast import cpu_prefill
+
+    monkeypatch.setenv(cpu_prefill.ENV, path)
+    model = tiny_model(seed=3, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (37, 5, 21, 50, 12)]
+    prompts[4] = prompts[0][:16] + prompts[4]
+    lens = (12, 15, 9, 5, 13)
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", **config))
+    assert core.runner.backend.prefill_choice(torch.float64, 4, (torch.zeros(1, 8, 2, 32),) * 2).path == path
+    for i, (p, m) in enumerate(zip(prompts, lens)):
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
+    out = core.run_until_done()
+    for i, (p, m) in enumerate(zip(prompts, lens)):
+        assert out[f"r{i}"] == generate(model, p, m), f"request r{i} on prefill path {path!r} differs from generate()"
