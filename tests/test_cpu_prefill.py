@@ -163,3 +163,32 @@ def test_engine_on_each_prefill_path_matches_generate(path, config, monkeypatch)
     out = core.run_until_done()
     for i, (p, m) in enumerate(zip(prompts, lens)):
         assert out[f"r{i}"] == generate(model, p, m), f"request r{i} on prefill path {path!r} differs from generate()"
+
+
+# ----- the decode kernel's builds: AVX-512 (+ AVX512-BF16 dot products) where the CPU has them, AVX2 ----
+@pytest.mark.parametrize("variant", ["native", "avx2"])
+@pytest.mark.parametrize("head_dim", [8, 32, 64, 128])
+def test_every_decode_build_matches_float64_attention(variant, head_dim):
+    """Each kernel build, every row through it (decodes and prefill rows), on head sizes that take
+    its vector loops at every unroll (16 / 8 / 4 / 2 vectors) and the one-lane loop (8 at 16 lanes),
+    float32 / bfloat16 (the bf16 dot products where built) / float64, against float64 attention."""
+    from engine.fast.cpu_attention import CPUBackend
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for seed, block_size, hq, hkv, window in CASES[::2]:
+            q, cache, meta = random_paged_batch(seed, block_size, hq, hkv, head_dim=head_dim, dtype=dtype)
+            got = CPUBackend(prefill="kernel", decode=variant).forward(q, cache, meta, window=window)
+            err = (got.double() - oracle(q, cache, meta, window)).abs().max().item()
+            assert err < TOLERANCE[dtype], (f"decode build {variant!r}, head_dim={head_dim}, {dtype}: {err:.2e} "
+                                            f"from float64 attention (seed {seed}, window={window})")
+
+
+def test_the_decode_build_is_forced_by_option_or_environment(monkeypatch):
+    from engine.fast import cpu_attention
+
+    monkeypatch.setenv(cpu_attention.DECODE_ENV, "avx2")
+    assert backend(None).decode == "avx2" and backend(None)._lib is cpu_attention.load_kernel("avx2")
+    monkeypatch.delenv(cpu_attention.DECODE_ENV)
+    assert backend(None).decode == "native"
+    with pytest.raises(ValueError, match="decode variant must be one of native, avx2"):
+        cpu_attention.CPUBackend(decode="avx1024")

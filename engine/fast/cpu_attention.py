@@ -137,7 +137,7 @@ def check_private(directory: Path) -> None:
                          "to a private directory)")
 
 
-def build_library(source: Path) -> ctypes.CDLL:
+def build_library(source: Path, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
     """``source`` compiled with the host's C++ compiler (once per source, compiler, flags and CPU;
     then reused from ``cache_dir()``) and loaded; ValueError when there is no compiler, it fails or
     takes longer than ``COMPILE_TIMEOUT_S``, or the cache is not private."""
@@ -155,7 +155,7 @@ def build_library(source: Path) -> ctypes.CDLL:
         raise ValueError(f"building {source.name} failed ({name}):\n{_hung_compilers[name]} (earlier in this "
                          "process; it is not started again)")
     failed = None
-    for flags in (FLAGS, SERIAL_FLAGS):  # a compiler without OpenMP: the same kernel on one thread
+    for flags in (FLAGS + extra, SERIAL_FLAGS + extra):  # a compiler without OpenMP: the same kernel on one thread
         lib = directory / kernel_path(name, source, flags).name
         cached = lib.exists()
         if cached:
@@ -187,8 +187,8 @@ class OptionalKernels:
     same cache and compiler does not run the compiler again; after either changes (as the errors
     advise) the next ``get()`` tries once more."""
 
-    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None]) -> None:
-        self.source, self.declare = source, declare
+    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None], extra: tuple[str, ...] = ()) -> None:
+        self.source, self.declare, self.extra = source, declare, extra  # extra: compiler flags after FLAGS
         self.lib: ctypes.CDLL | None = None
         self.failed: dict[tuple[str, str | None], str] = {}  # (cache dir, $CXX) -> why the build failed
 
@@ -205,7 +205,7 @@ class OptionalKernels:
         if self.lib is None and self.cause() not in self.failed:
             cause = self.cause()
             try:
-                lib = build_library(self.source)
+                lib = build_library(self.source, self.extra) if self.extra else build_library(self.source)
             except (ValueError, OSError) as exc:  # build_library says why in a ValueError; OSError: belt and braces
                 self.failed[cause] = str(exc)
                 return None
@@ -257,16 +257,34 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 _kernel = OptionalKernels(SOURCE, _declare)
+# The decode kernel's builds (cpu_attn_vec.h): "native", the widest vectors -march=native targets
+# (AVX-512, and AVX512-BF16 dot products for bfloat16 pools, where the CPU has them); "avx2", the
+# same source held to 32-byte vectors and no bf16 dot products (what a CPU without AVX-512 runs).
+DECODE_VARIANTS = ("native", "avx2")
+DECODE_ENV = "ENGINE_ATTENTION_DECODE"
+_variants = {"native": _kernel,
+             "avx2": OptionalKernels(SOURCE, _declare, extra=("-DATTN_VEC_BYTES=32", "-DATTN_NO_DPBF16"))}
 
 
-def load_kernel() -> ctypes.CDLL:
+def load_kernel(variant: str = "native") -> ctypes.CDLL:
     """The compiled attention kernel library (built once per source, compiler, flags and CPU);
     ValueError saying why where it cannot be built here (tried once per process: asking again,
     as every ``LLM`` does when it picks its backend, does not run the compiler again)."""
-    lib = _kernel.get()
+    kernels = _variants[variant] if variant != "native" else _kernel
+    lib = kernels.get()
     if lib is None:
-        raise ValueError(_kernel.why)
+        raise ValueError(kernels.why)
     return lib
+
+
+def decode_variant(variant: str | None) -> str:
+    """The decode kernel build asked for (``variant``, else ``$ENGINE_ATTENTION_DECODE``, else
+    "native")."""
+    asked = variant if variant is not None else os.environ.get(DECODE_ENV) or "native"
+    if asked not in DECODE_VARIANTS:
+        where = "" if variant is not None else f" (from ${DECODE_ENV})"
+        raise ValueError(f"attention decode variant{where} must be one of {', '.join(DECODE_VARIANTS)}, not {asked!r}")
+    return asked
 
 
 class CPUBackend(TorchBackend):
@@ -288,13 +306,15 @@ class CPUBackend(TorchBackend):
 
     name = "cpu"
 
-    def __init__(self, prefill_in_place: bool = True, prefill: str | None = None, **options) -> None:
+    def __init__(self, prefill_in_place: bool = True, prefill: str | None = None, decode: str | None = None,
+                 **options) -> None:
         options.setdefault("cascade_min_reqs", 0)
         super().__init__(**options)
         self.prefill_in_place = prefill_in_place
         cpu_prefill.forced_path(prefill)  # a bad name: ValueError now, not at the first prefill
         self.prefill = prefill  # None: $ENGINE_ATTENTION_PREFILL, else measured (cpu_prefill.choose)
-        self._lib = load_kernel()
+        self.decode = decode_variant(decode)  # the kernel build every row takes (DECODE_VARIANTS)
+        self._lib = load_kernel(self.decode)
         self._rows_key: tuple[BatchMeta, int] | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._matrix_key: tuple[BatchMeta, int, int] | None = None
