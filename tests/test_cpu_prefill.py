@@ -177,7 +177,9 @@ def test_every_decode_build_matches_float64_attention(variant, head_dim):
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         for seed, block_size, hq, hkv, window in CASES[::2]:
             q, cache, meta = random_paged_batch(seed, block_size, hq, hkv, head_dim=head_dim, dtype=dtype)
-            got = CPUBackend(prefill="kernel", decode=variant).forward(q, cache, meta, window=window)
+            b = CPUBackend(prefill="kernel", decode=variant)
+            got = b.forward(q, cache, meta, window=window)
+            assert b.decode_choice(dtype, hq, cache).variant == variant
             err = (got.double() - oracle(q, cache, meta, window)).abs().max().item()
             assert err < TOLERANCE[dtype], (f"decode build {variant!r}, head_dim={head_dim}, {dtype}: {err:.2e} "
                                             f"from float64 attention (seed {seed}, window={window})")
@@ -186,9 +188,20 @@ def test_every_decode_build_matches_float64_attention(variant, head_dim):
 def test_the_decode_build_is_forced_by_option_or_environment(monkeypatch):
     from engine.fast import cpu_attention
 
-    monkeypatch.setenv(cpu_attention.DECODE_ENV, "avx2")
-    assert backend(None).decode == "avx2" and backend(None)._lib is cpu_attention.load_kernel("avx2")
-    monkeypatch.delenv(cpu_attention.DECODE_ENV)
-    assert backend(None).decode == "native"
+    from engine.fast import cpu_decode_variant
+
+    cache = (torch.zeros(3, 4, 2, 16),) * 2
+    monkeypatch.setenv(cpu_decode_variant.ENV, "avx2")
+    choice = backend(None).decode_choice(torch.float32, 4, cache)
+    assert choice.forced and choice.variant == "avx2"
+    assert cpu_attention.CPUBackend(decode="native").decode_choice(torch.float32, 4, cache).variant == "native"
+    monkeypatch.delenv(cpu_decode_variant.ENV)
+    monkeypatch.setattr(cpu_decode_variant, "_chosen", {})
+    choice = backend(None).decode_choice(torch.float32, 4, cache)
+    assert not choice.forced and set(choice.ms) == {"native", "avx2"}, "without a forced build, both are measured"
+    assert any("measured" in line for line in cpu_decode_variant.chosen_report())
     with pytest.raises(ValueError, match="decode variant must be one of native, avx2"):
         cpu_attention.CPUBackend(decode="avx1024")
+    monkeypatch.setenv(cpu_decode_variant.ENV, "sse")
+    with pytest.raises(ValueError, match="ENGINE_ATTENTION_DECODE"):
+        cpu_attention.CPUBackend()

@@ -147,13 +147,14 @@ def prefill_attention(args) -> None:
     after ``--prefix`` cached tokens; ``--context 1``: decodes): the cpu backend's paths side by
     side, interleaved (wall and CPU ms, median), checked against each other first."""
     from course.bench.machine import machine_line
-    from engine.fast import cpu_prefill
+    from engine.fast import cpu_decode_variant, cpu_prefill
     from engine.fast.cpu_attention import CPUBackend
     from engine.fast.torch_attention import TorchBackend
 
     dtype = getattr(torch, args.dtype)
     qs, pools, meta = paged_step(args.preset, args.requests, args.context, args.prefix, dtype)
     variants = {name: CPUBackend(prefill=path) for name, path in (("kernel", "kernel"), ("sdpa", "sdpa"))}
+    variants["kernel, avx2 build"] = CPUBackend(prefill="kernel", decode="avx2")
     if args.context > 1:
         variants["auto (probe)"] = CPUBackend(prefill="auto")
         variants["torch tiles"] = TorchBackend(cascade_min_reqs=0)
@@ -179,6 +180,7 @@ def prefill_attention(args) -> None:
     for k in variants:
         print(f"  {k:14s} {wall[k]:9.3f} / {cpu[k]:9.3f}  ({gflop / wall[k] * 1000:.0f} GFLOP/s)")
     print("  prefill choice: " + "; ".join(cpu_prefill.chosen_report()))
+    print("  kernel build: " + "; ".join(cpu_decode_variant.chosen_report()))
 
 
 def timed_rounds(fns: dict, rounds: int) -> tuple[dict[str, float], dict[str, float]]:

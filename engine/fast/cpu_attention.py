@@ -49,7 +49,7 @@ import torch
 
 from engine.serve.attention import KVCache
 from engine.serve.batch import BatchMeta
-from engine.fast import cpu_prefill
+from engine.fast import cpu_decode_variant, cpu_prefill
 from engine.fast.torch_attention import TorchBackend, _TileGroup
 
 SOURCE = Path(__file__).with_name("cpu_paged_kernel.cpp")
@@ -257,34 +257,24 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 _kernel = OptionalKernels(SOURCE, _declare)
-# The decode kernel's builds (cpu_attn_vec.h): "native", the widest vectors -march=native targets
-# (AVX-512, and AVX512-BF16 dot products for bfloat16 pools, where the CPU has them); "avx2", the
-# same source held to 32-byte vectors and no bf16 dot products (what a CPU without AVX-512 runs).
-DECODE_VARIANTS = ("native", "avx2")
-DECODE_ENV = "ENGINE_ATTENTION_DECODE"
-_variants = {"native": _kernel,
+# The kernel's builds (cpu_attn_vec.h; which one serves a shape: cpu_decode_variant): "native",
+# the widest vectors -march=native targets (AVX-512, and AVX512-BF16 dot products for bfloat16
+# pools, where the CPU has them); "avx2", the same source held to 32-byte vectors without bf16
+# dot products (what a CPU without AVX-512 runs).
+_variants = {"native": None,  # _kernel, looked up at call time
              "avx2": OptionalKernels(SOURCE, _declare, extra=("-DATTN_VEC_BYTES=32", "-DATTN_NO_DPBF16"))}
 
 
 def load_kernel(variant: str = "native") -> ctypes.CDLL:
-    """The compiled attention kernel library (built once per source, compiler, flags and CPU);
-    ValueError saying why where it cannot be built here (tried once per process: asking again,
-    as every ``LLM`` does when it picks its backend, does not run the compiler again)."""
-    kernels = _variants[variant] if variant != "native" else _kernel
+    """The compiled attention kernel library of build ``variant`` (built once per source,
+    compiler, flags and CPU); ValueError saying why where it cannot be built here (tried once per
+    process: asking again, as every ``LLM`` does when it picks its backend, does not run the
+    compiler again)."""
+    kernels = _variants[variant] or _kernel
     lib = kernels.get()
     if lib is None:
         raise ValueError(kernels.why)
     return lib
-
-
-def decode_variant(variant: str | None) -> str:
-    """The decode kernel build asked for (``variant``, else ``$ENGINE_ATTENTION_DECODE``, else
-    "native")."""
-    asked = variant if variant is not None else os.environ.get(DECODE_ENV) or "native"
-    if asked not in DECODE_VARIANTS:
-        where = "" if variant is not None else f" (from ${DECODE_ENV})"
-        raise ValueError(f"attention decode variant{where} must be one of {', '.join(DECODE_VARIANTS)}, not {asked!r}")
-    return asked
 
 
 class CPUBackend(TorchBackend):
@@ -297,7 +287,9 @@ class CPUBackend(TorchBackend):
     requests the prefill choice sends to matrix products (``prefill``: "kernel", "sdpa", or
     None / "auto": ``$ENGINE_ATTENTION_PREFILL``, else measured; ``cpu_prefill``). ``False``:
     only decode tiles take the kernel; tiles of several rows take ``TorchBackend``'s
-    gather-and-SDPA path (an earlier design, kept to measure against).
+    gather-and-SDPA path (an earlier design, kept to measure against). ``decode``: the kernel
+    build rows take, "native" or "avx2" (None / "auto": ``$ENGINE_ATTENTION_DECODE``, else
+    measured per attention shape; ``cpu_decode_variant``).
 
     Invariant: ``_rows`` caches the per-row plan of exactly one BatchMeta (``_rows_key``), and
     ``_matrix`` the matrix path's groups of one (BatchMeta, rows, min_rows) (``_matrix_key``);
@@ -313,8 +305,9 @@ class CPUBackend(TorchBackend):
         self.prefill_in_place = prefill_in_place
         cpu_prefill.forced_path(prefill)  # a bad name: ValueError now, not at the first prefill
         self.prefill = prefill  # None: $ENGINE_ATTENTION_PREFILL, else measured (cpu_prefill.choose)
-        self.decode = decode_variant(decode)  # the kernel build every row takes (DECODE_VARIANTS)
-        self._lib = load_kernel(self.decode)
+        cpu_decode_variant.forced_variant(decode)  # a bad name: ValueError now
+        self.decode = decode  # the kernel build: None / "auto" ($ENGINE_ATTENTION_DECODE, else measured per shape)
+        self._lib = load_kernel()  # the native build: writes, and rows until a shape's build is chosen
         self._rows_key: tuple[BatchMeta, int] | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._matrix_key: tuple[BatchMeta, int, int] | None = None
@@ -380,6 +373,20 @@ class CPUBackend(TorchBackend):
             if choice.min_rows:
                 return self._with_matrices(q, cache, meta, tables, q_pos, choice.min_rows, scale, window)
         return self._run(q, cache, tables, q_pos, scale, window)
+
+    def decode_choice(self, dtype: torch.dtype, hq: int, cache: KVCache) -> cpu_decode_variant.DecodeChoice:
+        """Which kernel build serves rows of this attention shape (``cpu_decode_variant.choose``:
+        forced, or measured once per shape; where the "avx2" build fails, "native")."""
+        _, bs, hkv, d = cache[0].shape
+
+        def run(variant, q, pools, tables, q_pos):
+            return self._run(q, pools, tables, q_pos, d ** -0.5, 0, lib=load_kernel(variant))
+        if cpu_decode_variant.forced_variant(self.decode) is None:
+            try:
+                load_kernel("avx2")
+            except ValueError:  # only the native build here: nothing to measure
+                return cpu_decode_variant.choose(run, dtype, hq, hkv, d, bs, "native")
+        return cpu_decode_variant.choose(run, dtype, hq, hkv, d, bs, self.decode)
 
     def prefill_choice(self, dtype: torch.dtype, hq: int, cache: KVCache) -> cpu_prefill.PrefillChoice:
         """Which requests of a step take the matrix path (``cpu_prefill.choose``: forced, or
@@ -477,8 +484,9 @@ class CPUBackend(TorchBackend):
         return self._run(q, cache, group.tables, group.q_pos[:, 0], scale, window)
 
     def _run(self, q: torch.Tensor, cache: KVCache, tables: torch.Tensor, q_pos: torch.Tensor, scale: float,
-             window: int) -> torch.Tensor:
-        """The kernel on rows q [G, Hq, D] with their tables [G, W] and positions [G] -> [G, Hq, D]."""
+             window: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+        """The kernel on rows q [G, Hq, D] with their tables [G, W] and positions [G] -> [G, Hq, D]
+        (``lib``: that build; default: the one chosen for this shape, ``decode_choice``)."""
         k_pool, v_pool = cache
         if q.dtype != k_pool.dtype or v_pool.dtype != k_pool.dtype:
             raise ValueError(f"queries ({q.dtype}) and pools ({k_pool.dtype}, {v_pool.dtype}) must share a dtype")
@@ -497,7 +505,9 @@ class CPUBackend(TorchBackend):
             tables = tables.to(torch.int32).contiguous()
         q_pos = q_pos.to(torch.int64).contiguous()  # int64 [G]
         out = torch.empty_like(q)
-        fn = getattr(self._lib, f"paged_decode_{DTYPES[q.dtype]}")
+        if lib is None:
+            lib = load_kernel(self.decode_choice(q.dtype, hq, cache).variant)
+        fn = getattr(lib, f"paged_decode_{DTYPES[q.dtype]}")
         head = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(),
                 tables.stride(0), tables.shape[1], q_pos.data_ptr(), g)
         tail = (hq, hkv, d, bs, num_blocks, float(scale), int(window))

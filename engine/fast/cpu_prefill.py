@@ -177,14 +177,14 @@ def choose(kernel: Callable, dtype: torch.dtype, hq: int, hkv: int, d: int, bs: 
             ms = measure(kernel, dtype, hq, hkv, d, bs)
             _chosen[key] = PrefillChoice(decide(ms), ms)
         choice = _chosen[key]
-    _made[key] = choice
+    _made[key + (choice.forced,)] = choice
     return choice
 
 
 def chosen_report() -> list[str]:
     """One line per (dtype, attention shape, threads) this process chose a prefill path for."""
     lines = []
-    for (dtype, hq, hkv, d, bs, threads), choice in _made.items():
+    for (dtype, hq, hkv, d, bs, threads, _), choice in _made.items():
         how = "measured" if choice.ms else "forced"
         lines.append(f"{choice.describe().replace(' (forced)', '')} [{how}; {str(dtype).removeprefix('torch.')}, "
                      f"{hq}/{hkv} heads of {d}, blocks of {bs}, {threads} thread(s)]")
