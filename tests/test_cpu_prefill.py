@@ -1,9 +1,9 @@
 """The cpu backend's prefill paths against plain float64 attention, and the engine on each path.
 
-``CPUBackend`` serves a request of several rows either through its C++ row kernel or as matrix
-products (``engine/fast/cpu_prefill.py``: PyTorch's CPU flash attention over the request's
-gathered context, requests of one shape together). A probe picks one per machine; here every
-path is forced (``prefill=`` and ``$ENGINE_ATTENTION_PREFILL``), so both are tested on any CPU:
+``CPUBackend`` serves a request of several rows through its C++ row kernel or as matrix products
+(``engine/fast/cpu_prefill.py``: PyTorch's CPU flash attention over the request's gathered
+context, requests of one shape together; or the blocked kernel, cpu_prefill_kernel.cpp). A probe
+picks by row count per machine; here every path is forced (``prefill=`` and ``$ENGINE_ATTENTION_PREFILL``), so both are tested on any CPU:
 float32, bfloat16 and float64 pools, cached prefixes (the log-sum-exp join), block boundaries,
 sliding windows, grouped query heads, decodes and prefills mixed in one step, and requests of one
 shape batched together whether or not their rows are consecutive.
@@ -24,7 +24,7 @@ from test_backends import CASES, random_paged_batch
 
 pytestmark = pytest.mark.given
 
-PATHS = ("kernel", "sdpa", "auto")
+PATHS = ("kernel", "sdpa", "blocked", "auto")
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max |got - float64 oracle|
 
 
@@ -39,14 +39,22 @@ def backend(path: str):
     return CPUBackend(prefill=path)
 
 
+@pytest.mark.parametrize("head_dim", [8, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("path", PATHS)
-def test_every_prefill_path_matches_float64_attention(path, dtype):
+def test_every_prefill_path_matches_float64_attention(path, dtype, head_dim):
     """Ragged mixed batches (decodes, chunks over cached prefixes, fresh prompts longer than a tile,
-    padding requests) on every CASES shape and window: each path within the dtype's rounding."""
+    padding requests) on every CASES shape and window: each path within the dtype's rounding
+    (heads of 8: the blocked kernel does not serve them, and a forced "blocked" takes sdpa)."""
+    from engine.fast import cpu_prefill
+
     for seed, block_size, hq, hkv, window in CASES:
-        q, cache, meta = random_paged_batch(seed, block_size, hq, hkv, dtype=dtype)
-        got = backend(path).forward(q, cache, meta, window=window)
+        q, cache, meta = random_paged_batch(seed, block_size, hq, hkv, head_dim=head_dim, dtype=dtype)
+        b = backend(path)
+        if path != "auto":
+            want = "sdpa" if path == "blocked" and not cpu_prefill.blocked_serves(dtype, head_dim) else path
+            assert b.prefill_choice(dtype, hq, cache).path == want
+        got = b.forward(q, cache, meta, window=window)
         assert got.dtype == dtype
         err = (got.double() - oracle(q, cache, meta, window)).abs().max().item()
         assert err < TOLERANCE[dtype], (f"prefill path {path!r} ({dtype}) differs from float64 attention by "
@@ -82,17 +90,29 @@ def same_shape_batch(dtype: torch.dtype, block_size: int = 4, hq: int = 4, hkv: 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("window", [0, 4])
-def test_requests_of_one_shape_are_batched_exactly(dtype, window):
-    """The matrix path groups requests by (rows, cached prefix): consecutive groups are served as
-    views, scattered ones gathered and put back; either way each row gets its own request's keys."""
+@pytest.mark.parametrize("path", ["sdpa", "blocked", "mixed"])
+def test_requests_of_one_shape_are_batched_exactly(dtype, window, path):
+    """The sdpa path groups requests by (rows, cached prefix): consecutive groups are served as
+    views, scattered ones gathered and put back; the blocked kernel takes all its requests in one
+    call; "mixed": requests of 5 and 7 rows blocked, 9 sdpa, as a measured choice can split them.
+    Either way each row gets its own request's keys."""
+    from engine.fast import cpu_prefill
+
     q, cache, meta = same_shape_batch(dtype)
-    b = backend("sdpa")
+    b = backend(None if path == "mixed" else path)
+    choice = b.prefill_choice(dtype, 4, cache)
+    if path == "mixed":
+        choice = cpu_prefill.PrefillChoice(((2, "blocked"), (8, "sdpa")), {})
+        b.prefill_choice = lambda *args: choice
     got = b.forward(q, cache, meta, window=window, scale=0.3)
-    groups, kernel_pos = b._matrix_plan(meta, b._row_plan(meta, q.shape[0])[1], 2)
-    assert {key: (start is not None) for key, (_, _, start) in groups.items()} == {(5, 3): False, (7, 0): True, (9, 8): True}
+    groups, blocked, kernel_pos = b._matrix_plan(meta, b._row_plan(meta, q.shape[0])[1], choice)
+    want_groups = {"sdpa": {(5, 3): False, (7, 0): True, (9, 8): True}, "blocked": {}, "mixed": {(9, 8): True}}[path]
+    assert {key: (start is not None) for key, (_, _, start) in groups.items()} == want_groups
+    want_blocked = {"sdpa": [], "blocked": [5, 5, 7, 7, 5, 9], "mixed": [5, 5, 7, 7, 5]}[path]
+    assert (blocked[2].tolist() if blocked is not None else []) == want_blocked
     assert int((kernel_pos >= 0).sum()) == 3, "the three decodes take the kernel"
     err = (got.double() - oracle(q, cache, meta, window, scale=0.3)).abs().max().item()
-    assert err < TOLERANCE[dtype], f"batched requests of one shape ({dtype}, window={window}) differ by {err:.2e}"
+    assert err < TOLERANCE[dtype], f"{path} requests ({dtype}, window={window}) differ by {err:.2e}"
 
 
 def test_forward_rows_and_the_path_agree():
@@ -111,14 +131,14 @@ def test_the_path_is_forced_by_option_or_environment(monkeypatch):
     shape = (torch.float32, 4, 2, 16, 4)
     monkeypatch.setenv(cpu_prefill.ENV, "sdpa")
     choice = backend(None).prefill_choice(torch.float32, 4, cache)
-    assert choice.forced and choice.min_rows == cpu_prefill.FORCED_MIN_ROWS
+    assert choice.forced and choice.min_rows == cpu_prefill.FORCED_MIN_ROWS and choice.path_for(1) == "kernel"
     monkeypatch.setenv(cpu_prefill.ENV, "kernel")
     assert backend(None).prefill_choice(*shape[:2], cache).min_rows == 0
     assert backend("sdpa").prefill_choice(*shape[:2], cache).min_rows == 2, "the option outranks the environment"
     monkeypatch.setenv(cpu_prefill.ENV, "amx")
     with pytest.raises(ValueError, match="ENGINE_ATTENTION_PREFILL"):
         backend(None)
-    with pytest.raises(ValueError, match="must be one of kernel, sdpa"):
+    with pytest.raises(ValueError, match="must be one of kernel, sdpa, blocked"):
         backend("tiles")
     assert any("forced" in line for line in cpu_prefill.chosen_report())
 
@@ -133,17 +153,23 @@ def test_the_probe_measures_both_paths_and_reports(monkeypatch):
     monkeypatch.setattr(cpu_prefill, "_chosen", {})
     _, cache, _ = same_shape_batch(torch.float32)
     choice = backend("auto").prefill_choice(torch.float32, 4, cache)
-    assert not choice.forced and set(choice.ms) == {"kernel", "sdpa"} and all(len(t) == 2 for t in choice.ms.values())
+    assert not choice.forced and set(choice.ms) == {"kernel", "sdpa", "blocked"}
+    assert all(len(t) == 2 for t in choice.ms.values())
     assert choice.min_rows in (0, 4, 8)
     assert any("measured" in line and "ms at 4/8 rows" in line for line in cpu_prefill.chosen_report())
     monkeypatch.setattr(cpu_prefill, "PROBE_ROWS", (8, 32, 128))
-    assert cpu_prefill.decide({"kernel": (1.0, 2.0, 9.0), "sdpa": (2.0, 1.0, 3.0)}) == 32
-    assert cpu_prefill.decide({"kernel": (1.0, 2.0, 9.0), "sdpa": (0.5, 3.0, 3.0)}) == 128, "a loss at 32 rows"
-    assert cpu_prefill.decide({"kernel": (1.0, 2.0, 3.0), "sdpa": (2.0, 3.0, 2.99)}) == 0, "within the margin"
+    k = (1.0, 2.0, 9.0)
+    assert cpu_prefill.decide({"kernel": k, "sdpa": (2.0, 1.0, 3.0)}) == ((32, "sdpa"),)
+    assert cpu_prefill.decide({"kernel": k, "sdpa": (0.5, 3.0, 3.0)}) == ((128, "sdpa"),), "a loss at 32 rows"
+    assert cpu_prefill.decide({"kernel": (1.0, 2.0, 3.0), "sdpa": (2.0, 3.0, 2.99)}) == (), "within the margin"
+    steps = cpu_prefill.decide({"kernel": k, "sdpa": (2.0, 1.5, 3.0), "blocked": (0.5, 1.0, 4.0)})
+    assert steps == ((8, "blocked"), (128, "sdpa"))
+    choice = cpu_prefill.PrefillChoice(steps, {})
+    assert [choice.path_for(t) for t in (1, 7, 8, 127, 128, 4096)] == ["kernel"] * 2 + ["blocked"] * 2 + ["sdpa"] * 2
 
 
 # ----- the engine on each path: greedy tokens equal generate() ------------------------------------
-@pytest.mark.parametrize("path", ["kernel", "sdpa"])
+@pytest.mark.parametrize("path", ["kernel", "sdpa", "blocked"])
 @pytest.mark.parametrize("config", [dict(), dict(max_num_batched_tokens=16, long_prefill_token_threshold=8)])
 def test_engine_on_each_prefill_path_matches_generate(path, config, monkeypatch):
     """Float64 model, prompts that share a cached prefix (two blocks) and, chunked, prefill chunks

@@ -153,7 +153,7 @@ def prefill_attention(args) -> None:
 
     dtype = getattr(torch, args.dtype)
     qs, pools, meta = paged_step(args.preset, args.requests, args.context, args.prefix, dtype)
-    variants = {name: CPUBackend(prefill=path) for name, path in (("kernel", "kernel"), ("sdpa", "sdpa"))}
+    variants = {path: CPUBackend(prefill=path) for path in ("kernel", "sdpa", "blocked")}
     variants["kernel, avx2 build"] = CPUBackend(prefill="kernel", decode="avx2")
     if args.context > 1:
         variants["auto (probe)"] = CPUBackend(prefill="auto")

@@ -292,7 +292,7 @@ class CPUBackend(TorchBackend):
     measured per attention shape; ``cpu_decode_variant``).
 
     Invariant: ``_rows`` caches the per-row plan of exactly one BatchMeta (``_rows_key``), and
-    ``_matrix`` the matrix path's groups of one (BatchMeta, rows, min_rows) (``_matrix_key``);
+    ``_matrix`` the matrix paths' plan of one (BatchMeta, rows, choice) (``_matrix_key``);
     every layer of a step reuses them.
     """
 
@@ -311,7 +311,7 @@ class CPUBackend(TorchBackend):
         self._rows_key: tuple[BatchMeta, int] | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._matrix_key: tuple[BatchMeta, int, int] | None = None
-        self._matrix: tuple[dict, torch.Tensor] | None = None
+        self._matrix: tuple | None = None
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
         if torch.device(device).type != "cpu" or dtype not in DTYPES:
@@ -370,8 +370,8 @@ class CPUBackend(TorchBackend):
             return self._run(q, cache, tables, q_pos, scale, window)
         if meta.max_query_len > 1:
             choice = self.prefill_choice(q.dtype, hq, cache)
-            if choice.min_rows:
-                return self._with_matrices(q, cache, meta, tables, q_pos, choice.min_rows, scale, window)
+            if choice.steps:
+                return self._with_matrices(q, cache, meta, tables, q_pos, choice, scale, window)
         return self._run(q, cache, tables, q_pos, scale, window)
 
     def decode_choice(self, dtype: torch.dtype, hq: int, cache: KVCache) -> cpu_decode_variant.DecodeChoice:
@@ -396,16 +396,22 @@ class CPUBackend(TorchBackend):
                                   dtype, hq, hkv, d, bs, self.prefill)
 
     def _with_matrices(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, tables: torch.Tensor,
-                       q_pos: torch.Tensor, min_rows: int, scale: float, window: int) -> torch.Tensor:
-        """Requests of ``min_rows`` rows or more through ``cpu_prefill.attend_requests`` (those of
-        one shape together, their contexts gathered once), every other row through the kernel."""
-        groups, kernel_pos = self._matrix_plan(meta, q_pos, min_rows)
+                       q_pos: torch.Tensor, choice: cpu_prefill.PrefillChoice, scale: float,
+                       window: int) -> torch.Tensor:
+        """Each request of several rows through the path ``choice`` gives its row count: "sdpa"
+        (``cpu_prefill.attend_requests``, requests of one shape together, their contexts gathered
+        once) or "blocked" (``cpu_prefill.attend_blocked``, all of them in one call); every other
+        row through the row kernel."""
+        groups, blocked, kernel_pos = self._matrix_plan(meta, q_pos, choice)
         k_pool, v_pool = cache
+        q = q.contiguous()
         if bool((kernel_pos >= 0).any()):
             out = self._run(q, cache, tables, kernel_pos, scale, window)  # the matrix rows come back as zeros
         else:
             out = q.new_zeros(q.shape)  # padding rows stay zeros
         hq, d = q.shape[1:]
+        if blocked is not None:
+            cpu_prefill.attend_blocked(q, k_pool, v_pool, *blocked, scale, window, out)
         for (t, context), (rows, reqs, start) in groups.items():
             b = reqs.shape[0]
             blocks = meta.block_table.index_select(0, reqs)  # [B, W]
@@ -418,21 +424,28 @@ class CPUBackend(TorchBackend):
                 out.index_copy_(0, rows, o.reshape(b * t, hq, d))
         return out
 
-    def _matrix_plan(self, meta: BatchMeta, q_pos: torch.Tensor, min_rows: int) -> tuple[dict, torch.Tensor]:
-        """The requests of ``min_rows`` rows or more, grouped by (rows t, cached context): per group
-        its rows (int64 [B * t]), its requests (int64 [B]) and its first row when the rows are
-        consecutive (else None); and the kernel's positions: ``q_pos`` with those rows at -1 (skipped)."""
-        key = (meta, q_pos.shape[0], min_rows)
+    def _matrix_plan(self, meta: BatchMeta, q_pos: torch.Tensor, choice: cpu_prefill.PrefillChoice):
+        """The requests of several rows by the path ``choice`` gives them: "sdpa" ones grouped by
+        (rows t, cached context), per group its rows (int64 [B * t]), its requests (int64 [B]) and
+        its first row when the rows are consecutive (else None); "blocked" ones as (tables int32
+        [B, W], first rows, row counts, cached contexts: int64 [B] each), or None; and the kernel's
+        positions: ``q_pos`` with every matrix row at -1 (skipped)."""
+        key = (meta, q_pos.shape[0], choice.steps)
         if self._matrix_key is not None and self._matrix_key[0] is meta and self._matrix_key[1:] == key[1:]:
             return self._matrix
         qsl = meta.query_start_loc_cpu.tolist()
         seq_lens = meta.seq_lens_cpu.tolist()
         kernel_pos = q_pos.clone()
         members: dict[tuple[int, int], list[int]] = {}
+        blocked_reqs: list[int] = []
         for r, seq_len in enumerate(seq_lens):
             t = qsl[r + 1] - qsl[r]
-            if t >= min_rows and seq_len > 0:
+            path = choice.path_for(t) if t > 1 and seq_len > 0 else "kernel"
+            if path == "sdpa":
                 members.setdefault((t, seq_len - t), []).append(r)
+            elif path == "blocked":
+                blocked_reqs.append(r)
+            if path != "kernel":
                 kernel_pos[qsl[r]:qsl[r + 1]] = -1
         groups = {}
         for (t, context), reqs in members.items():
@@ -440,7 +453,14 @@ class CPUBackend(TorchBackend):
             consecutive = all(s == starts[0] + i * t for i, s in enumerate(starts))
             rows = torch.tensor([s + j for s in starts for j in range(t)], dtype=torch.int64)
             groups[(t, context)] = (rows, torch.tensor(reqs, dtype=torch.int64), starts[0] if consecutive else None)
-        self._matrix_key, self._matrix = key, (groups, kernel_pos)
+        blocked = None
+        if blocked_reqs:
+            idx = torch.tensor(blocked_reqs, dtype=torch.int64)
+            t = torch.tensor([qsl[r + 1] - qsl[r] for r in blocked_reqs], dtype=torch.int64)
+            blocked = (meta.block_table.index_select(0, idx).to(torch.int32).contiguous(),
+                       torch.tensor([qsl[r] for r in blocked_reqs], dtype=torch.int64), t,
+                       torch.tensor([seq_lens[r] for r in blocked_reqs], dtype=torch.int64) - t)
+        self._matrix_key, self._matrix = key, (groups, blocked, kernel_pos)
         return self._matrix
 
     def _row_plan(self, meta: BatchMeta, n: int) -> tuple[torch.Tensor, torch.Tensor]:

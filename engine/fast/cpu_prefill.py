@@ -11,7 +11,7 @@ thread, against ~17 for the row kernel.
 ``attend_requests`` serves requests of one shape (rows, cached prefix) together: their contexts'
 blocks are gathered ONCE (one ``index_select`` per pool, not one per query tile), viewed
 heads-first without a copy, and met by all their rows in one call (the call's fixed cost, ~50 us,
-is most of a 64-row request's time). The mask stays exact without materialising it where it is not needed:
+is most of a 64-row request's time). The mask stays exact, and is made only where needed:
 
 - no window, no cached prefix (a fresh prompt): one call, causal (row i sees keys 0..i);
 - no window, a cached prefix of c keys: the prefix (seen by every row, no mask) and the chunk's
@@ -20,50 +20,76 @@ is most of a 64-row request's time). The mask stays exact without materialising 
 - a sliding window w: the keys from the first row's window on, with an additive mask
   (0 visible / -inf hidden) of row i seeing p when c + i - w < p <= c + i.
 
-Which rows take this path rather than the row kernel is measured (``choose``): a request with
-few rows over a long context gains little from a matrix product and pays the calls' fixed cost.
-The probe times both on seeded random pools of the model's attention shape at ``PROBE_ROWS``
-rows (fresh prompts of that length, fastest of ``PROBE_ROUNDS`` interleaved rounds) and keeps the
-smallest row count from which the matrix path wins at that count and every larger one
-(``min_rows``); it never wins: ``kernel`` for every row. Cached per (dtype, heads, head size,
-block size, threads) for the process. ``ENGINE_ATTENTION_PREFILL=kernel|sdpa`` (or
-``CPUBackend(prefill=...)``) forces a path (``sdpa``: every request of two or more rows), so
-tests run both on any machine. ``chosen_report`` lists the choices, as ``run.py bench`` prints.
+``attend_blocked`` is the other matrix path: ``cpu_prefill_kernel.cpp``, tiles of 32 query rows
+(every query head of a kv head's group) against chunks of keys packed once per tile, scores and
+values as register-blocked products with an online softmax, all of a step's requests in one
+call, no Python per request; float32 K is transposed by AVX-512 gathers. Heads of a multiple of
+16 up to 256 (``blocked_serves``).
+
+Which path a request takes is measured (``choose``) and depends on its row count: a request with
+few rows over a long context gains little from a matrix product and pays its fixed cost. The
+probe times the three on seeded random pools of the model's attention shape at ``PROBE_ROWS``
+rows (fresh prompts of that length, fastest of ``PROBE_ROUNDS`` interleaved rounds); at each
+count the fastest wins (a matrix path by ``MARGIN`` over the kernel), and the choice is a few
+steps, "blocked from 8 rows, sdpa from 128 rows" (``PrefillChoice.steps``; none: the kernel for
+every row). Cached per (dtype, heads, head size, block size, threads) for the process.
+``ENGINE_ATTENTION_PREFILL=kernel|sdpa|blocked`` (or ``CPUBackend(prefill=...)``) forces a path
+for every request of two or more rows (``blocked`` where it does not serve the head size:
+``sdpa``), so tests run each on any machine. ``chosen_report`` lists the choices, as ``run.py
+bench`` prints.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-PATHS = ("kernel", "sdpa")  # the C++ row kernel / PyTorch's CPU flash attention over the gathered context
+PATHS = ("kernel", "sdpa", "blocked")  # the C++ row kernel / PyTorch's CPU flash attention / cpu_prefill_kernel.cpp
 ENV = "ENGINE_ATTENTION_PREFILL"
 PROBE_ROWS = (8, 32, 128, 512)  # a request's row count (its whole context: a fresh prompt) at which both are timed
 PROBE_ROUNDS = 3  # timed rounds after a warm-up; the fastest counts (other processes only ever add time)
 MARGIN = 0.05  # the matrix path must be this much faster at a row count to take it
-FORCED_MIN_ROWS = 2  # a forced ``sdpa``: every request with more than one row
+FORCED_MIN_ROWS = 2  # a forced matrix path: every request with more than one row
+BLOCKED_SOURCE = Path(__file__).with_name("cpu_prefill_kernel.cpp")
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (out, logsumexp); GQA-aware
 
 
 @dataclass(frozen=True)
 class PrefillChoice:
-    """Which requests take the matrix path: those with at least ``min_rows`` rows (0: none, every
-    row takes the kernel). ``ms[path]``: its ms at each of ``PROBE_ROWS`` (empty when forced)."""
+    """Which path a request of several rows takes: ``steps`` ((min_rows, path), ...) in rising
+    min_rows; a request of t rows takes the path of the last step with min_rows <= t, the row
+    kernel below the first. ``ms[path]``: its ms at each of ``PROBE_ROWS`` (empty when forced)."""
 
-    min_rows: int
+    steps: tuple[tuple[int, str], ...]
     ms: dict[str, tuple[float, ...]]
     forced: bool = False
 
+    def path_for(self, rows: int) -> str:
+        path = "kernel"
+        for min_rows, step_path in self.steps:
+            if rows >= min_rows:
+                path = step_path
+        return path
+
     @property
     def path(self) -> str:
-        return "sdpa" if self.min_rows else "kernel"
+        """The path of the longest requests."""
+        return self.steps[-1][1] if self.steps else "kernel"
+
+    @property
+    def min_rows(self) -> int:
+        """The fewest rows a request takes a matrix path with (0: none does)."""
+        return next((r for r, p in self.steps if p != "kernel"), 0)
 
     def describe(self) -> str:
-        what = f"sdpa from {self.min_rows} rows" if self.min_rows else "kernel"
+        what = ", ".join(f"{p} from {r} rows" for r, p in self.steps) or "kernel"
         if not self.ms:
             return what + (" (forced)" if self.forced else "")
         times = "; ".join(f"{name} " + "/".join(f"{t:.2f}" for t in ms) for name, ms in self.ms.items())
@@ -122,6 +148,54 @@ def attend_requests(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return o.transpose(1, 2)  # [B, t, Hq, D]
 
 
+def _declare(lib: ctypes.CDLL) -> None:
+    for name in DTYPE_NAMES.values():
+        fn = getattr(lib, f"prefill_blocked_{name}")
+        fn.restype = ctypes.c_int64  # -1: this head size is not served (nothing computed)
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 \
+            + [ctypes.c_double, ctypes.c_int64, ctypes.c_int64]
+
+
+_blocked = None  # OptionalKernels of cpu_prefill_kernel.cpp, made on first use (cpu_attention imports this module)
+
+
+def blocked_library() -> ctypes.CDLL | None:
+    """The blocked prefill kernel, or None where it cannot be built here."""
+    global _blocked
+    if _blocked is None:
+        from engine.fast.cpu_attention import OptionalKernels
+
+        _blocked = OptionalKernels(BLOCKED_SOURCE, _declare)
+    return _blocked.get()
+
+
+def blocked_serves(dtype: torch.dtype, d: int) -> bool:
+    """Whether the blocked kernel serves heads of size ``d`` in ``dtype`` here: a multiple of 16
+    (its vectors' lanes at any width it is built for; 1, 2, 4, 8 or 16 vectors), and it builds."""
+    return dtype in DTYPE_NAMES and d % 16 == 0 and d <= 256 and blocked_library() is not None
+
+
+def attend_blocked(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                   row0: torch.Tensor, rows: torch.Tensor, context: torch.Tensor, scale: float, window: int,
+                   out: torch.Tensor) -> torch.Tensor:
+    """Requests r (``row0[r]``, ``rows[r]`` rows after ``context[r]`` cached keys, block table
+    ``tables[r]`` int32) through cpu_prefill_kernel.cpp in one call, written into ``out`` [N, Hq, D]
+    at their rows (others untouched); q [N, Hq, D] and pools contiguous, of one dtype."""
+    lib = blocked_library()
+    n, hq, d = q.shape
+    _, bs, hkv, _ = k_pool.shape
+    assert lib is not None and q.is_contiguous() and out.is_contiguous() and k_pool.is_contiguous() \
+        and v_pool.is_contiguous() and tables.dtype == torch.int32 and tables.stride(1) == 1
+    fn = getattr(lib, f"prefill_blocked_{DTYPE_NAMES[q.dtype]}")
+    threads = max(1, min(torch.get_num_threads(), int(rows.shape[0]) * hkv))
+    status = fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(), tables.stride(0),
+                row0.data_ptr(), rows.data_ptr(), context.data_ptr(), rows.shape[0], hq, hkv, d, bs, float(scale),
+                int(window), threads)
+    if status:
+        raise ValueError(f"the blocked prefill kernel does not serve heads of {d} (a multiple of 16 up to 256 does)")
+    return out
+
+
 def measure(kernel: Callable[[torch.Tensor, tuple, torch.Tensor, int], torch.Tensor], dtype: torch.dtype,
             hq: int, hkv: int, d: int, bs: int) -> dict[str, tuple[float, ...]]:
     """Ms of each path at each of ``PROBE_ROWS`` (a fresh prompt of that many rows; the fastest
@@ -135,33 +209,48 @@ def measure(kernel: Callable[[torch.Tensor, tuple, torch.Tensor, int], torch.Ten
     blocks = torch.randperm(width + 1, generator=gen)[:width]  # scattered, as a pool's blocks are
     table = blocks.to(torch.int32)[None, :]
     out: dict[str, list[float]] = {p: [] for p in PATHS}
+    blocked = blocked_serves(dtype, d)
     with torch.inference_mode():
         for rows in PROBE_ROWS:
             q = torch.randn(rows, hq, d, generator=gen).to(dtype)
             tables, q_pos = table.expand(rows, width), torch.arange(rows)
+            one = (torch.zeros(1, dtype=torch.int64), torch.full((1,), rows, dtype=torch.int64),
+                   torch.zeros(1, dtype=torch.int64))
             fns = {"kernel": lambda: kernel(q, (k_pool, v_pool), tables, q_pos),
                    "sdpa": lambda: attend_requests(q[None], k_pool, v_pool, blocks[None], 0, d ** -0.5)}
-            times: dict[str, list[float]] = {p: [] for p in PATHS}
+            if blocked:
+                fns["blocked"] = lambda: attend_blocked(q, k_pool, v_pool, table, *one, d ** -0.5, 0, torch.empty_like(q))
+            times: dict[str, list[float]] = {p: [] for p in fns}
             for round_ in range(PROBE_ROUNDS + 1):  # round 0 warms up
                 for name, fn in fns.items():
                     start = time.perf_counter()
                     fn()
                     if round_:
                         times[name].append((time.perf_counter() - start) * 1000)
-            for name in PATHS:
+            for name in times:
                 out[name].append(min(times[name]))
-    return {name: tuple(ms) for name, ms in out.items()}
+    return {name: tuple(ms) for name, ms in out.items() if ms}
 
 
-def decide(ms: dict[str, tuple[float, ...]]) -> int:
-    """The smallest of ``PROBE_ROWS`` from which sdpa is ``MARGIN`` faster at it and every larger
-    count (0: it never is)."""
-    min_rows = 0
-    for rows, kern, mat in reversed(list(zip(PROBE_ROWS, ms["kernel"], ms["sdpa"]))):
-        if mat > (1 - MARGIN) * kern:
-            break
-        min_rows = rows
-    return min_rows
+def decide(ms: dict[str, tuple[float, ...]]) -> tuple[tuple[int, str], ...]:
+    """The steps of a measured choice: at each of ``PROBE_ROWS`` the fastest path, where a matrix
+    path must be ``MARGIN`` faster than the kernel to be taken; a path that does not win at every
+    larger count as well is not taken from there (a request's path changes once, at most twice,
+    with its length, not back and forth on noise)."""
+    winners = []
+    for i in range(len(PROBE_ROWS)):
+        kern = ms["kernel"][i]
+        best = min((p for p in ms if p != "kernel"), key=lambda p: ms[p][i], default=None)
+        winners.append(best if best is not None and ms[best][i] < (1 - MARGIN) * kern else "kernel")
+    # From the longest down: a matrix path keeps a row count only if no row count above it fell to the kernel.
+    for i in range(len(winners) - 2, -1, -1):
+        if winners[i + 1] == "kernel":
+            winners[i] = "kernel"
+    steps: list[tuple[int, str]] = []
+    for rows, path in zip(PROBE_ROWS, winners):
+        if path != "kernel" and (not steps or steps[-1][1] != path):  # kernel steps can only lead: implied
+            steps.append((rows, path))
+    return tuple(steps)
 
 
 def choose(kernel: Callable, dtype: torch.dtype, hq: int, hkv: int, d: int, bs: int,
@@ -170,8 +259,10 @@ def choose(kernel: Callable, dtype: torch.dtype, hq: int, hkv: int, d: int, bs: 
     ``$ENGINE_ATTENTION_PREFILL``), else measured once per shape and thread count."""
     forced = forced_path(path)
     key = (dtype, hq, hkv, d, bs, torch.get_num_threads())
+    if forced == "blocked" and not blocked_serves(dtype, d):
+        forced = "sdpa"  # the blocked kernel cannot serve this head size or cannot be built here
     if forced is not None:
-        choice = PrefillChoice(FORCED_MIN_ROWS if forced == "sdpa" else 0, {}, forced=True)
+        choice = PrefillChoice(() if forced == "kernel" else ((FORCED_MIN_ROWS, forced),), {}, forced=True)
     else:
         if key not in _chosen:
             ms = measure(kernel, dtype, hq, hkv, d, bs)
