@@ -115,6 +115,21 @@ def test_requests_of_one_shape_are_batched_exactly(dtype, window, path):
     assert err < TOLERANCE[dtype], f"{path} requests ({dtype}, window={window}) differ by {err:.2e}"
 
 
+@pytest.mark.parametrize("path", ["sdpa", "blocked"])
+def test_matrix_paths_on_two_real_threads(path):
+    """The blocked kernel shares its tiles over torch's OpenMP workers, flash attention its heads:
+    on two real torch threads a mixed float64 batch still equals float64 attention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for window in (0, 6):
+            q, cache, meta = random_paged_batch(22, 4, 4, 2, head_dim=16, num_reqs=12, dtype=torch.float64)
+            got = backend(path).forward(q, cache, meta, window=window)
+            assert (got - oracle(q, cache, meta, window)).abs().max().item() < 1e-12, f"{path} on two threads"
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_forward_rows_and_the_path_agree():
     """forward_rows (the logits rows only) takes the kernel for its few rows: the same values as the
     matrix path's full forward at those rows."""
