@@ -60,7 +60,7 @@ inline void narrow(float x, BF16* out) {  // round to nearest even, as torch's .
   out->bits = static_cast<uint16_t>(u >> 16);
 }
 
-template <typename V, typename W> inline V splat(W x) { return V{} + x; }
+template <typename V, typename W> inline V splat(W x) { return x - V{}; }  // x - 0 == x for every x: no add left
 template <typename V, typename W> inline V iota() {  // 0, 1, 2, ... in the lanes
   V v{};
   for (unsigned i = 0; i < sizeof(V) / sizeof(W); ++i) v[i] = W(i);
