@@ -116,6 +116,28 @@ def test_requests_of_one_shape_are_batched_exactly(dtype, window, path):
 
 
 @pytest.mark.parametrize("path", ["sdpa", "blocked"])
+def test_matrix_paths_refuse_block_tables_outside_the_pool(path):
+    """A request served as matrices whose block table points outside the pool (past it,
+    negative) or is too short for its context is a ValueError before anything is read."""
+    import dataclasses
+
+    q, cache, meta = same_shape_batch(torch.float32)
+    b = backend(path)
+    for entry in (1 << 30, cache[0].shape[0], -3):
+        table = meta.block_table.clone()
+        table[7, 2] = entry  # the 9-row request after 8 cached tokens: a matrix request
+        with pytest.raises(ValueError, match="outside the K/V pool"):
+            b.forward(q, cache, dataclasses.replace(meta, block_table=table))
+    short = dataclasses.replace(meta, block_table=meta.block_table[:, :2].contiguous())
+    with pytest.raises(ValueError, match="outside the K/V pool"):
+        b.forward(q, cache, short)
+    table = meta.block_table.clone()
+    table[7, 0] = -3  # a block before an 8-key window of its first row: never read, so not refused
+    got = b.forward(q, cache, dataclasses.replace(meta, block_table=table), window=4)
+    assert (got.double() - oracle(q, cache, meta, 4)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("path", ["sdpa", "blocked"])
 def test_matrix_paths_on_two_real_threads(path):
     """The blocked kernel shares its tiles over torch's OpenMP workers, flash attention its heads:
     on two real torch threads a mixed float64 batch still equals float64 attention."""

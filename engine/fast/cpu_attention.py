@@ -9,9 +9,10 @@ bfloat16 in memory and is widened in registers) and computes softmax(q k^T * sca
 (double for float64 pools). Decode rows take the kernel; a request with several rows (a prefill
 chunk) takes it too, each row with its own causal limit, or is served as matrix products by
 ``cpu_prefill`` (PyTorch's CPU flash attention over its context gathered once, on the CPU's
-AMX / bf16 units where it has them): which, is measured per attention shape on the machine at hand
-(``cpu_prefill.choose``), printed by ``run.py bench``, and forced by ``prefill="kernel"|"sdpa"`` or
-``$ENGINE_ATTENTION_PREFILL`` (``prefill_in_place=False``: the older design, requests with several
+AMX / bf16 units where it has them, or the blocked kernel ``cpu_prefill_kernel.cpp``): which, by
+its row count, is measured per attention shape on the machine at hand
+(``cpu_prefill.choose``), printed by ``run.py bench``, and forced by ``prefill="kernel"|"sdpa"|"blocked"``
+or ``$ENGINE_ATTENTION_PREFILL`` (``prefill_in_place=False``: the older design, requests with several
 rows through ``TorchBackend``'s tile path of one gather per 32-row tile, measured slower).
 ``write`` stores the step's K/V rows with one kernel call too, and ``forward_rows`` attends only
 the rows asked for (the fast flat models' last layer).
@@ -284,8 +285,8 @@ class CPUBackend(TorchBackend):
 
     ``prefill_in_place=True`` (the default): every row of the batch goes through the kernel, each
     with its request's block table and its own position (the causal limit), except the rows of
-    requests the prefill choice sends to matrix products (``prefill``: "kernel", "sdpa", or
-    None / "auto": ``$ENGINE_ATTENTION_PREFILL``, else measured; ``cpu_prefill``). ``False``:
+    requests the prefill choice sends to matrix products (``prefill``: "kernel", "sdpa",
+    "blocked", or None / "auto": ``$ENGINE_ATTENTION_PREFILL``, else measured; ``cpu_prefill``). ``False``:
     only decode tiles take the kernel; tiles of several rows take ``TorchBackend``'s
     gather-and-SDPA path (an earlier design, kept to measure against). ``decode``: the kernel
     build rows take, "native" or "avx2" (None / "auto": ``$ENGINE_ATTENTION_DECODE``, else
@@ -310,7 +311,7 @@ class CPUBackend(TorchBackend):
         self._lib = load_kernel()  # the native build: writes, and rows until a shape's build is chosen
         self._rows_key: tuple[BatchMeta, int] | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._matrix_key: tuple[BatchMeta, int, int] | None = None
+        self._matrix_key: tuple | None = None
         self._matrix: tuple | None = None
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
@@ -404,6 +405,7 @@ class CPUBackend(TorchBackend):
         row through the row kernel."""
         groups, blocked, kernel_pos = self._matrix_plan(meta, q_pos, choice)
         k_pool, v_pool = cache
+        self._check_tables(meta, kernel_pos != q_pos, k_pool.shape[0], window)
         q = q.contiguous()
         if bool((kernel_pos >= 0).any()):
             out = self._run(q, cache, tables, kernel_pos, scale, window)  # the matrix rows come back as zeros
@@ -423,6 +425,27 @@ class CPUBackend(TorchBackend):
                                                 context, scale, window)
                 out.index_copy_(0, rows, o.reshape(b * t, hq, d))
         return out
+
+    @staticmethod
+    def _check_tables(meta: BatchMeta, matrix_rows: torch.Tensor, num_blocks: int, window: int) -> None:
+        """ValueError, before anything is computed, when a request served as matrices would read a
+        block-table column past the table or an entry outside the pool's ``num_blocks`` (the row
+        kernel checks its own rows likewise)."""
+        qsl = meta.query_start_loc_cpu.numpy()
+        starts = qsl[:-1][(qsl[1:] > qsl[:-1])]
+        reqs = np.flatnonzero(qsl[1:] > qsl[:-1])[matrix_rows.numpy()[starts]]  # requests whose rows took a matrix path
+        bs, width = meta.block_size, meta.block_table.shape[1]
+        bad = 0
+        table = meta.block_table.numpy() if meta.block_table.device.type == "cpu" else meta.block_table.cpu().numpy()
+        for r in reqs.tolist():
+            seq_len, t = int(meta.seq_lens_cpu[r]), int(qsl[r + 1] - qsl[r])
+            first = max(0, seq_len - t - window + 1) if window > 0 else 0
+            last_block = (seq_len - 1) // bs
+            used = table[r, first // bs:last_block + 1]
+            bad += last_block >= width or bool(((used < 0) | (used >= num_blocks)).any())
+        if bad:
+            raise ValueError(f"attention: {bad} request(s) would read keys outside the K/V pool's {num_blocks} blocks "
+                             f"or past their block table's {width} columns (a corrupt block table)")
 
     def _matrix_plan(self, meta: BatchMeta, q_pos: torch.Tensor, choice: cpu_prefill.PrefillChoice):
         """The requests of several rows by the path ``choice`` gives them: "sdpa" ones grouped by
