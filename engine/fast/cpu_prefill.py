@@ -32,7 +32,9 @@ probe times the three on seeded random pools of the model's attention shape at `
 rows (fresh prompts of that length, fastest of ``PROBE_ROUNDS`` interleaved rounds); at each
 count the fastest wins (a matrix path by ``MARGIN`` over the kernel), and the choice is a few
 steps, "blocked from 8 rows, sdpa from 128 rows" (``PrefillChoice.steps``; none: the kernel for
-every row). Cached per (dtype, heads, head size, block size, threads) for the process.
+every row). Cached per (dtype, heads, head size, block size, threads) for the process; the probe
+takes about half a second at Qwen3-0.6B's shape, once, in the first prefill (a benchmark's
+warm-up request).
 ``ENGINE_ATTENTION_PREFILL=kernel|sdpa|blocked`` (or ``CPUBackend(prefill=...)``) forces a path
 for every request of two or more rows (``blocked`` where it does not serve the head size:
 ``sdpa``), so tests run each on any machine. ``chosen_report`` lists the choices, as ``run.py
