@@ -151,20 +151,32 @@ void tile(const T* q, const T* k_pool, const T* v_pool, T* out, const Request& r
     // 1. pack K transposed and V, widened; keys past kn are zeros (and masked below).
     pack<T, W, C>(k_pool, v_pool, req, h, k0, kn, d, bs, slot, kt, vp);
     // 2. S = Q Kt, 4 rows x 2 vectors at a time.
+    // Causal: keys past the block's last row are masked below, so a block whose rows see none of
+    // the chunk's second half (or none of it) skips that product; its scores are overwritten.
     for (int64_t m = 0; m < mp; m += 4) {
-      V a[4][2] = {};
+      const int64_t seen = pos_first + std::min(m + 3, m_rows - 1) / group - k0 + 1;  // keys the block's last row sees
       const W* q0 = qs + m * d;
-      for (int64_t c = 0; c < d; ++c) {
-        const V b0 = vload<V>(kt + c * C), b1 = vload<V>(kt + c * C + L);
-        for (int r = 0; r < 4; ++r) {
-          const V x = splat<V>(q0[r * d + c]);
-          a[r][0] += x * b0;
-          a[r][1] += x * b1;
+      if (seen > L) {
+        V a[4][2] = {};
+        for (int64_t c = 0; c < d; ++c) {
+          const V b0 = vload<V>(kt + c * C), b1 = vload<V>(kt + c * C + L);
+          for (int r = 0; r < 4; ++r) {
+            const V x = splat<V>(q0[r * d + c]);
+            a[r][0] += x * b0;
+            a[r][1] += x * b1;
+          }
         }
-      }
-      for (int r = 0; r < 4; ++r) {
-        vstore(s + (m + r) * C, a[r][0]);
-        vstore(s + (m + r) * C + L, a[r][1]);
+        for (int r = 0; r < 4; ++r) {
+          vstore(s + (m + r) * C, a[r][0]);
+          vstore(s + (m + r) * C + L, a[r][1]);
+        }
+      } else if (seen > 0) {
+        V a[4] = {};
+        for (int64_t c = 0; c < d; ++c) {
+          const V b0 = vload<V>(kt + c * C);
+          for (int r = 0; r < 4; ++r) a[r] += splat<V>(q0[r * d + c]) * b0;
+        }
+        for (int r = 0; r < 4; ++r) vstore(s + (m + r) * C, a[r]);
       }
     }
     // 3. mask and online softmax, row by row.
@@ -212,9 +224,10 @@ void tile(const T* q, const T* k_pool, const T* v_pool, T* out, const Request& r
       }
     }
     // 4. O += P V, two rows at a time.
-    const int64_t jn = kn;  // P is 0 past kn
     int64_t m = 0;
     for (; m + 1 < m_rows; m += 2) {
+      // P is 0 past kn and past the second row's position (causal): those keys add nothing.
+      const int64_t jn = std::min<int64_t>(kn, pos_first + (m + 1) / group - k0 + 1);
       V a0[NV], a1[NV];
       W* o0 = o + m * d;
       W* o1 = o0 + d;
@@ -239,6 +252,7 @@ void tile(const T* q, const T* k_pool, const T* v_pool, T* out, const Request& r
       }
     }
     for (; m < m_rows; ++m) {
+      const int64_t jn = std::min<int64_t>(kn, pos_first + m / group - k0 + 1);
       V a0[NV];
       W* o0 = o + m * d;
       for (int v = 0; v < NV; ++v) a0[v] = vload<V>(o0 + v * L);
