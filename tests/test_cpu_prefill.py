@@ -132,9 +132,16 @@ def test_matrix_paths_refuse_block_tables_outside_the_pool(path):
     with pytest.raises(ValueError, match="outside the K/V pool"):
         b.forward(q, cache, short)
     table = meta.block_table.clone()
-    table[7, 0] = -3  # a block before an 8-key window of its first row: never read, so not refused
+    table[7, 0] = -3  # a block before the 4-key window of its first row (position 8): never read, so not refused
     got = b.forward(q, cache, dataclasses.replace(meta, block_table=table), window=4)
     assert (got.double() - oracle(q, cache, meta, 4)).abs().max().item() < 1e-5
+    spare = sorted(set(range(cache[0].shape[0])) - set(meta.block_table.flatten().tolist()))[0]
+    poisoned = tuple(c.clone() for c in cache)
+    for pool in poisoned:
+        pool[spare] = float("nan")
+    table[7, 0] = spare  # NaN keys and values where the window hides them: none may reach the output
+    got = b.forward(q, poisoned, dataclasses.replace(meta, block_table=table), window=4)
+    assert (got.double() - oracle(q, cache, meta, 4)).abs().max().item() < 1e-5, "a hidden block was read"
 
 
 @pytest.mark.parametrize("path", ["sdpa", "blocked"])

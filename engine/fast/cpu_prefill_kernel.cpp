@@ -78,19 +78,20 @@ struct Request {
   const int32_t* table;
 };
 
-// The keys k0 .. k0 + kn - 1 of kv head h (kn <= C): K transposed into kt [d][C], V into vp [C][d],
-// widened; columns / rows past kn are zeros.
+// The keys k0 + j0 .. k0 + kn - 1 of kv head h (0 <= j0 < kn <= C): K transposed into kt [d][C],
+// V into vp [C][d], widened; columns / rows outside [j0, kn) are zeros and nothing of their keys
+// is read (below j0: before a sliding window, whose blocks the table may no longer hold).
 template <typename T, typename W, int64_t C>
-void pack(const T* k_pool, const T* v_pool, const Request& req, int64_t h, int64_t k0, int64_t kn, int64_t d,
-          int64_t bs, int64_t slot, W* kt, W* vp) {
+void pack(const T* k_pool, const T* v_pool, const Request& req, int64_t h, int64_t k0, int64_t j0, int64_t kn,
+          int64_t d, int64_t bs, int64_t slot, W* kt, W* vp) {
   alignas(64) int64_t at[C];
-  for (int64_t j = 0; j < kn; ++j) {
+  for (int64_t j = j0; j < kn; ++j) {
     const int64_t p = k0 + j;
     at[j] = (static_cast<int64_t>(req.table[p / bs]) * bs + p % bs) * slot + h * d;
   }
 #if ATTN_VEC_BYTES == 64 && defined(__AVX512F__)
   if constexpr (std::is_same<T, float>::value && C % 8 == 0) {
-    if (kn == C) {  // K transposed by gathers: 8 keys' value c per instruction, not one
+    if (j0 == 0 && kn == C) {  // K transposed by gathers: 8 keys' value c per instruction, not one
       for (int64_t j = 0; j < C; ++j) std::memcpy(vp + j * d, v_pool + at[j], sizeof(float) * d);
       for (int64_t c = 0; c < d; ++c) {
         for (int64_t j = 0; j < C; j += 8) {
@@ -103,7 +104,7 @@ void pack(const T* k_pool, const T* v_pool, const Request& req, int64_t h, int64
   }
 #endif
   for (int64_t j = 0; j < C; ++j) {
-    if (j < kn) {
+    if (j >= j0 && j < kn) {
       const T* kr = k_pool + at[j];
       const T* vr = v_pool + at[j];
       for (int64_t c = 0; c < d; ++c) kt[c * C + j] = widen(kr[c]);
@@ -149,7 +150,7 @@ void tile(const T* q, const T* k_pool, const T* v_pool, T* out, const Request& r
   for (int64_t k0 = key_first / C * C; k0 <= pos_last; k0 += C) {
     const int64_t kn = std::min<int64_t>(C, pos_last + 1 - k0);  // keys of this chunk that exist (<= pos_last)
     // 1. pack K transposed and V, widened; keys past kn are zeros (and masked below).
-    pack<T, W, C>(k_pool, v_pool, req, h, k0, kn, d, bs, slot, kt, vp);
+    pack<T, W, C>(k_pool, v_pool, req, h, k0, std::max<int64_t>(0, key_first - k0), kn, d, bs, slot, kt, vp);
     // 2. S = Q Kt, 4 rows x 2 vectors at a time.
     // Causal: keys past the block's last row are masked below, so a block whose rows see none of
     // the chunk's second half (or none of it) skips that product; its scores are overwritten.
