@@ -53,7 +53,7 @@ import torch
 
 PATHS = ("kernel", "sdpa", "blocked")  # the C++ row kernel / PyTorch's CPU flash attention / cpu_prefill_kernel.cpp
 ENV = "ENGINE_ATTENTION_PREFILL"
-PROBE_ROWS = (8, 32, 128, 512)  # a request's row count (its whole context: a fresh prompt) at which both are timed
+PROBE_ROWS = (8, 32, 128, 512)  # the row counts (a fresh prompt of that length) each path is timed at
 PROBE_ROUNDS = 3  # timed rounds after a warm-up; the fastest counts (other processes only ever add time)
 MARGIN = 0.05  # the matrix path must be this much faster at a row count to take it
 FORCED_MIN_ROWS = 2  # a forced matrix path: every request with more than one row
