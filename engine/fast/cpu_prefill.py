@@ -29,7 +29,8 @@ call, no Python per request; float32 K is transposed by AVX-512 gathers. Heads o
 Which path a request takes is measured (``choose``) and depends on its row count: a request with
 few rows over a long context gains little from a matrix product and pays its fixed cost. The
 probe times the three on seeded random pools of the model's attention shape at ``PROBE_ROWS``
-rows (fresh prompts of that length, fastest of ``PROBE_ROUNDS`` interleaved rounds); at each
+rows (a step of fresh prompts of that length, 512 rows in all, so that serving a step's requests
+together counts; fastest of ``PROBE_ROUNDS`` interleaved rounds); at each
 count the fastest wins (a matrix path by ``MARGIN`` over the kernel), and the choice is a few
 steps, "blocked from 8 rows, sdpa from 128 rows" (``PrefillChoice.steps``; none: the kernel for
 every row). Cached per (dtype, heads, head size, block size, threads) for the process; the probe
@@ -53,7 +54,7 @@ import torch
 
 PATHS = ("kernel", "sdpa", "blocked")  # the C++ row kernel / PyTorch's CPU flash attention / cpu_prefill_kernel.cpp
 ENV = "ENGINE_ATTENTION_PREFILL"
-PROBE_ROWS = (8, 32, 128, 512)  # the row counts (a fresh prompt of that length) each path is timed at
+PROBE_ROWS = (8, 32, 128, 512)  # the row counts each path is timed at (a step of 512 rows of prompts that long)
 PROBE_ROUNDS = 3  # timed rounds after a warm-up; the fastest counts (other processes only ever add time)
 MARGIN = 0.05  # the matrix path must be this much faster at a row count to take it
 FORCED_MIN_ROWS = 2  # a forced matrix path: every request with more than one row
@@ -200,28 +201,31 @@ def attend_blocked(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
 
 def measure(kernel: Callable[[torch.Tensor, tuple, torch.Tensor, int], torch.Tensor], dtype: torch.dtype,
             hq: int, hkv: int, d: int, bs: int) -> dict[str, tuple[float, ...]]:
-    """Ms of each path at each of ``PROBE_ROWS`` (a fresh prompt of that many rows; the fastest
-    of ``PROBE_ROUNDS`` interleaved rounds), on a seeded random pool of the shape.
-    ``kernel(q, (k_pool, v_pool), table int32 [t, W], q_pos int64 [t])`` runs the row kernel."""
+    """Ms of each path at each of ``PROBE_ROWS`` (the fastest of ``PROBE_ROUNDS`` interleaved
+    rounds), on a seeded random pool of the shape: a step of ``max(PROBE_ROWS)`` rows made of fresh
+    prompts of that many rows each (one of 512 rows, or 64 of 8), so that what a path saves by
+    serving a step's requests together counts as it does in the engine.
+    ``kernel(q, (k_pool, v_pool), tables int32 [N, W], q_pos int64 [N])`` runs the row kernel."""
     gen = torch.Generator().manual_seed(0)
     most = max(PROBE_ROWS)
-    width = -(-most // bs)
-    shape = (width + 1, bs, hkv, d)
-    k_pool, v_pool = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
-    blocks = torch.randperm(width + 1, generator=gen)[:width]  # scattered, as a pool's blocks are
-    table = blocks.to(torch.int32)[None, :]
     out: dict[str, list[float]] = {p: [] for p in PATHS}
     blocked = blocked_serves(dtype, d)
     with torch.inference_mode():
         for rows in PROBE_ROWS:
-            q = torch.randn(rows, hq, d, generator=gen).to(dtype)
-            tables, q_pos = table.expand(rows, width), torch.arange(rows)
-            one = (torch.zeros(1, dtype=torch.int64), torch.full((1,), rows, dtype=torch.int64),
-                   torch.zeros(1, dtype=torch.int64))
-            fns = {"kernel": lambda: kernel(q, (k_pool, v_pool), tables, q_pos),
-                   "sdpa": lambda: attend_requests(q[None], k_pool, v_pool, blocks[None], 0, d ** -0.5)}
+            reqs, width = max(1, most // rows), -(-rows // bs)
+            shape = (reqs * width + 1, bs, hkv, d)
+            k_pool, v_pool = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+            blocks = torch.randperm(reqs * width + 1, generator=gen)[:reqs * width].view(reqs, width)  # scattered
+            tables = blocks.to(torch.int32)  # [R, W]
+            row_tables = tables.repeat_interleave(rows, 0)  # [R * rows, W]
+            q_pos = torch.arange(rows).repeat(reqs)
+            q = torch.randn(reqs * rows, hq, d, generator=gen).to(dtype)
+            plan = (torch.arange(reqs) * rows, torch.full((reqs,), rows), torch.zeros(reqs, dtype=torch.int64))
+            fns = {"kernel": lambda: kernel(q, (k_pool, v_pool), row_tables, q_pos),
+                   "sdpa": lambda: attend_requests(q.view(reqs, rows, hq, d), k_pool, v_pool, blocks, 0, d ** -0.5)}
             if blocked:
-                fns["blocked"] = lambda: attend_blocked(q, k_pool, v_pool, table, *one, d ** -0.5, 0, torch.empty_like(q))
+                fns["blocked"] = lambda: attend_blocked(q, k_pool, v_pool, tables, *plan, d ** -0.5, 0,
+                                                        torch.empty_like(q))
             times: dict[str, list[float]] = {p: [] for p in fns}
             for round_ in range(PROBE_ROUNDS + 1):  # round 0 warms up
                 for name, fn in fns.items():
