@@ -4,7 +4,7 @@
     python -m course.bench.levers step [--requests 64] [--dtype float32]      one engine decode step
     python -m course.bench.levers step --prefill [--requests 8]               one prefill step (a fresh engine's first)
     python -m course.bench.levers prefill-attention --preset small --requests 32 --context 64 --dtype bfloat16
-                                                                               one step's attention, every layer: kernel / sdpa / probe
+        [--prefix 200] [--before 6ddabc4]     one step's attention, every layer: kernel / sdpa / blocked / probe
     python -m course.bench.levers parts [--requests 64] [--context 64]        the fast core's decode step: linears / attention / write / rest
     python -m course.bench.levers linear [--threads 1]                          one step's linears: the kernel, prefetch on/off, oneDNN
     python -m course.bench.levers elementwise                                  eager vs compiled norms/RoPE/SiLU
@@ -153,7 +153,10 @@ def prefill_attention(args) -> None:
 
     dtype = getattr(torch, args.dtype)
     qs, pools, meta = paged_step(args.preset, args.requests, args.context, args.prefix, dtype)
-    variants = {path: CPUBackend(prefill=path) for path in ("kernel", "sdpa", "blocked")}
+    variants = {}
+    if args.before:  # the row kernel as it was at a git revision: every row through that library
+        variants[f"before ({args.before})"] = kernel_at(args.before)
+    variants.update({path: CPUBackend(prefill=path) for path in ("kernel", "sdpa", "blocked")})
     variants["kernel, avx2 build"] = CPUBackend(prefill="kernel", decode="avx2")
     if args.context > 1:
         variants["auto (probe)"] = CPUBackend(prefill="auto")
@@ -177,10 +180,37 @@ def prefill_attention(args) -> None:
     print(f"attention of one step, {args.preset} preset ({len(qs)} layers, {hq} heads of {d}), {args.dtype}, "
           f"{args.requests} x {args.context} rows after {args.prefix} cached, {torch.get_num_threads()} thread(s), "
           f"{gflop:.2f} GFLOP; median ms (wall / cpu, GFLOP/s):")
+    first = next(iter(variants))
     for k in variants:
-        print(f"  {k:14s} {wall[k]:9.3f} / {cpu[k]:9.3f}  ({gflop / wall[k] * 1000:.0f} GFLOP/s)")
+        vs = f", {cpu[first] / cpu[k]:.2f}x as fast as {first} in CPU time" if args.before else ""
+        print(f"  {k:18s} {wall[k]:9.3f} / {cpu[k]:9.3f}  ({gflop / wall[k] * 1000:.0f} GFLOP/s{vs})")
     print("  prefill choice: " + "; ".join(cpu_prefill.chosen_report()))
     print("  kernel build: " + "; ".join(cpu_decode_variant.chosen_report()))
+
+
+def kernel_at(rev: str):
+    """A CPUBackend whose every row goes through ``cpu_paged_kernel.cpp`` as it was at git revision
+    ``rev`` (with the headers of that revision), built like today's: the "before" of an A/B."""
+    import subprocess
+    import tempfile
+
+    from engine.fast import cpu_attention
+
+    root = Path(__file__).resolve().parents[2]
+    folder = Path(tempfile.mkdtemp(prefix="kernel-at-"))
+    listing = subprocess.run(["git", "-C", str(root), "ls-tree", "--name-only", rev, "engine/fast/"],
+                             capture_output=True, text=True, check=True).stdout.split()
+    for name in listing:
+        if name.endswith((".h", "cpu_paged_kernel.cpp")):
+            text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{name}"], capture_output=True, text=True,
+                                  check=True).stdout
+            (folder / Path(name).name).write_text(text)
+    lib = cpu_attention.build_library(folder / "cpu_paged_kernel.cpp")
+    cpu_attention._declare(lib)
+    backend = cpu_attention.CPUBackend(prefill="kernel")
+    run = backend._run
+    backend._run = lambda *a, **k: run(*a, **{**k, "lib": lib})
+    return backend
 
 
 def timed_rounds(fns: dict, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -468,6 +498,8 @@ def main() -> int:
     ap.add_argument("--preset", default="small", help="step, linear: the bench's model preset (small, qwen3-0.6b, test)")
     ap.add_argument("--layers", type=int, default=0, help="step, linear: this many of the preset's layers (0: all)")
     ap.add_argument("--prefix", type=int, default=0, help="prefill-attention: cached tokens before each request's rows")
+    ap.add_argument("--before", default=None, metavar="REV",
+                    help="prefill-attention: also the row kernel as it was at this git revision (e.g. 6ddabc4)")
     ap.add_argument("--rows", default="16,64,256", help="linear: the row counts, comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
