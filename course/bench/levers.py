@@ -248,13 +248,15 @@ def step(args) -> None:
         if variant in LAYOUTS:  # every linear in that layout (by default each shape's measured fastest)
             os.environ["ENGINE_LINEAR_LAYOUT"] = variant
         try:
-            core = EngineCore(model, EngineConfig(attention_backend=backend.removesuffix("/tiles"),
+            core = EngineCore(model, EngineConfig(attention_backend=backend.removesuffix("/tiles").removesuffix("/rows"),
                                                   flat_model=fuse.partition("/")[0] or "flat",
                                                   num_blocks=args.requests * 20 + 1, max_num_seqs=max(256, args.requests)))
         finally:
             os.environ.pop("ENGINE_LINEAR_LAYOUT", None)
         if backend == "cpu/tiles":  # the cpu backend's previous design: only decode rows in the kernel
             core.runner.backend.prefill_in_place = False
+        if backend == "cpu/rows":  # every row through the row kernel, prefill rows too (no matrix path)
+            core.runner.backend.prefill = "kernel"
         if fuse.startswith("compiled"):
             core.flat.wait_compiled()  # the graph compiles in the background; measure it, not the eager path
         if fuse == "compiled/all":  # every step through the graph (by default decodes take the eager path)
@@ -489,7 +491,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants", default="torch,cpu,cpu+fused,cpu+compiled",
                     help="step: engines to compare (backend, +fused: flat_model='fused', +compiled: flat_model='compiled'; "
-                         "cpu/tiles: the cpu backend with prefill tiles gathered for SDPA; +fused/packed, "
+                         "cpu/tiles: the cpu backend with prefill tiles gathered for SDPA; cpu/rows: every prefill row through the "
+                         "row kernel (no matrix path); +fused/packed, "
                          "+fused/small (or +compiled/...): every linear in that layout (default: each shape's measured "
                          "fastest); +fused/torch-ew: PyTorch elementwise ops and write_kv; "
                          "+fused/no-prefetch: the linear kernel without software prefetch; +compiled/all-rows: the last "
