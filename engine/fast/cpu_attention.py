@@ -313,6 +313,7 @@ class CPUBackend(TorchBackend):
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._matrix_key: tuple | None = None
         self._matrix: tuple | None = None
+        self._checked: tuple | None = None  # (BatchMeta, pool blocks, window) whose matrix requests' tables passed
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
         if torch.device(device).type != "cpu" or dtype not in DTYPES:
@@ -405,7 +406,10 @@ class CPUBackend(TorchBackend):
         row through the row kernel."""
         groups, blocked, kernel_pos = self._matrix_plan(meta, q_pos, choice)
         k_pool, v_pool = cache
-        self._check_tables(meta, kernel_pos != q_pos, k_pool.shape[0], window)
+        checked = self._checked
+        if checked is None or checked[0] is not meta or checked[1:] != (k_pool.shape[0], window):  # once per step
+            self._check_tables(meta, kernel_pos != q_pos, k_pool.shape[0], window)
+            self._checked = (meta, k_pool.shape[0], window)
         q = q.contiguous()
         if bool((kernel_pos >= 0).any()):
             out = self._run(q, cache, tables, kernel_pos, scale, window)  # the matrix rows come back as zeros
