@@ -25,7 +25,7 @@ from test_backends import CASES, random_paged_batch
 pytestmark = pytest.mark.given
 
 PATHS = ("kernel", "sdpa", "blocked", "auto")
-TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max |got - float64 oracle|
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 8e-3}  # max |got - float64 oracle|: bfloat16 rounds once, at the output
 
 
 def oracle(q, cache, meta, window=0, scale=None):

@@ -3,10 +3,11 @@
 ``CPUBackend``'s C++ kernel attends one query row at a time: a request with t rows reads its
 context t times and every score is a dot product of its own. A prefill chunk is better served
 as what it is, a [t, keys] matrix product (twice: scores, then values). PyTorch's CPU flash
-attention does exactly that, blocked, with its softmax kept online, and on a CPU with bf16
-matrix units (AMX) its bfloat16 products run on them (oneDNN's brgemm micro-kernels): measured
-on the issue's Sapphire Rapids, ~340-400 GFLOP/s in bfloat16 and ~120 in float32 on one
-thread, against ~17 for the row kernel.
+attention does exactly that, blocked, with its softmax kept online: measured on a Sapphire
+Rapids core, ~120 GFLOP/s in float32 on one thread, against ~17 for the row kernel. Its bfloat16
+form would run on the matrix units (AMX, ~340-400 GFLOP/s) but rounds the softmax weights to
+bfloat16 before the value product; this engine computes attention in float32 with one rounding
+at the output (engine/precision.py), so a bfloat16 request's context is widened to float32 for it.
 
 ``attend_requests`` serves requests of one shape (rows, cached prefix) together: their contexts'
 blocks are gathered ONCE (one ``index_select`` per pool, not one per query tile), viewed
@@ -61,6 +62,10 @@ FORCED_MIN_ROWS = 2  # a forced matrix path: every request with more than one ro
 BLOCKED_SOURCE = Path(__file__).with_name("cpu_prefill_kernel.cpp")
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 
+# PyTorch's flash attention rounds its softmax weights to bfloat16 before the value product on
+# bfloat16 inputs; the chapter's rule (engine/precision.py) computes attention in float32 and rounds
+# once, so generate()'s greedy tokens hold on every path: bfloat16 requests run on float32 copies.
+WORK_DTYPE = {torch.bfloat16: torch.float32}
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (out, logsumexp); GQA-aware
 
 
@@ -127,28 +132,28 @@ def attend_requests(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     ids = blocks[:, b0:b1].reshape(-1)  # [B * nb]
     lo, hi = first - b0 * bs, total - b0 * bs
 
+    work = WORK_DTYPE.get(q.dtype, q.dtype)  # bfloat16 is computed in float32: one rounding, at the output
+
     def heads_first(pool: torch.Tensor) -> torch.Tensor:  # [B, Hkv, keys, D], a strided view of the gather
-        return pool.index_select(0, ids).view(b, (b1 - b0) * bs, *pool.shape[2:])[:, lo:hi].transpose(1, 2)
+        return pool.index_select(0, ids).view(b, (b1 - b0) * bs, *pool.shape[2:])[:, lo:hi].transpose(1, 2).to(work)
 
     k, v = heads_first(k_pool), heads_first(v_pool)
-    q4 = q.transpose(1, 2)  # [B, Hq, t, D]
+    q4 = q.transpose(1, 2).to(work)  # [B, Hq, t, D]
     if window > 0:
         q_pos = torch.arange(context, total)[:, None]  # [t, 1]
         k_pos = torch.arange(first, total)[None, :]  # [1, keys]
         hidden = (k_pos > q_pos) | (k_pos <= q_pos - window)
-        mask = torch.zeros(hidden.shape, dtype=q.dtype).masked_fill_(hidden, float("-inf"))
+        mask = torch.zeros(hidden.shape, dtype=work).masked_fill_(hidden, float("-inf"))
         o = _flash(q4, k, v, 0.0, False, attn_mask=mask, scale=scale)[0]
     elif context == 0:
         o = _flash(q4, k, v, 0.0, True, scale=scale)[0]
     else:  # the cached prefix (no mask) and the chunk's own keys (causal), joined by their log-sum-exps
         o_pre, l_pre = _flash(q4, k[:, :, :context], v[:, :, :context], 0.0, False, scale=scale)
         o_own, l_own = _flash(q4, k[:, :, context:], v[:, :, context:], 0.0, True, scale=scale)
-        work = l_pre.dtype  # float32 (float64 for float64)
         top = torch.maximum(l_pre, l_own)
         w_pre, w_own = (l_pre - top).exp_(), (l_own - top).exp_()  # [B, Hq, t]
-        o = (o_pre.to(work) * w_pre[..., None] + o_own.to(work) * w_own[..., None]).div_(
-            (w_pre + w_own)[..., None]).to(q.dtype)
-    return o.transpose(1, 2)  # [B, t, Hq, D]
+        o = (o_pre * w_pre[..., None] + o_own * w_own[..., None]).div_((w_pre + w_own)[..., None])
+    return o.transpose(1, 2).to(q.dtype)  # [B, t, Hq, D]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
