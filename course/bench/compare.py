@@ -40,7 +40,7 @@ import torch
 
 from engine.serve import EngineConfig, EngineCore, SamplingParams
 from engine.fast.choose import FASTEST_FLAT_MODEL, fastest_options
-from engine.fast import cpu_elementwise, linear_layout
+from engine.fast import cpu_decode_variant, cpu_elementwise, cpu_prefill, linear_layout
 from engine.fast.fused import default_linear_dtype, numerics_note
 from engine.slots import SlotEngine
 from course.bench.workloads import (OPENINGS, ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload,
@@ -586,6 +586,14 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
     if layouts:  # which linear kernels the figures came from (measured at load; ENGINE_LINEAR_LAYOUT forces)
         print("linear layouts chosen in this sitting:", *(f"  {line}" for line in layouts), sep="\n", flush=True)
         print(f"  {cpu_elementwise.describe()}", flush=True)  # the fused CPU model ran: its kernels' width
+    prefill_paths = cpu_prefill.chosen_report()
+    if prefill_paths:  # which attention served the prefills (measured at the first; ENGINE_ATTENTION_PREFILL forces)
+        print("attention prefill paths chosen in this sitting:", *(f"  {line}" for line in prefill_paths), sep="\n",
+              flush=True)
+    kernel_builds = cpu_decode_variant.chosen_report()
+    if kernel_builds:  # which attention kernel build served the rows (measured per shape; ENGINE_ATTENTION_DECODE forces)
+        print("attention kernel builds chosen in this sitting:", *(f"  {line}" for line in kernel_builds), sep="\n",
+              flush=True)
     limits = None
     if points:
         print_scaling(points)
@@ -597,7 +605,9 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
             "machine": machine_info(torch.get_num_threads()), "limits": limits,
             "workloads": {w: [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in rs]
                           for w, rs in by_workload.items()},
-            "scaling": points, "linear_layouts": layouts, "numerics": numerics, "_results": by_workload}
+            "scaling": points, "linear_layouts": layouts, "attention_prefill": prefill_paths,
+            "attention_kernel_builds": kernel_builds, "numerics": numerics,
+            "_results": by_workload}
 
 
 def bench_main(argv: list[str] | None = None) -> int:

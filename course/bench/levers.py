@@ -3,6 +3,8 @@
     python -m course.bench.levers attention [--requests 64] [--context 200]   decode attention, one layer
     python -m course.bench.levers step [--requests 64] [--dtype float32]      one engine decode step
     python -m course.bench.levers step --prefill [--requests 8]               one prefill step (a fresh engine's first)
+    python -m course.bench.levers prefill-attention --preset small --requests 32 --context 64 --dtype bfloat16
+        [--prefix 200] [--before 6ddabc4]     one step's attention, every layer: kernel / sdpa / blocked / probe
     python -m course.bench.levers parts [--requests 64] [--context 64]        the fast core's decode step: linears / attention / write / rest
     python -m course.bench.levers linear [--threads 1]                          one step's linears: the kernel, prefetch on/off, oneDNN
     python -m course.bench.levers elementwise                                  eager vs compiled norms/RoPE/SiLU
@@ -113,6 +115,120 @@ def attention(args) -> None:
     print(f"decode attention, one layer, R={r}, context ~{args.context}, {torch.get_num_threads()} thread(s): {res}")
 
 
+def paged_step(preset: str, requests: int, rows: int, prefix: int, dtype: torch.dtype, bs: int = 16):
+    """A step of ``requests`` requests of ``rows`` query rows each after ``prefix`` cached tokens
+    (rows=1: decodes), at the preset's attention shape, with one pool per layer (a step's layers
+    do not share a cache line): (q per layer [N, Hq, D], pools per layer, meta)."""
+    from course.bench.compare import MODEL_PRESETS
+    from engine.models.tiny import tiny_config
+    from engine.serve.batch import build_batch
+    from engine.serve.request import Request
+
+    cfg = tiny_config(False, **MODEL_PRESETS[preset])
+    hq, hkv, d, layers = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+    gen = torch.Generator().manual_seed(0)
+    need = -(-(prefix + rows) // bs)
+    num_blocks = requests * need + 1
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    scheduled, tables = [], []
+    for i in range(requests):
+        req = Request(f"r{i}", [1] * (prefix + rows + 1))
+        req.num_computed_tokens = prefix
+        scheduled.append((req, rows))
+        tables.append(perm[i * need:(i + 1) * need])
+    meta = build_batch(scheduled, tables, bs).meta
+    pools = [tuple(torch.randn(num_blocks + 1, bs, hkv, d, generator=gen).to(dtype) for _ in range(2))
+             for _ in range(layers)]
+    qs = [torch.randn(requests * rows, hq, d, generator=gen).to(dtype) for _ in range(layers)]
+    return qs, pools, meta
+
+
+def prefill_attention(args) -> None:
+    """One step's attention over every layer of the preset (``--requests`` x ``--context`` rows
+    after ``--prefix`` cached tokens; ``--context 1``: decodes): the cpu backend's paths side by
+    side, interleaved (wall and CPU ms, median), checked against each other first."""
+    from course.bench.machine import machine_line
+    from engine.fast import cpu_decode_variant, cpu_prefill
+    from engine.fast.cpu_attention import CPUBackend
+    from engine.fast.torch_attention import TorchBackend
+
+    dtype = getattr(torch, args.dtype)
+    qs, pools, meta = paged_step(args.preset, args.requests, args.context, args.prefix, dtype)
+    variants = {}
+    if args.before:  # the row kernel as it was at a git revision: every row through that library
+        variants[f"before ({args.before})"] = kernel_at(args.before)
+    variants.update({path: CPUBackend(prefill=path) for path in ("kernel", "sdpa", "blocked")})
+    variants["kernel, avx2 build"] = CPUBackend(prefill="kernel", decode="avx2")
+    if args.context > 1:
+        variants["auto (probe)"] = CPUBackend(prefill="auto")
+        variants["torch tiles"] = TorchBackend(cascade_min_reqs=0)
+    with torch.inference_mode():
+        outs = {k: b.forward(qs[0], pools[0], meta) for k, b in variants.items()}
+        base = outs["kernel"].double()
+        for k, o in outs.items():
+            err = (o.double() - base).abs().max().item()
+            assert err < (3e-2 if dtype == torch.bfloat16 else 1e-4), f"{k} differs from the kernel by {err}"
+
+        def run(b):
+            def f():
+                for q, c in zip(qs, pools):
+                    b.forward(q, c, meta)
+            return f
+        wall, cpu = timed_rounds({k: run(b) for k, b in variants.items()}, args.rounds)
+    hq, d = qs[0].shape[1:]
+    gflop = len(qs) * args.requests * cpu_prefill.flops(args.context, args.prefix, hq, d) / 1e9
+    print(machine_line(torch.get_num_threads()))
+    print(f"attention of one step, {args.preset} preset ({len(qs)} layers, {hq} heads of {d}), {args.dtype}, "
+          f"{args.requests} x {args.context} rows after {args.prefix} cached, {torch.get_num_threads()} thread(s), "
+          f"{gflop:.2f} GFLOP; median ms (wall / cpu, GFLOP/s):")
+    first = next(iter(variants))
+    for k in variants:
+        vs = f", {cpu[first] / cpu[k]:.2f}x as fast as {first} in CPU time" if args.before else ""
+        print(f"  {k:18s} {wall[k]:9.3f} / {cpu[k]:9.3f}  ({gflop / wall[k] * 1000:.0f} GFLOP/s{vs})")
+    print("  prefill choice: " + "; ".join(cpu_prefill.chosen_report()))
+    print("  kernel build: " + "; ".join(cpu_decode_variant.chosen_report()))
+
+
+def kernel_at(rev: str):
+    """A CPUBackend whose every row goes through ``cpu_paged_kernel.cpp`` as it was at git revision
+    ``rev`` (with the headers of that revision), built like today's: the "before" of an A/B."""
+    import subprocess
+    import tempfile
+
+    from engine.fast import cpu_attention
+
+    root = Path(__file__).resolve().parents[2]
+    folder = Path(tempfile.mkdtemp(prefix="kernel-at-"))
+    listing = subprocess.run(["git", "-C", str(root), "ls-tree", "--name-only", rev, "engine/fast/"],
+                             capture_output=True, text=True, check=True).stdout.split()
+    for name in listing:
+        if name.endswith((".h", "cpu_paged_kernel.cpp")):
+            text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{name}"], capture_output=True, text=True,
+                                  check=True).stdout
+            (folder / Path(name).name).write_text(text)
+    lib = cpu_attention.build_library(folder / "cpu_paged_kernel.cpp")
+    cpu_attention._declare(lib)
+    backend = cpu_attention.CPUBackend(prefill="kernel")
+    run = backend._run
+    backend._run = lambda *a, **k: run(*a, **{**k, "lib": lib})
+    return backend
+
+
+def timed_rounds(fns: dict, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """``interleaved`` with CPU time beside wall time: (median wall ms, median process CPU ms) per callable."""
+    for f in fns.values():
+        f()
+    wall, cpu = {k: [] for k in fns}, {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            w, c = time.perf_counter(), time.process_time()
+            f()
+            wall[k].append(time.perf_counter() - w)
+            cpu[k].append(time.process_time() - c)
+    med = lambda v: round(statistics.median(v) * 1000, 3)  # noqa: E731
+    return {k: med(v) for k, v in wall.items()}, {k: med(v) for k, v in cpu.items()}
+
+
 def step(args) -> None:
     from course.bench.compare import MODEL_PRESETS
     from engine.models import tiny_model
@@ -133,13 +249,15 @@ def step(args) -> None:
         if variant in LAYOUTS:  # every linear in that layout (by default each shape's measured fastest)
             os.environ["ENGINE_LINEAR_LAYOUT"] = variant
         try:
-            core = EngineCore(model, EngineConfig(attention_backend=backend.removesuffix("/tiles"),
+            core = EngineCore(model, EngineConfig(attention_backend=backend.removesuffix("/tiles").removesuffix("/rows"),
                                                   flat_model=fuse.partition("/")[0] or "flat",
                                                   num_blocks=args.requests * 20 + 1, max_num_seqs=max(256, args.requests)))
         finally:
             os.environ.pop("ENGINE_LINEAR_LAYOUT", None)
         if backend == "cpu/tiles":  # the cpu backend's previous design: only decode rows in the kernel
             core.runner.backend.prefill_in_place = False
+        if backend == "cpu/rows":  # every row through the row kernel, prefill rows too (no matrix path)
+            core.runner.backend.prefill = "kernel"
         if fuse.startswith("compiled"):
             core.flat.wait_compiled()  # the graph compiles in the background; measure it, not the eager path
         if fuse == "compiled/all":  # every step through the graph (by default decodes take the eager path)
@@ -461,7 +579,8 @@ def argmax(args) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("attention", "step", "parts", "linear", "elementwise", "ew-step", "argmax"))
+    ap.add_argument("what", choices=("attention", "prefill-attention", "step", "parts", "linear", "elementwise",
+                                     "ew-step", "argmax"))
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--dtype", default="float32")
@@ -469,7 +588,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants", default="torch,cpu,cpu+fused,cpu+compiled",
                     help="step: engines to compare (backend, +fused: flat_model='fused', +compiled: flat_model='compiled'; "
-                         "cpu/tiles: the cpu backend with prefill tiles gathered for SDPA; +fused/packed, "
+                         "cpu/tiles: the cpu backend with prefill tiles gathered for SDPA; cpu/rows: every prefill row through the "
+                         "row kernel (no matrix path); +fused/packed, "
                          "+fused/small (or +compiled/...): every linear in that layout (default: each shape's measured "
                          "fastest); +fused/torch-ew: PyTorch elementwise ops and write_kv; "
                          "+fused/no-prefetch: the linear kernel without software prefetch; +compiled/all-rows: the last "
@@ -477,12 +597,15 @@ def main() -> int:
     ap.add_argument("--prefill", action="store_true", help="step: time a fresh engine's first (prefill) step")
     ap.add_argument("--preset", default="small", help="step, linear: the bench's model preset (small, qwen3-0.6b, test)")
     ap.add_argument("--layers", type=int, default=0, help="step, linear: this many of the preset's layers (0: all)")
+    ap.add_argument("--prefix", type=int, default=0, help="prefill-attention: cached tokens before each request's rows")
+    ap.add_argument("--before", default=None, metavar="REV",
+                    help="prefill-attention: also the row kernel as it was at this git revision (e.g. 6ddabc4)")
     ap.add_argument("--rows", default="16,64,256", help="linear: the row counts, comma-separated; ew-step: one "
                     "row count (default there 2048)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    {"attention": attention, "step": step, "parts": parts, "linear": linear, "elementwise": elementwise,
-     "ew-step": ew_step, "argmax": argmax}[args.what](args)
+    {"attention": attention, "prefill-attention": prefill_attention, "step": step, "parts": parts, "linear": linear,
+     "elementwise": elementwise, "ew-step": ew_step, "argmax": argmax}[args.what](args)
     return 0
 
 

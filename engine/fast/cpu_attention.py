@@ -6,9 +6,14 @@ copy is the largest part of a CPU decode step. This backend's rows go through
 ``cpu_paged_kernel.cpp`` instead: for each row and kv head it walks the request's block table,
 reads each key's K and V row from the pool in place (in the pool's own dtype: bfloat16 stays
 bfloat16 in memory and is widened in registers) and computes softmax(q k^T * scale) v in float
-(double for float64 pools). Every row takes the kernel, prefill rows included, each with its own
-causal limit (``prefill_in_place=False``: requests with several query rows keep ``TorchBackend``'s
-tile path of one gather per 32-row tile and ``scaled_dot_product_attention``, measured slower).
+(double for float64 pools). Decode rows take the kernel; a request with several rows (a prefill
+chunk) takes it too, each row with its own causal limit, or is served as matrix products by
+``cpu_prefill`` (PyTorch's CPU flash attention over its context gathered once, on the CPU's
+AMX / bf16 units where it has them, or the blocked kernel ``cpu_prefill_kernel.cpp``): which, by
+its row count, is measured per attention shape on the machine at hand
+(``cpu_prefill.choose``), printed by ``run.py bench``, and forced by ``prefill="kernel"|"sdpa"|"blocked"``
+or ``$ENGINE_ATTENTION_PREFILL`` (``prefill_in_place=False``: the older design, requests with several
+rows through ``TorchBackend``'s tile path of one gather per 32-row tile, measured slower).
 ``write`` stores the step's K/V rows with one kernel call too, and ``forward_rows`` attends only
 the rows asked for (the fast flat models' last layer).
 
@@ -45,6 +50,7 @@ import torch
 
 from engine.serve.attention import KVCache
 from engine.serve.batch import BatchMeta
+from engine.fast import cpu_decode_variant, cpu_prefill
 from engine.fast.torch_attention import TorchBackend, _TileGroup
 
 SOURCE = Path(__file__).with_name("cpu_paged_kernel.cpp")
@@ -132,7 +138,7 @@ def check_private(directory: Path) -> None:
                          "to a private directory)")
 
 
-def build_library(source: Path) -> ctypes.CDLL:
+def build_library(source: Path, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
     """``source`` compiled with the host's C++ compiler (once per source, compiler, flags and CPU;
     then reused from ``cache_dir()``) and loaded; ValueError when there is no compiler, it fails or
     takes longer than ``COMPILE_TIMEOUT_S``, or the cache is not private."""
@@ -150,7 +156,7 @@ def build_library(source: Path) -> ctypes.CDLL:
         raise ValueError(f"building {source.name} failed ({name}):\n{_hung_compilers[name]} (earlier in this "
                          "process; it is not started again)")
     failed = None
-    for flags in (FLAGS, SERIAL_FLAGS):  # a compiler without OpenMP: the same kernel on one thread
+    for flags in (FLAGS + extra, SERIAL_FLAGS + extra):  # a compiler without OpenMP: the same kernel on one thread
         lib = directory / kernel_path(name, source, flags).name
         cached = lib.exists()
         if cached:
@@ -182,8 +188,8 @@ class OptionalKernels:
     same cache and compiler does not run the compiler again; after either changes (as the errors
     advise) the next ``get()`` tries once more."""
 
-    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None]) -> None:
-        self.source, self.declare = source, declare
+    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None], extra: tuple[str, ...] = ()) -> None:
+        self.source, self.declare, self.extra = source, declare, extra  # extra: compiler flags after FLAGS
         self.lib: ctypes.CDLL | None = None
         self.failed: dict[tuple[str, str | None], str] = {}  # (cache dir, $CXX) -> why the build failed
 
@@ -200,7 +206,7 @@ class OptionalKernels:
         if self.lib is None and self.cause() not in self.failed:
             cause = self.cause()
             try:
-                lib = build_library(self.source)
+                lib = build_library(self.source, self.extra) if self.extra else build_library(self.source)
             except (ValueError, OSError) as exc:  # build_library says why in a ValueError; OSError: belt and braces
                 self.failed[cause] = str(exc)
                 return None
@@ -252,15 +258,23 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 _kernel = OptionalKernels(SOURCE, _declare)
+# The kernel's builds (cpu_attn_vec.h; which one serves a shape: cpu_decode_variant): "native",
+# the widest vectors -march=native targets (AVX-512, and AVX512-BF16 dot products for bfloat16
+# pools, where the CPU has them); "avx2", the same source held to 32-byte vectors without bf16
+# dot products (what a CPU without AVX-512 runs).
+_variants = {"native": None,  # _kernel, looked up at call time
+             "avx2": OptionalKernels(SOURCE, _declare, extra=("-DATTN_VEC_BYTES=32", "-DATTN_NO_DPBF16"))}
 
 
-def load_kernel() -> ctypes.CDLL:
-    """The compiled attention kernel library (built once per source, compiler, flags and CPU);
-    ValueError saying why where it cannot be built here (tried once per process: asking again,
-    as every ``LLM`` does when it picks its backend, does not run the compiler again)."""
-    lib = _kernel.get()
+def load_kernel(variant: str = "native") -> ctypes.CDLL:
+    """The compiled attention kernel library of build ``variant`` (built once per source,
+    compiler, flags and CPU); ValueError saying why where it cannot be built here (tried once per
+    process: asking again, as every ``LLM`` does when it picks its backend, does not run the
+    compiler again)."""
+    kernels = _variants[variant] or _kernel
+    lib = kernels.get()
     if lib is None:
-        raise ValueError(_kernel.why)
+        raise ValueError(kernels.why)
     return lib
 
 
@@ -269,25 +283,37 @@ class CPUBackend(TorchBackend):
     contract and results as the reference. Cascade attention is off: with no per-request copy
     there is nothing for a shared prefix to save.
 
-    ``prefill_in_place=True`` (the default): every row of the batch — decodes and prefill chunks
-    alike — goes through the kernel, each with its request's block table and its own position
-    (the causal limit), so no K/V is ever copied out of the pool. ``False``: only decode tiles
-    take the kernel; tiles of several rows take ``TorchBackend``'s gather-and-SDPA path (the
-    previous design, kept to measure against).
+    ``prefill_in_place=True`` (the default): every row of the batch goes through the kernel, each
+    with its request's block table and its own position (the causal limit), except the rows of
+    requests the prefill choice sends to matrix products (``prefill``: "kernel", "sdpa",
+    "blocked", or None / "auto": ``$ENGINE_ATTENTION_PREFILL``, else measured; ``cpu_prefill``). ``False``:
+    only decode tiles take the kernel; tiles of several rows take ``TorchBackend``'s
+    gather-and-SDPA path (an earlier design, kept to measure against). ``decode``: the kernel
+    build rows take, "native" or "avx2" (None / "auto": ``$ENGINE_ATTENTION_DECODE``, else
+    measured per attention shape; ``cpu_decode_variant``).
 
-    Invariant: ``_rows`` caches the per-row plan of exactly one BatchMeta (``_rows_key``); every
-    layer of a step reuses it.
+    Invariant: ``_rows`` caches the per-row plan of exactly one BatchMeta (``_rows_key``), and
+    ``_matrix`` the matrix paths' plan of one (BatchMeta, rows, choice) (``_matrix_key``);
+    every layer of a step reuses them.
     """
 
     name = "cpu"
 
-    def __init__(self, prefill_in_place: bool = True, **options) -> None:
+    def __init__(self, prefill_in_place: bool = True, prefill: str | None = None, decode: str | None = None,
+                 **options) -> None:
         options.setdefault("cascade_min_reqs", 0)
         super().__init__(**options)
         self.prefill_in_place = prefill_in_place
-        self._lib = load_kernel()
+        cpu_prefill.forced_path(prefill)  # a bad name: ValueError now, not at the first prefill
+        self.prefill = prefill  # None: $ENGINE_ATTENTION_PREFILL, else measured (cpu_prefill.choose)
+        cpu_decode_variant.forced_variant(decode)  # a bad name: ValueError now
+        self.decode = decode  # the kernel build: None / "auto" ($ENGINE_ATTENTION_DECODE, else measured per shape)
+        self._lib = load_kernel()  # the native build: writes, and rows until a shape's build is chosen
         self._rows_key: tuple[BatchMeta, int] | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._matrix_key: tuple | None = None
+        self._matrix: tuple | None = None
+        self._checked: tuple | None = None  # (BatchMeta, pool blocks, window) whose matrix requests' tables passed
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
         if torch.device(device).type != "cpu" or dtype not in DTYPES:
@@ -340,9 +366,129 @@ class CPUBackend(TorchBackend):
         if hq % cache[0].shape[2] != 0:
             raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({cache[0].shape[2]})")
         tables, q_pos = self._row_plan(meta, n)
-        if rows is not None:
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        if rows is not None:  # a few rows (the logits rows): one kernel row each, nothing else computed
             q, tables, q_pos = (t.index_select(0, rows) for t in (q, tables, q_pos))
-        return self._run(q, cache, tables, q_pos, 1.0 / math.sqrt(d) if scale is None else scale, window)
+            return self._run(q, cache, tables, q_pos, scale, window)
+        if meta.max_query_len > 1:
+            choice = self.prefill_choice(q.dtype, hq, cache)
+            if choice.steps:
+                return self._with_matrices(q, cache, meta, tables, q_pos, choice, scale, window)
+        return self._run(q, cache, tables, q_pos, scale, window)
+
+    def decode_choice(self, dtype: torch.dtype, hq: int, cache: KVCache) -> cpu_decode_variant.DecodeChoice:
+        """Which kernel build serves rows of this attention shape (``cpu_decode_variant.choose``:
+        forced, or measured once per shape; where the "avx2" build fails, "native")."""
+        _, bs, hkv, d = cache[0].shape
+
+        def run(variant, q, pools, tables, q_pos):
+            return self._run(q, pools, tables, q_pos, d ** -0.5, 0, lib=load_kernel(variant))
+        if cpu_decode_variant.forced_variant(self.decode) is None:
+            try:
+                load_kernel("avx2")
+            except ValueError:  # only the native build here: nothing to measure
+                return cpu_decode_variant.choose(run, dtype, hq, hkv, d, bs, "native")
+        return cpu_decode_variant.choose(run, dtype, hq, hkv, d, bs, self.decode)
+
+    def prefill_choice(self, dtype: torch.dtype, hq: int, cache: KVCache) -> cpu_prefill.PrefillChoice:
+        """Which requests of a step take the matrix path (``cpu_prefill.choose``: forced, or
+        measured once per attention shape)."""
+        _, bs, hkv, d = cache[0].shape
+        return cpu_prefill.choose(lambda q, c, tables, q_pos: self._run(q, c, tables, q_pos, d ** -0.5, 0),
+                                  dtype, hq, hkv, d, bs, self.prefill)
+
+    def _with_matrices(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, tables: torch.Tensor,
+                       q_pos: torch.Tensor, choice: cpu_prefill.PrefillChoice, scale: float,
+                       window: int) -> torch.Tensor:
+        """Each request of several rows through the path ``choice`` gives its row count: "sdpa"
+        (``cpu_prefill.attend_requests``, requests of one shape together, their contexts gathered
+        once) or "blocked" (``cpu_prefill.attend_blocked``, all of them in one call); every other
+        row through the row kernel."""
+        groups, blocked, kernel_pos = self._matrix_plan(meta, q_pos, choice)
+        k_pool, v_pool = cache
+        checked = self._checked
+        if checked is None or checked[0] is not meta or checked[1:] != (k_pool.shape[0], window):  # once per step
+            self._check_tables(meta, kernel_pos != q_pos, k_pool.shape[0], window)
+            self._checked = (meta, k_pool.shape[0], window)
+        q = q.contiguous()
+        if bool((kernel_pos >= 0).any()):
+            out = self._run(q, cache, tables, kernel_pos, scale, window)  # the matrix rows come back as zeros
+        else:
+            out = q.new_zeros(q.shape)  # padding rows stay zeros
+        hq, d = q.shape[1:]
+        if blocked is not None:
+            cpu_prefill.attend_blocked(q, k_pool, v_pool, *blocked, scale, window, out)
+        for (t, context), (rows, reqs, start) in groups.items():
+            b = reqs.shape[0]
+            blocks = meta.block_table.index_select(0, reqs)  # [B, W]
+            if start is not None:  # the group's rows are consecutive: views in and out, no copies
+                out[start:start + b * t].view(b, t, hq, d)[:] = cpu_prefill.attend_requests(
+                    q[start:start + b * t].view(b, t, hq, d), k_pool, v_pool, blocks, context, scale, window)
+            else:
+                o = cpu_prefill.attend_requests(q.index_select(0, rows).view(b, t, hq, d), k_pool, v_pool, blocks,
+                                                context, scale, window)
+                out.index_copy_(0, rows, o.reshape(b * t, hq, d))
+        return out
+
+    @staticmethod
+    def _check_tables(meta: BatchMeta, matrix_rows: torch.Tensor, num_blocks: int, window: int) -> None:
+        """ValueError, before anything is computed, when a request served as matrices would read a
+        block-table column past the table or an entry outside the pool's ``num_blocks`` (the row
+        kernel checks its own rows likewise)."""
+        qsl = meta.query_start_loc_cpu.numpy()
+        starts = qsl[:-1][(qsl[1:] > qsl[:-1])]
+        reqs = np.flatnonzero(qsl[1:] > qsl[:-1])[matrix_rows.numpy()[starts]]  # requests whose rows took a matrix path
+        bs, width = meta.block_size, meta.block_table.shape[1]
+        bad = 0
+        table = meta.block_table.numpy() if meta.block_table.device.type == "cpu" else meta.block_table.cpu().numpy()
+        for r in reqs.tolist():
+            seq_len, t = int(meta.seq_lens_cpu[r]), int(qsl[r + 1] - qsl[r])
+            first = max(0, seq_len - t - window + 1) if window > 0 else 0
+            last_block = (seq_len - 1) // bs
+            used = table[r, first // bs:last_block + 1]
+            bad += last_block >= width or bool(((used < 0) | (used >= num_blocks)).any())
+        if bad:
+            raise ValueError(f"attention: {bad} request(s) would read keys outside the K/V pool's {num_blocks} blocks "
+                             f"or past their block table's {width} columns (a corrupt block table)")
+
+    def _matrix_plan(self, meta: BatchMeta, q_pos: torch.Tensor, choice: cpu_prefill.PrefillChoice):
+        """The requests of several rows by the path ``choice`` gives them: "sdpa" ones grouped by
+        (rows t, cached context), per group its rows (int64 [B * t]), its requests (int64 [B]) and
+        its first row when the rows are consecutive (else None); "blocked" ones as (tables int32
+        [B, W], first rows, row counts, cached contexts: int64 [B] each), or None; and the kernel's
+        positions: ``q_pos`` with every matrix row at -1 (skipped)."""
+        key = (meta, q_pos.shape[0], choice.steps)
+        if self._matrix_key is not None and self._matrix_key[0] is meta and self._matrix_key[1:] == key[1:]:
+            return self._matrix
+        qsl = meta.query_start_loc_cpu.tolist()
+        seq_lens = meta.seq_lens_cpu.tolist()
+        kernel_pos = q_pos.clone()
+        members: dict[tuple[int, int], list[int]] = {}
+        blocked_reqs: list[int] = []
+        for r, seq_len in enumerate(seq_lens):
+            t = qsl[r + 1] - qsl[r]
+            path = choice.path_for(t) if t > 1 and seq_len > 0 else "kernel"
+            if path == "sdpa":
+                members.setdefault((t, seq_len - t), []).append(r)
+            elif path == "blocked":
+                blocked_reqs.append(r)
+            if path != "kernel":
+                kernel_pos[qsl[r]:qsl[r + 1]] = -1
+        groups = {}
+        for (t, context), reqs in members.items():
+            starts = [qsl[r] for r in reqs]
+            consecutive = all(s == starts[0] + i * t for i, s in enumerate(starts))
+            rows = torch.tensor([s + j for s in starts for j in range(t)], dtype=torch.int64)
+            groups[(t, context)] = (rows, torch.tensor(reqs, dtype=torch.int64), starts[0] if consecutive else None)
+        blocked = None
+        if blocked_reqs:
+            idx = torch.tensor(blocked_reqs, dtype=torch.int64)
+            t = torch.tensor([qsl[r + 1] - qsl[r] for r in blocked_reqs], dtype=torch.int64)
+            blocked = (meta.block_table.index_select(0, idx).to(torch.int32).contiguous(),
+                       torch.tensor([qsl[r] for r in blocked_reqs], dtype=torch.int64), t,
+                       torch.tensor([seq_lens[r] for r in blocked_reqs], dtype=torch.int64) - t)
+        self._matrix_key, self._matrix = key, (groups, blocked, kernel_pos)
+        return self._matrix
 
     def _row_plan(self, meta: BatchMeta, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row: its request's block table (int32 [N, W]) and position (int64 [N]; -1 for a
@@ -385,8 +531,9 @@ class CPUBackend(TorchBackend):
         return self._run(q, cache, group.tables, group.q_pos[:, 0], scale, window)
 
     def _run(self, q: torch.Tensor, cache: KVCache, tables: torch.Tensor, q_pos: torch.Tensor, scale: float,
-             window: int) -> torch.Tensor:
-        """The kernel on rows q [G, Hq, D] with their tables [G, W] and positions [G] -> [G, Hq, D]."""
+             window: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+        """The kernel on rows q [G, Hq, D] with their tables [G, W] and positions [G] -> [G, Hq, D]
+        (``lib``: that build; default: the one chosen for this shape, ``decode_choice``)."""
         k_pool, v_pool = cache
         if q.dtype != k_pool.dtype or v_pool.dtype != k_pool.dtype:
             raise ValueError(f"queries ({q.dtype}) and pools ({k_pool.dtype}, {v_pool.dtype}) must share a dtype")
@@ -405,7 +552,9 @@ class CPUBackend(TorchBackend):
             tables = tables.to(torch.int32).contiguous()
         q_pos = q_pos.to(torch.int64).contiguous()  # int64 [G]
         out = torch.empty_like(q)
-        fn = getattr(self._lib, f"paged_decode_{DTYPES[q.dtype]}")
+        if lib is None:
+            lib = load_kernel(self.decode_choice(q.dtype, hq, cache).variant)
+        fn = getattr(lib, f"paged_decode_{DTYPES[q.dtype]}")
         head = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(),
                 tables.stride(0), tables.shape[1], q_pos.data_ptr(), g)
         tail = (hq, hkv, d, bs, num_blocks, float(scale), int(window))

@@ -15,36 +15,33 @@
 // The same arithmetic as the reference (a softmax, then a weighted sum), in float (double for
 // double pools); bfloat16 pools are read as bfloat16 and widened in registers.
 //
-// Speed: the inner loops run on 32-byte vectors (GCC/Clang vector extensions: 8 floats or 4
-// doubles, AVX2 on x86, two NEON registers on ARM) when the head size is a multiple of the
-// lanes; K rows are walked block by block (one table lookup per block, not per key, and the
+// Speed: the inner loops run on the widest vectors the build targets (cpu_attn_vec.h: 64 bytes,
+// 16 floats or 8 doubles, with AVX-512; else 32 bytes, AVX2 or two NEON registers) when the head
+// size is a multiple of the lanes; a bfloat16 pool's scores are vdpbf16ps dot products of q's and
+// k's own bf16 bits where the CPU has AVX512-BF16 (the products exact, summed in float, then
+// scaled). K rows are walked block by block (one table lookup per block, not per key, and the
 // next block's slots prefetched during the walk: 4 layers' decode attention at R = 256, one
-// thread, ~10% faster, `course/bench/levers.py attention`); the
-// exponentials of a row's scores are computed 8 at a time by a polynomial (cpu_kernel_vec.h; within 2 ulp
-// of std::exp) and the accumulators of the weighted sum stay in registers for head sizes up to
-// 128. Other head sizes take the same loops one lane at a time.
+// thread, ~10% faster, `course/bench/levers.py attention`); a score's lanes are summed by
+// halving; the exponentials of a row's scores are computed a vector at a time by a polynomial
+// (within 2 ulp of std::exp) and the accumulators of the weighted sum stay in registers for head
+// sizes up to 128. Other head sizes take the same loops one lane at a time. Prefill requests may
+// instead be served as matrix products (engine/fast/cpu_prefill.py).
 #include <cmath>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include <type_traits>
+
+#include "cpu_attn_vec.h"
 #include "cpu_kernel_share.h"
-#include "cpu_kernel_vec.h"
 
 namespace {
 
-struct BF16 {
-  uint16_t bits;
-};
-
-typedef double vdouble __attribute__((vector_size(kBytes)));
-typedef uint16_t vhalf __attribute__((vector_size(kBytes / 2)));
-typedef uint32_t vword __attribute__((vector_size(kBytes)));
-
 template <typename W> struct VecOf;
-template <> struct VecOf<float> { typedef vfloat type; };
-template <> struct VecOf<double> { typedef vdouble type; };
+template <> struct VecOf<float> { typedef afloat type; };
+template <> struct VecOf<double> { typedef adouble type; };
 
 inline float widen(float x) { return x; }
 inline double widen(double x) { return x; }
@@ -55,20 +52,22 @@ inline float widen(BF16 x) {
   return f;
 }
 
-// L consecutive elements of a row, widened to one vector of W.
-inline vdouble load(const double* p) {
-  vdouble v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
+#if ATTN_DPBF16
+// dot(a, b) of two bf16 rows of d values (d a multiple of 32): the products exact, summed in float.
+inline float dot_bf16(const BF16* a, const BF16* b, int64_t d) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 64 <= d; c += 64) {
+    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(a + c), (__m512bh)_mm512_loadu_si512(b + c));
+    acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(a + c + 32), (__m512bh)_mm512_loadu_si512(b + c + 32));
+  }
+  if (c < d) acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(a + c), (__m512bh)_mm512_loadu_si512(b + c));
+  const __m512 both = _mm512_add_ps(acc0, acc1);
+  afloat v;
+  std::memcpy(&v, &both, sizeof v);
+  return hsum(v);
 }
-inline vfloat load(const BF16* p) {
-  vhalf h;
-  std::memcpy(&h, p, sizeof h);
-  vword w = __builtin_convertvector(h, vword) << 16;
-  vfloat v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
+#endif
 
 inline void narrow(float x, float* out) { *out = x; }
 inline void narrow(double x, double* out) { *out = x; }
@@ -83,19 +82,13 @@ inline void narrow(float x, BF16* out) {  // round to nearest even, as torch's .
   out->bits = static_cast<uint16_t>(u >> 16);
 }
 
-template <typename V> inline auto hsum(V v) {
-  auto s = v[0];
-  for (unsigned i = 1; i < sizeof(V) / sizeof(v[0]); ++i) s += v[i];
-  return s;
-}
-
 // w[i] = exp(s[i] - m) for i < n; returns their sum.
 inline float exp_shifted(float* s, int64_t n, float m) {
-  constexpr int L = kBytes / sizeof(float);
-  vfloat total{};
+  constexpr int L = kAttnBytes / sizeof(float);
+  afloat total{};
   int64_t i = 0;
   for (; i + L <= n; i += L) {
-    vfloat y = exp_nonpositive(load(s + i) - m);
+    afloat y = aexp_nonpositive(aload(s + i) - m);
     std::memcpy(s + i, &y, sizeof y);
     total += y;
   }
@@ -148,11 +141,11 @@ inline void for_each_key(const int32_t* table, int64_t bs, int64_t first, int64_
 // contiguous in the pool), so a block's K or V is one sequential 16-32 KiB read.
 // NV = d / L when it is known at compile time (the inner loops unroll), else 0.
 template <typename T, typename W, int NV>
-void attend_row(const W* q, const T* k_pool, const T* v_pool, T* out, const int32_t* table,
+void attend_row(const W* q, const T* qraw, W scale, const T* k_pool, const T* v_pool, T* out, const int32_t* table,
                 int64_t first, int64_t last, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
                 std::vector<W>& scores, std::vector<typename VecOf<W>::type>& accs) {
   typedef typename VecOf<W>::type V;
-  constexpr int L = kBytes / sizeof(W);
+  constexpr int L = kAttnBytes / sizeof(W);
   const int64_t n = last - first + 1, nv = NV ? NV : d / L, group = hq / hkv;
   const int64_t stride = hkv * d;  // one slot of the pool
   scores.resize(static_cast<size_t>(n * hq));
@@ -163,13 +156,21 @@ void attend_row(const W* q, const T* k_pool, const T* v_pool, T* out, const int3
     for (int64_t j = 0; j < hq; ++j) {
       const W* qj = q + j * d;
       const T* krow = kslot + (j / group) * d;
+#if ATTN_DPBF16
+      if constexpr (std::is_same<T, BF16>::value) {  // bf16 pairs straight from q's and k's own bits
+        if (d % 32 == 0) {
+          s[j * n + i] = scale * dot_bf16(qraw + j * d, krow, d);
+          continue;
+        }
+      }
+#endif
       V a0{}, a1{};
       int64_t c = 0;
       for (; c + 1 < nv; c += 2) {
-        a0 += load(qj + c * L) * load(krow + c * L);
-        a1 += load(qj + (c + 1) * L) * load(krow + (c + 1) * L);
+        a0 += aload(qj + c * L) * aload(krow + c * L);
+        a1 += aload(qj + (c + 1) * L) * aload(krow + (c + 1) * L);
       }
-      if (c < nv) a0 += load(qj + c * L) * load(krow + c * L);
+      if (c < nv) a0 += aload(qj + c * L) * aload(krow + c * L);
       s[j * n + i] = hsum(a0 + a1);
     }
   });
@@ -190,12 +191,12 @@ void attend_row(const W* q, const T* k_pool, const T* v_pool, T* out, const int3
       V vr[NV ? NV : 1];
       const T* vrow = vslot + h * d;
       if (NV) {
-        for (int64_t c = 0; c < nv; ++c) vr[c] = load(vrow + c * L);
+        for (int64_t c = 0; c < nv; ++c) vr[c] = aload(vrow + c * L);
       }
       for (int64_t j = h * group; j < (h + 1) * group; ++j) {
         const W w = s[j * n + i];
         V* a = acc + j * nv;
-        for (int64_t c = 0; c < nv; ++c) a[c] += w * (NV ? vr[c] : load(vrow + c * L));
+        for (int64_t c = 0; c < nv; ++c) a[c] += w * (NV ? vr[c] : aload(vrow + c * L));
       }
     }
   });
@@ -241,7 +242,7 @@ template <typename T, typename W>
 void attend_rows(const T* q, const T* k_pool, const T* v_pool, T* out, const int32_t* tables,
                  int64_t table_stride, const int64_t* q_pos, int64_t row_begin, int64_t row_end,
                  int64_t hq, int64_t hkv, int64_t d, int64_t bs, double scale, int64_t window) {
-  constexpr int L = kBytes / sizeof(W);
+  constexpr int L = kAttnBytes / sizeof(W);
   const int64_t group = hq / hkv;
   std::vector<W> qv(hq * d), scores;
   std::vector<typename VecOf<W>::type> accs;
@@ -261,13 +262,15 @@ void attend_rows(const T* q, const T* k_pool, const T* v_pool, T* out, const int
         attend_head_scalar<T, W>(qv.data() + h * group * d, k_pool, v_pool, dst + h * group * d, table, first,
                                  last, group, hkv, h, d, bs, scores);
     } else if (d == 8 * L) {
-      attend_row<T, W, 8>(qv.data(), k_pool, v_pool, dst, table, first, last, hq, hkv, d, bs, scores, accs);
+      attend_row<T, W, 8>(qv.data(), src, W(scale), k_pool, v_pool, dst, table, first, last, hq, hkv, d, bs, scores, accs);
     } else if (d == 16 * L) {
-      attend_row<T, W, 16>(qv.data(), k_pool, v_pool, dst, table, first, last, hq, hkv, d, bs, scores, accs);
+      attend_row<T, W, 16>(qv.data(), src, W(scale), k_pool, v_pool, dst, table, first, last, hq, hkv, d, bs, scores, accs);
     } else if (d == 4 * L) {
-      attend_row<T, W, 4>(qv.data(), k_pool, v_pool, dst, table, first, last, hq, hkv, d, bs, scores, accs);
+      attend_row<T, W, 4>(qv.data(), src, W(scale), k_pool, v_pool, dst, table, first, last, hq, hkv, d, bs, scores, accs);
+    } else if (d == 2 * L) {
+      attend_row<T, W, 2>(qv.data(), src, W(scale), k_pool, v_pool, dst, table, first, last, hq, hkv, d, bs, scores, accs);
     } else {
-      attend_row<T, W, 0>(qv.data(), k_pool, v_pool, dst, table, first, last, hq, hkv, d, bs, scores, accs);
+      attend_row<T, W, 0>(qv.data(), src, W(scale), k_pool, v_pool, dst, table, first, last, hq, hkv, d, bs, scores, accs);
     }
   }
 }

@@ -1,0 +1,104 @@
+"""Which build of the paged attention kernel serves the rows: measured per attention shape.
+
+``cpu_paged_kernel.cpp`` is built twice from one source (``cpu_attn_vec.h``): ``native``, at the
+widest vectors ``-march=native`` targets (AVX-512's 16 floats, and AVX512-BF16 dot products for
+bfloat16 pools, where the CPU has them), and ``avx2``, held to 32-byte vectors without bf16 dot
+products (what a CPU without AVX-512 runs anyway; there the two builds are the same code). Wider
+is not always faster: some CPUs lower their clock under 512-bit work, and a decode row is mostly
+the trip of its K/V from memory. So the probe times both on a seeded decode batch of the model's
+attention shape (``PROBE_REQUESTS`` rows over ``PROBE_CONTEXT`` keys each, fastest of
+``PROBE_ROUNDS`` interleaved rounds) and keeps ``native`` unless ``avx2`` is ``MARGIN`` faster.
+Cached per (dtype, heads, head size, block size, threads) for the process;
+``ENGINE_ATTENTION_DECODE=native|avx2`` (or ``CPUBackend(decode=...)``) forces a build, so tests
+run both on any machine. ``chosen_report`` lists the choices, as ``run.py bench`` prints.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+VARIANTS = ("native", "avx2")
+ENV = "ENGINE_ATTENTION_DECODE"
+PROBE_REQUESTS = 16
+PROBE_CONTEXT = 256
+PROBE_ROUNDS = 3
+MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class DecodeChoice:
+    """The build the rows take; ``ms[variant]`` its probe time (empty when forced)."""
+
+    variant: str
+    ms: dict[str, float]
+    forced: bool = False
+
+
+_chosen: dict[tuple, DecodeChoice] = {}
+_made: dict[tuple, DecodeChoice] = {}
+
+
+def forced_variant(variant: str | None) -> str | None:
+    """The build asked for (``variant``, else ``$ENGINE_ATTENTION_DECODE``); None: measure."""
+    asked = variant if variant is not None else os.environ.get(ENV) or None
+    if asked in (None, "auto"):
+        return None
+    if asked not in VARIANTS:
+        where = "" if variant is not None else f" (from ${ENV})"
+        raise ValueError(f"attention decode variant{where} must be one of {', '.join(VARIANTS)} or 'auto', "
+                         f"not {asked!r}")
+    return asked
+
+
+def measure(run: Callable[[str, torch.Tensor, tuple, torch.Tensor, torch.Tensor], torch.Tensor],
+            dtype: torch.dtype, hq: int, hkv: int, d: int, bs: int) -> dict[str, float]:
+    """Ms of each build on one seeded decode batch; ``run(variant, q, (k_pool, v_pool), tables
+    int32 [R, W], q_pos int64 [R])`` runs the kernel of that build."""
+    gen = torch.Generator().manual_seed(0)
+    width = -(-PROBE_CONTEXT // bs)
+    blocks = PROBE_REQUESTS * width
+    pools = tuple(torch.randn(blocks + 1, bs, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    tables = torch.randperm(blocks, generator=gen).to(torch.int32).view(PROBE_REQUESTS, width)
+    q_pos = torch.full((PROBE_REQUESTS,), PROBE_CONTEXT - 1, dtype=torch.int64)
+    q = torch.randn(PROBE_REQUESTS, hq, d, generator=gen).to(dtype)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    with torch.inference_mode():
+        for round_ in range(PROBE_ROUNDS + 1):  # round 0 warms up
+            for variant in VARIANTS:
+                start = time.perf_counter()
+                run(variant, q, pools, tables, q_pos)
+                if round_:
+                    times[variant].append((time.perf_counter() - start) * 1000)
+    return {v: min(t) for v, t in times.items()}
+
+
+def choose(run: Callable, dtype: torch.dtype, hq: int, hkv: int, d: int, bs: int,
+           variant: str | None = None) -> DecodeChoice:
+    """The build for this attention shape: forced, else measured once per shape and thread count."""
+    forced = forced_variant(variant)
+    key = (dtype, hq, hkv, d, bs, torch.get_num_threads())
+    if forced is not None:
+        choice = DecodeChoice(forced, {}, forced=True)
+    else:
+        if key not in _chosen:
+            ms = measure(run, dtype, hq, hkv, d, bs)
+            _chosen[key] = DecodeChoice("avx2" if ms["avx2"] < (1 - MARGIN) * ms["native"] else "native", ms)
+        choice = _chosen[key]
+    _made[key + (choice.forced,)] = choice
+    return choice
+
+
+def chosen_report() -> list[str]:
+    """One line per (dtype, attention shape, threads) this process chose a kernel build for."""
+    lines = []
+    for (dtype, hq, hkv, d, bs, threads, _), choice in _made.items():
+        times = (" (ms per probe batch: " + "; ".join(f"{v} {t:.3f}" for v, t in choice.ms.items()) + ")"
+                 if choice.ms else "")
+        how = "measured" if choice.ms else "forced"
+        lines.append(f"{choice.variant}{times} [{how}; {str(dtype).removeprefix('torch.')}, {hq}/{hkv} heads of {d}, "
+                     f"blocks of {bs}, {threads} thread(s)]")
+    return lines

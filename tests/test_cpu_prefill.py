@@ -1,0 +1,277 @@
+"""The cpu backend's prefill paths against plain float64 attention, and the engine on each path.
+
+``CPUBackend`` serves a request of several rows through its C++ row kernel or as matrix products
+(``engine/fast/cpu_prefill.py``: PyTorch's CPU flash attention over the request's gathered
+context, requests of one shape together; or the blocked kernel, cpu_prefill_kernel.cpp). A probe
+picks by row count per machine; here every path is forced (``prefill=`` and ``$ENGINE_ATTENTION_PREFILL``), so both are tested on any CPU:
+float32, bfloat16 and float64 pools, cached prefixes (the log-sum-exp join), block boundaries,
+sliding windows, grouped query heads, decodes and prefills mixed in one step, and requests of one
+shape batched together whether or not their rows are consecutive.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.generate import generate
+from engine.models.tiny import tiny_model
+from engine.serve import EngineConfig, EngineCore, SamplingParams
+from engine.serve.attention import ReferenceBackend
+from engine.serve.batch import build_batch
+from engine.serve.request import Request
+
+from test_backends import CASES, random_paged_batch
+
+pytestmark = pytest.mark.given
+
+PATHS = ("kernel", "sdpa", "blocked", "auto")
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 8e-3}  # max |got - float64 oracle|: bfloat16 rounds once, at the output
+
+
+def oracle(q, cache, meta, window=0, scale=None):
+    """The reference backend on float64 copies: plain attention, exact to float64."""
+    return ReferenceBackend().forward(q.double(), tuple(c.double() for c in cache), meta, window=window, scale=scale)
+
+
+def backend(path: str):
+    from engine.fast.cpu_attention import CPUBackend
+
+    return CPUBackend(prefill=path)
+
+
+@pytest.mark.parametrize("head_dim", [8, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("path", PATHS)
+def test_every_prefill_path_matches_float64_attention(path, dtype, head_dim):
+    """Ragged mixed batches (decodes, chunks over cached prefixes, fresh prompts longer than a tile,
+    padding requests) on every CASES shape and window: each path within the dtype's rounding
+    (heads of 8: the blocked kernel does not serve them, and a forced "blocked" takes sdpa)."""
+    from engine.fast import cpu_prefill
+
+    for seed, block_size, hq, hkv, window in CASES:
+        q, cache, meta = random_paged_batch(seed, block_size, hq, hkv, head_dim=head_dim, dtype=dtype)
+        b = backend(path)
+        if path != "auto":
+            want = "sdpa" if path == "blocked" and not cpu_prefill.blocked_serves(dtype, head_dim) else path
+            assert b.prefill_choice(dtype, hq, cache).path == want
+        got = b.forward(q, cache, meta, window=window)
+        assert got.dtype == dtype
+        err = (got.double() - oracle(q, cache, meta, window)).abs().max().item()
+        assert err < TOLERANCE[dtype], (f"prefill path {path!r} ({dtype}) differs from float64 attention by "
+                                        f"{err:.2e} (seed {seed}, block_size={block_size}, Hq={hq}, Hkv={hkv}, "
+                                        f"window={window}): check the cached-prefix join or the window mask")
+        num_real = int((meta.seq_lens_cpu > 0).sum())
+        assert got[int(meta.query_start_loc_cpu[num_real]):].abs().max().item() == 0.0, "padding rows must be zeros"
+
+
+def same_shape_batch(dtype: torch.dtype, block_size: int = 4, hq: int = 4, hkv: int = 2, d: int = 16):
+    """Requests that share (rows, cached prefix) so the matrix path batches them: three of 5 rows
+    after 3 cached tokens separated by decodes (rows not consecutive), two fresh prompts of 7 rows
+    side by side (consecutive), one of 9 rows after 8 cached (a block boundary), decodes."""
+    gen = torch.Generator().manual_seed(21)
+    shapes = [(3, 5), (6, 1), (3, 5), (0, 7), (0, 7), (11, 1), (3, 5), (8, 9), (4, 1)]  # (cached, rows)
+    scheduled, tables, need = [], [], []
+    for i, (c, n) in enumerate(shapes):
+        req = Request(f"r{i}", [1] * (c + n + 1))
+        req.num_computed_tokens = c
+        scheduled.append((req, n))
+        need.append(-(-(c + n) // block_size))
+    perm = torch.randperm(sum(need) + 3, generator=gen).tolist()
+    at = 0
+    for k in need:
+        tables.append(perm[at:at + k])
+        at += k
+    meta = build_batch(scheduled, tables, block_size, pad_to=len(shapes) + 1).meta
+    shape = (sum(need) + 4, block_size, hkv, d)
+    cache = tuple(torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    q = torch.randn(int(meta.query_start_loc_cpu[-1]), hq, d, generator=gen, dtype=torch.float64).to(dtype)
+    return q, cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("window", [0, 4])
+@pytest.mark.parametrize("path", ["sdpa", "blocked", "mixed"])
+def test_requests_of_one_shape_are_batched_exactly(dtype, window, path):
+    """The sdpa path groups requests by (rows, cached prefix): consecutive groups are served as
+    views, scattered ones gathered and put back; the blocked kernel takes all its requests in one
+    call; "mixed": requests of 5 and 7 rows blocked, 9 sdpa, as a measured choice can split them.
+    Either way each row gets its own request's keys."""
+    from engine.fast import cpu_prefill
+
+    q, cache, meta = same_shape_batch(dtype)
+    b = backend(None if path == "mixed" else path)
+    choice = b.prefill_choice(dtype, 4, cache)
+    if path == "mixed":
+        choice = cpu_prefill.PrefillChoice(((2, "blocked"), (8, "sdpa")), {})
+        b.prefill_choice = lambda *args: choice
+    got = b.forward(q, cache, meta, window=window, scale=0.3)
+    groups, blocked, kernel_pos = b._matrix_plan(meta, b._row_plan(meta, q.shape[0])[1], choice)
+    want_groups = {"sdpa": {(5, 3): False, (7, 0): True, (9, 8): True}, "blocked": {}, "mixed": {(9, 8): True}}[path]
+    assert {key: (start is not None) for key, (_, _, start) in groups.items()} == want_groups
+    want_blocked = {"sdpa": [], "blocked": [5, 5, 7, 7, 5, 9], "mixed": [5, 5, 7, 7, 5]}[path]
+    assert (blocked[2].tolist() if blocked is not None else []) == want_blocked
+    assert int((kernel_pos >= 0).sum()) == 3, "the three decodes take the kernel"
+    err = (got.double() - oracle(q, cache, meta, window, scale=0.3)).abs().max().item()
+    assert err < TOLERANCE[dtype], f"{path} requests ({dtype}, window={window}) differ by {err:.2e}"
+
+
+@pytest.mark.parametrize("path", ["sdpa", "blocked"])
+def test_matrix_paths_refuse_block_tables_outside_the_pool(path):
+    """A request served as matrices whose block table points outside the pool (past it,
+    negative) or is too short for its context is a ValueError before anything is read."""
+    import dataclasses
+
+    q, cache, meta = same_shape_batch(torch.float32)
+    b = backend(path)
+    for entry in (1 << 30, cache[0].shape[0], -3):
+        table = meta.block_table.clone()
+        table[7, 2] = entry  # the 9-row request after 8 cached tokens: a matrix request
+        with pytest.raises(ValueError, match="outside the K/V pool"):
+            b.forward(q, cache, dataclasses.replace(meta, block_table=table))
+    short = dataclasses.replace(meta, block_table=meta.block_table[:, :2].contiguous())
+    with pytest.raises(ValueError, match="outside the K/V pool"):
+        b.forward(q, cache, short)
+    table = meta.block_table.clone()
+    table[7, 0] = -3  # a block before the 4-key window of its first row (position 8): never read, so not refused
+    got = b.forward(q, cache, dataclasses.replace(meta, block_table=table), window=4)
+    assert (got.double() - oracle(q, cache, meta, 4)).abs().max().item() < 1e-5
+    spare = sorted(set(range(cache[0].shape[0])) - set(meta.block_table.flatten().tolist()))[0]
+    poisoned = tuple(c.clone() for c in cache)
+    for pool in poisoned:
+        pool[spare] = float("nan")
+    table[7, 0] = spare  # NaN keys and values where the window hides them: none may reach the output
+    got = b.forward(q, poisoned, dataclasses.replace(meta, block_table=table), window=4)
+    assert (got.double() - oracle(q, cache, meta, 4)).abs().max().item() < 1e-5, "a hidden block was read"
+
+
+@pytest.mark.parametrize("path", ["sdpa", "blocked"])
+def test_matrix_paths_on_two_real_threads(path):
+    """The blocked kernel shares its tiles over torch's OpenMP workers, flash attention its heads:
+    on two real torch threads a mixed float64 batch still equals float64 attention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for window in (0, 6):
+            q, cache, meta = random_paged_batch(22, 4, 4, 2, head_dim=16, num_reqs=12, dtype=torch.float64)
+            got = backend(path).forward(q, cache, meta, window=window)
+            assert (got - oracle(q, cache, meta, window)).abs().max().item() < 1e-12, f"{path} on two threads"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_forward_rows_and_the_path_agree():
+    """forward_rows (the logits rows only) takes the kernel for its few rows: the same values as the
+    matrix path's full forward at those rows."""
+    q, cache, meta = same_shape_batch(torch.float64)
+    rows = torch.tensor([4, 17, 30])
+    full = backend("sdpa").forward(q, cache, meta)
+    assert (backend("sdpa").forward_rows(q, cache, meta, rows) - full[rows]).abs().max().item() < 1e-12
+
+
+def test_the_path_is_forced_by_option_or_environment(monkeypatch):
+    from engine.fast import cpu_prefill
+
+    q, cache, meta = same_shape_batch(torch.float32)
+    shape = (torch.float32, 4, 2, 16, 4)
+    monkeypatch.setenv(cpu_prefill.ENV, "sdpa")
+    choice = backend(None).prefill_choice(torch.float32, 4, cache)
+    assert choice.forced and choice.min_rows == cpu_prefill.FORCED_MIN_ROWS and choice.path_for(1) == "kernel"
+    monkeypatch.setenv(cpu_prefill.ENV, "kernel")
+    assert backend(None).prefill_choice(*shape[:2], cache).min_rows == 0
+    assert backend("sdpa").prefill_choice(*shape[:2], cache).min_rows == 2, "the option outranks the environment"
+    monkeypatch.setenv(cpu_prefill.ENV, "amx")
+    with pytest.raises(ValueError, match="ENGINE_ATTENTION_PREFILL"):
+        backend(None)
+    with pytest.raises(ValueError, match="must be one of kernel, sdpa, blocked"):
+        backend("tiles")
+    assert any("forced" in line for line in cpu_prefill.chosen_report())
+
+
+def test_the_probe_measures_both_paths_and_reports(monkeypatch):
+    """The probe times both paths at every PROBE_ROWS count and keeps the smallest count from which
+    sdpa wins at it and every larger one; its choice is listed as measured, with the times."""
+    from engine.fast import cpu_prefill
+
+    monkeypatch.delenv(cpu_prefill.ENV, raising=False)
+    monkeypatch.setattr(cpu_prefill, "PROBE_ROWS", (4, 8))  # quick
+    monkeypatch.setattr(cpu_prefill, "_chosen", {})
+    _, cache, _ = same_shape_batch(torch.float32)
+    choice = backend("auto").prefill_choice(torch.float32, 4, cache)
+    assert not choice.forced and set(choice.ms) == {"kernel", "sdpa", "blocked"}
+    assert all(len(t) == 2 for t in choice.ms.values())
+    assert choice.min_rows in (0, 4, 8)
+    assert any("measured" in line and "ms at 4/8 rows" in line for line in cpu_prefill.chosen_report())
+    monkeypatch.setattr(cpu_prefill, "PROBE_ROWS", (8, 32, 128))
+    k = (1.0, 2.0, 9.0)
+    assert cpu_prefill.decide({"kernel": k, "sdpa": (2.0, 1.0, 3.0)}) == ((32, "sdpa"),)
+    assert cpu_prefill.decide({"kernel": k, "sdpa": (0.5, 3.0, 3.0)}) == ((128, "sdpa"),), "a loss at 32 rows"
+    assert cpu_prefill.decide({"kernel": (1.0, 2.0, 3.0), "sdpa": (2.0, 3.0, 2.99)}) == (), "within the margin"
+    steps = cpu_prefill.decide({"kernel": k, "sdpa": (2.0, 1.5, 3.0), "blocked": (0.5, 1.0, 4.0)})
+    assert steps == ((8, "blocked"), (128, "sdpa"))
+    choice = cpu_prefill.PrefillChoice(steps, {})
+    assert [choice.path_for(t) for t in (1, 7, 8, 127, 128, 4096)] == ["kernel"] * 2 + ["blocked"] * 2 + ["sdpa"] * 2
+
+
+# ----- the engine on each path: greedy tokens equal generate() ------------------------------------
+@pytest.mark.parametrize("path", ["kernel", "sdpa", "blocked"])
+@pytest.mark.parametrize("config", [dict(), dict(max_num_batched_tokens=16, long_prefill_token_threshold=8)])
+def test_engine_on_each_prefill_path_matches_generate(path, config, monkeypatch):
+    """Float64 model, prompts that share a cached prefix (two blocks) and, chunked, prefill chunks
+    over cached context beside decodes in one step: the tokens of generate()."""
+    from engine.fast import cpu_prefill
+
+    monkeypatch.setenv(cpu_prefill.ENV, path)
+    model = tiny_model(seed=3, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (37, 5, 21, 50, 12)]
+    prompts[4] = prompts[0][:16] + prompts[4]
+    lens = (12, 15, 9, 5, 13)
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", **config))
+    assert core.runner.backend.prefill_choice(torch.float64, 4, (torch.zeros(1, 8, 2, 32),) * 2).path == path
+    for i, (p, m) in enumerate(zip(prompts, lens)):
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
+    out = core.run_until_done()
+    for i, (p, m) in enumerate(zip(prompts, lens)):
+        assert out[f"r{i}"] == generate(model, p, m), f"request r{i} on prefill path {path!r} differs from generate()"
+
+
+# ----- the decode kernel's builds: AVX-512 (+ AVX512-BF16 dot products) where the CPU has them, AVX2 ----
+@pytest.mark.parametrize("variant", ["native", "avx2"])
+@pytest.mark.parametrize("head_dim", [8, 32, 64, 128])
+def test_every_decode_build_matches_float64_attention(variant, head_dim):
+    """Each kernel build, every row through it (decodes and prefill rows), on head sizes that take
+    its vector loops at every unroll (16 / 8 / 4 / 2 vectors) and the one-lane loop (8 at 16 lanes),
+    float32 / bfloat16 (the bf16 dot products where built) / float64, against float64 attention."""
+    from engine.fast.cpu_attention import CPUBackend
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for seed, block_size, hq, hkv, window in CASES[::2]:
+            q, cache, meta = random_paged_batch(seed, block_size, hq, hkv, head_dim=head_dim, dtype=dtype)
+            b = CPUBackend(prefill="kernel", decode=variant)
+            got = b.forward(q, cache, meta, window=window)
+            assert b.decode_choice(dtype, hq, cache).variant == variant
+            err = (got.double() - oracle(q, cache, meta, window)).abs().max().item()
+            assert err < TOLERANCE[dtype], (f"decode build {variant!r}, head_dim={head_dim}, {dtype}: {err:.2e} "
+                                            f"from float64 attention (seed {seed}, window={window})")
+
+
+def test_the_decode_build_is_forced_by_option_or_environment(monkeypatch):
+    from engine.fast import cpu_attention
+
+    from engine.fast import cpu_decode_variant
+
+    cache = (torch.zeros(3, 4, 2, 16),) * 2
+    monkeypatch.setenv(cpu_decode_variant.ENV, "avx2")
+    choice = backend(None).decode_choice(torch.float32, 4, cache)
+    assert choice.forced and choice.variant == "avx2"
+    assert cpu_attention.CPUBackend(decode="native").decode_choice(torch.float32, 4, cache).variant == "native"
+    monkeypatch.delenv(cpu_decode_variant.ENV)
+    monkeypatch.setattr(cpu_decode_variant, "_chosen", {})
+    choice = backend(None).decode_choice(torch.float32, 4, cache)
+    assert not choice.forced and set(choice.ms) == {"native", "avx2"}, "without a forced build, both are measured"
+    assert any("measured" in line for line in cpu_decode_variant.chosen_report())
+    with pytest.raises(ValueError, match="decode variant must be one of native, avx2"):
+        cpu_attention.CPUBackend(decode="avx1024")
+    monkeypatch.setenv(cpu_decode_variant.ENV, "sse")
+    with pytest.raises(ValueError, match="ENGINE_ATTENTION_DECODE"):
+        cpu_attention.CPUBackend()
