@@ -106,12 +106,21 @@ def hang_cost() -> int:
         print(f"load before: {os.getloadavg()}")
         walls = {}
         for name, path in (("complete", done), ("hung check_stop", hung)):
-            start = time.monotonic()
+            start, cpu = time.monotonic(), _cpu()
             doc = grade(path, session)
             walls[name] = time.monotonic() - start
-            print(f"{name}: {walls[name]:.0f} s, {doc['score']:g}/{doc['max_score']:g}; load {os.getloadavg()}", flush=True)
+            print(f"{name}: {walls[name]:.0f} s ({_cpu() - cpu:.0f} CPU-s), {doc['score']:g}/{doc['max_score']:g}; "
+                  f"load {os.getloadavg()}", flush=True)
         print(f"the hung hole cost {walls['hung check_stop'] - walls['complete']:.0f} s more")
     return 0
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children (the sandboxed runs), user + system."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def phase_cost() -> int:
@@ -138,14 +147,14 @@ def phase_cost() -> int:
     print(f"machine: {machine_line()}")
     start = time.monotonic()
     session = grading.Session(grading.Options(seed=11))
-    print(f"session set-up: {time.monotonic() - start:.1f} s")
+    print(f"session set-up: {time.monotonic() - start:.1f} s; load {os.getloadavg()}")
     with tempfile.TemporaryDirectory(prefix="grade-phases-") as tmp:
         path = workspace(Path(tmp) / "complete" / "ch31", reference_files())
-        start = time.monotonic()
+        start, cpu = time.monotonic(), _cpu()
         doc = grading.grade(path, session)
-        whole = time.monotonic() - start
-    print(f"one complete checkout: {whole:.1f} s ({doc['score']:g}/{doc['max_score']:g}): the tests in the sandbox "
-          f"{spent['run_tests']:.1f} s, the scenarios {spent['run_scenarios']:.1f} s, the rest "
+        whole, cpu = time.monotonic() - start, _cpu() - cpu
+    print(f"one complete checkout: {whole:.1f} s ({doc['score']:g}/{doc['max_score']:g}; {cpu:.1f} CPU-s): the tests "
+          f"in the sandbox {spent['run_tests']:.1f} s, the scenarios {spent['run_scenarios']:.1f} s, the rest "
           f"{whole - sum(spent.values()):.1f} s; load {os.getloadavg()}")
     return 0
 
