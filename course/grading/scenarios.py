@@ -171,7 +171,54 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
                       "params": {"max_tokens": 7, "min_tokens": rnd.choice([0, 1]), "stop_token_ids": stop,
                                  "ignore_eos": rnd.random() < 0.25}})
     add("check_stop", ["EngineCore.check_stop"], [], {"max_model_len": 12, "cases": cases})
+    # Drawn after all of the above (which stays the same for a seed): a request resumed after a recompute,
+    # its history over the whole budget but what it still needs under it, behind a newcomer (chunking off);
+    # a request's hashes left behind by the engine's own steps, then looked up again on readmission; and a
+    # step whose plan puts a capped prompt chunk (no sample row) before requests that do sample.
+    for _ in range(size):
+        add("schedule", ["Scheduler.schedule"], ["hash_block", *BLOCK_HOLES, "Scheduler._preempt"],
+            _resumed_args(rnd, toks))
+    add("block_ops", BLOCK_HOLES, ["hash_block"], {"runs": [_resumed_ops(rnd, toks)]}, group="BlockManager")
+    for _ in range(size):
+        add("engine", ["EngineCore.step"], STEP_DEPS, _engine_args(rnd, toks, "capped"))
     return out
+
+
+def _resumed_args(rnd, toks) -> dict:
+    """Chunking off, the priority policy, a budget B: request a runs its prompt and some decodes until its
+    history N is over B, is preempted by recompute (by hand, ``preempt``), and c, a newcomer of a better
+    priority whose prompt leaves less of the budget than a still needs, arrives. a's full blocks are still
+    cached, so what it needs (N less its cached prefix) fits the whole budget: it waits for room for all of
+    it (the docstring's rule looks at what a request still needs, not at its history), then runs whole."""
+    bs = 4
+    budget = rnd.choice([8, 12])
+    total = rnd.choice([n for n in range(budget + 1, budget + 2 * bs + 1) if n % bs in (0, 2, 3)])
+    need = total - bs * ((total - 1) // bs)  # after the cached prefix: 2 to 4 tokens
+    plen = rnd.randint(max(1, total - 2 * bs), budget)
+    steps = total - plen  # the prompt's step, then decodes: total tokens, total - 1 computed
+    clen = rnd.randint(budget - need + 1, budget - 1)  # leaves 1 .. need - 1 of the budget
+    reqs = [{"id": "a", "prompt": toks(plen), "max_tokens": steps + 3, "priority": 1, "at": 0},
+            {"id": "c", "prompt": toks(clen), "max_tokens": rnd.randint(1, 3), "priority": 0, "at": steps}]
+    cfg = {"max_num_batched_tokens": budget, "max_num_seqs": 8, "long_prefill_token_threshold": rnd.choice([0, 3]),
+           "policy": "priority", "preemption_mode": "recompute", "enable_chunked_prefill": False}
+    return {"config": cfg, "num_blocks": 16, "block_size": bs, "reqs": reqs, "steps": 40,
+            "preempt": {str(steps): ["a"]}, "linger": []}
+
+
+def _resumed_ops(rnd, toks) -> dict:
+    """Requests run by the engine's own steps (``decode``: publish up to the step's end, then the sampled
+    token appended, hashed only when a later call brings the hashes up to date) until a sampled token
+    fills a block; then freed (a recompute preemption) and readmitted (``retry``): the lookup first brings
+    their hashes up to date (``block_hashes`` is part of the state compared after every call)."""
+    bs = rnd.choice([2, 4])
+    ops = []
+    for i in range(rnd.randint(2, 3)):
+        rid = f"d{i}"
+        prompt = toks(rnd.randint(1, 3 * bs))
+        ops += [["admit", rid, prompt, len(prompt)], ["decode", rid, rnd.randint(1, 2 * bs)]]
+    ops += [["free", f"d{i}"] for i in range(len(ops) // 2)]
+    ops += [op for i in range(len(ops) // 3) for op in (["retry", f"d{i}", 1], ["free", f"d{i}"])]
+    return {"num_blocks": 64, "block_size": bs, "caching": True, "ops": ops}
 
 
 def _held_ops(rnd, toks) -> dict:
@@ -274,6 +321,12 @@ def _engine_args(rnd, toks, what: str) -> dict:
     if what == "children":
         reqs[0]["n"] = 2
         reqs[-1]["plp"] = rnd.choice([1, 2])
+    if what == "capped":  # a chunk cap: a long prompt's capped chunk (no sample row) comes first in the
+        # plan, and requests that sample follow it in the same step (each takes its own rows)
+        cap = cfg["long_prefill_token_threshold"] = rnd.choice([2, 3, 4])
+        cfg["max_num_batched_tokens"] = rnd.choice([12, 16])
+        reqs[0].update(prompt=toks(rnd.randint(3 * cap + 1, 20)), at=0)
+        reqs[1].update(prompt=toks(rnd.randint(1, cap)), at=0)
     if what == "seeded":  # sampled, not greedy: a seeded request draws from its own generator; chunked, so
         # that mid-prompt chunks (no sample row) sit among requests of other temperatures
         cfg["max_num_batched_tokens"] = rnd.choice([6, 10])
@@ -582,8 +635,7 @@ def _blocks_state(bm, reqs=None) -> dict:
             "block_hash": [None if h is None else bytes(h).hex() for h in bm.block_hash],
             "num_published": {str(k): int(v) for k, v in sorted(bm.num_published.items())},
             "pending_lookups": {str(k): [int(x) for x in v] for k, v in sorted(bm.pending_lookups.items())},
-            "counters": [int(bm.num_queries), int(bm.num_hits), int(bm.num_evicted)],
-            "hashed": {k: len(r.block_hashes) for k, r in sorted((reqs or {}).items())}}
+            "counters": [int(bm.num_queries), int(bm.num_hits), int(bm.num_evicted)]}
 
 
 def _call(fn, *args):
@@ -605,13 +657,25 @@ def _block_run(a):
     bm = BlockManager(a["num_blocks"], a["block_size"], a["caching"])
     reqs, records = {}, []
 
-    def rec(hole, ret):
-        records.append({"hole": hole, "ret": ret, "state": _blocks_state(bm, reqs)})
+    def rec(hole, ret, **more):
+        records.append({"hole": hole, "ret": ret, "state": {**_blocks_state(bm, reqs), **more}})
+
+    def lookup(r):
+        """find_cached_prefix, recorded with what it did to the request's hashes: brought up to date on
+        a lookup, left as they were when it returns [] at once (prompt logprobs, caching off). Only
+        there: cache_full_blocks may bring them up to date on every call or only when a block fills."""
+        before = len(r.block_hashes)
+        cached, err = _call(bm.find_cached_prefix, r)
+        if a["caching"] and r.params.prompt_logprobs is None:
+            full = (r.num_tokens - r.num_placeholders) // a["block_size"]
+            hashes = "up to date" if len(r.block_hashes) == full else "behind"
+        else:
+            hashes = "left as they were" if len(r.block_hashes) == before else "changed"
+        rec("BlockManager.find_cached_prefix", err or [int(b) for b in cached or []], hashes=hashes)
+        return cached
 
     def admit(r, n) -> None:
-        cached, err = _call(bm.find_cached_prefix, r)
-        cached = cached or []
-        rec("BlockManager.find_cached_prefix", err or [int(b) for b in cached])
+        cached = lookup(r) or []
         r.num_computed_tokens = 0
         hit = len(cached) * a["block_size"]
         n = max(1, min(n, r.num_tokens - hit))
@@ -637,8 +701,7 @@ def _block_run(a):
         elif op[0] == "lookup":  # looked up, never admitted, then dropped
             _, rid, prompt = op
             r = reqs[rid] = _request(rid, prompt, max_tokens=64)
-            cached, err = _call(bm.find_cached_prefix, r)
-            rec("BlockManager.find_cached_prefix", err or [int(b) for b in cached])
+            lookup(r)
             rec("BlockManager.free", _call(bm.free, r)[1])
         elif op[0] == "readopt":  # cached blocks offered to a request that holds blocks: a ValueError
             rid = op[1]
@@ -663,6 +726,25 @@ def _block_run(a):
                     rec("BlockManager.cache_full_blocks", _call(bm.cache_full_blocks, r, r.num_tokens)[1])
                 else:
                     rec("BlockManager.cache_full_blocks", _call(bm.cache_full_blocks, r)[1])
+        elif op[0] == "decode":  # the engine's steps: publish to the step's end, compute, append the sample
+            rid, k = op[1:3]
+            r = reqs[rid]
+            if rid not in bm.req_blocks or r.num_computed_tokens == 0:
+                continue
+            steps = 0
+            while steps < k or r.num_tokens % a["block_size"]:  # ends on a sample that fills a block
+                if r.num_computed_tokens >= r.num_tokens:
+                    r.append((r.num_tokens * 29) % VOCAB)
+                    if steps >= k and not r.num_tokens % a["block_size"]:
+                        break
+                n = r.num_tokens - r.num_computed_tokens  # the rest of its prompt, or its newest token
+                ok, err = _call(bm.allocate_slots, r, n)
+                rec("BlockManager.allocate_slots", err or bool(ok))
+                if not ok:
+                    break
+                rec("BlockManager.cache_full_blocks", _call(bm.cache_full_blocks, r, r.num_computed_tokens + n)[1])
+                r.num_computed_tokens += n
+                steps += 1
         elif op[0] == "free":
             rec("BlockManager.free", _call(bm.free, reqs[op[1]])[1])
         elif op[0] == "refree":  # a stale table freed again: its blocks are at 0 already (a RuntimeError)
@@ -675,7 +757,7 @@ def _block_run(a):
 
 
 def _run_schedule(a):
-    from engine.serve import BlockManager, Scheduler, SchedulerConfig
+    from engine.serve import BlockManager, Scheduler, SchedulerConfig, SchedulerOutput
 
     from engine.serve import Status
 
@@ -689,6 +771,10 @@ def _run_schedule(a):
             r.priority, r.arrival_time = q["priority"], float(i)
             s.add(r)
             reqs.append(r)
+        for rid in a.get("preempt", {}).get(str(step), []):  # by hand, as the chapter's tests do
+            victim = next((r for r in s.running if r.request_id == rid), None)
+            if victim is not None:
+                s._preempt(victim, SchedulerOutput())
         if not s.has_unfinished():
             if not pending:
                 break
