@@ -166,8 +166,9 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
     add("check_stop", ["EngineCore.check_stop"], [], {"max_model_len": 12, "cases": cases})
     # Drawn after all of the above (which stays the same for a seed): a request resumed after a recompute,
     # its history over the whole budget but what it still needs under it, behind a newcomer (chunking off);
-    # a request's hashes left behind by the engine's own steps, then looked up again on readmission; and a
-    # step whose plan puts a capped prompt chunk (no sample row) before requests that do sample.
+    # a request's hashes left behind by the engine's own steps, then looked up again on readmission; a cached
+    # chain with a gap, and an empty req_blocks entry; and a step whose plan puts a capped prompt chunk (no
+    # sample row) before requests that do sample.
     for _ in range(size):
         add("schedule", ["Scheduler.schedule"], ["hash_block", *BLOCK_HOLES], _resumed_args(rnd, toks))
     add("block_ops", BLOCK_HOLES, ["hash_block"], {"runs": [_resumed_ops(rnd, toks)]}, group="BlockManager")
@@ -206,10 +207,12 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
 def _resumed_args(rnd, toks) -> dict:
     """Chunking off, the priority policy, a budget B: request a runs its prompt and some decodes until its
     history N is over B, is preempted by recompute (by the grader, ``preempt``: what _preempt's docstring
-    says for recompute under the priority policy, so that only schedule runs learner code), and c, a newcomer of a better
-    priority whose prompt leaves less of the budget than a still needs, arrives. a's full blocks are still
+    says for recompute under the priority policy, so that only schedule runs learner code), and c, a
+    newcomer of a better priority whose prompt leaves less of the budget than a still needs, arrives. a's full blocks are still
     cached, so what it needs (N less its cached prefix) fits the whole budget: it waits for room for all of
-    it (the docstring's rule looks at what a request still needs, not at its history), then runs whole."""
+    it (the docstring's rule looks at what a request still needs, not at its history), then runs whole.
+    With ``caching`` False (set by the caller) it needs its whole history, more than the budget: it runs in
+    pieces of the budget left."""
     bs = 4
     budget = rnd.choice([8, 12])
     total = rnd.choice([n for n in range(budget + 1, budget + 2 * bs + 1) if n % bs in (0, 2, 3)])
@@ -246,8 +249,8 @@ def _gap_ops(rnd, toks) -> dict:
 def _resumed_ops(rnd, toks) -> dict:
     """Requests run by the engine's own steps (``decode``: publish up to the step's end, then the sampled
     token appended, hashed only when a later call brings the hashes up to date) until a sampled token
-    fills a block; then freed (a recompute preemption) and readmitted (``retry``): the lookup first brings
-    their hashes up to date (``block_hashes`` is part of the state compared after every call)."""
+    fills a block; then freed (a recompute preemption) and readmitted (``retry``): the lookup must first
+    bring their hashes up to date (what a lookup did to the hashes is compared, ``_block_run``)."""
     bs = rnd.choice([2, 4])
     ops = []
     for i in range(rnd.randint(2, 3)):
