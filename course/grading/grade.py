@@ -40,7 +40,6 @@ import re
 import secrets
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -153,7 +152,10 @@ class Session:
         from course.grading.scenarios import make_scenarios
         from course.grading.verify import reference_results
 
+        from course.isolation.leftovers import clean_dead_once
+
         self.opts = opts
+        clean_dead_once()  # what a grader killed mid-run left (tmpfs mounts, cgroups, scratch folders)
         self.bwrap = None if opts.unsafe else find_bwrap()
         if self.bwrap is None and not opts.unsafe:
             raise ValueError("no sandbox can start here (bubblewrap: `apt-get install bubblewrap` or the "
@@ -242,7 +244,8 @@ def group_of(t: TestRecord) -> str:
 
 def grade(checkout: Path, session: Session | None = None, opts: Options | None = None, jobs: int = 1) -> dict:
     """Grade one checkout (the JSON document)."""
-    from course.isolation.sandbox import GIB, Limits, remove_tree
+    from course.isolation.leftovers import run_folder
+    from course.isolation.sandbox import GIB, Limits
     from course.grading.verify import verdicts
     from course.isolation.watchdog import Watched, run_scenarios, run_tests
 
@@ -255,8 +258,7 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
     threads = opts.threads or max(1, (os.cpu_count() or 1) // max(1, jobs))
     known = {t.nodeid: t for t in session.tests}
     groups = {n: group_of(t) for n, t in known.items()}
-    top = Path(tempfile.mkdtemp(prefix="grade-"))
-    try:
+    with run_folder("grade") as top:  # removed afterwards; if this grader dies, by the next run (leftovers.py)
         parsed = analyse(files, skeleton_files(), checkout)  # in a limited child: course/isolation/parsing.py
         graded, edits = parsed["graded"], parsed["edits"]  # the grader's module: course/learner/holes.py
         bed = place_chapter_files(top, graded)
@@ -268,11 +270,6 @@ def grade(checkout: Path, session: Session | None = None, opts: Options | None =
         scen = run_scenarios(bed, top, session.bwrap, session.specs, opts.per_scenario_timeout, opts.timeout, limits,
                              threads, reference_dirs(bed), startup=opts.startup_after_hang if tests.startup_hang
                              else opts.startup_timeout)
-    finally:
-        try:
-            remove_tree(top)  # what the sandbox wrote may be deep or odd: never recursive, never fatal
-        except OSError as exc:
-            print(f"warning: could not remove the scratch folder {top}: {exc}", file=sys.stderr)
     problems += [w.startup_hang for w in (tests, scen) if w.startup_hang]
     checked = verdicts(session.specs, session.reference, scen.records)
     records = []

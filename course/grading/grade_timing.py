@@ -4,6 +4,7 @@
     python -m course.grading.grade_timing --hang      # what a hung hole costs with the defaults
     python -m course.grading.grade_timing --threads   # the milestone's scenarios on the reference, 1 vs 2 torch threads
     python -m course.grading.grade_timing --phases    # where one complete checkout's time goes
+    python -m course.grading.grade_timing --sleep     # what a time.sleep at import costs
     python -m course.grading.grade_timing --parsing   # hostile chapter files: the grader's and the parsing child's cost
 
 Both sittings share one seed; prints each wall time, the ratio, and the CPU it ran on. The machine's
@@ -36,11 +37,14 @@ def main() -> int:
     ap.add_argument("--threads", action="store_true", help="time the milestone's scenarios with 1 and 2 threads")
     ap.add_argument("--phases", action="store_true", help="the session's set-up, then one complete checkout by phase")
     ap.add_argument("--parsing", action="store_true", help="a 20 MiB file, a 1.9 MiB literal, a 600-term expression")
+    ap.add_argument("--sleep", action="store_true", help="a complete checkout, the same with a sleep at import")
     args = ap.parse_args()
     if args.parsing:
         return parsing_cost()
     if args.hang:
         return hang_cost()
+    if args.sleep:
+        return sleep_cost()
     if args.phases:
         return phase_cost()
     if args.threads:
@@ -107,10 +111,112 @@ def hang_cost() -> int:
         walls = {}
         for name, path in (("complete", done), ("hung check_stop", hung)):
             start = time.monotonic()
-            doc = grade(path, session)
+            with TreeCpu() as cpu:
+                doc = grade(path, session)
             walls[name] = time.monotonic() - start
-            print(f"{name}: {walls[name]:.0f} s, {doc['score']:g}/{doc['max_score']:g}; load {os.getloadavg()}", flush=True)
+            print(f"{name}: {walls[name]:.0f} s ({cpu.seconds:.0f} CPU-s), {doc['score']:g}/{doc['max_score']:g}; "
+                  f"load {os.getloadavg()}", flush=True)
         print(f"the hung hole cost {walls['hung check_stop'] - walls['complete']:.0f} s more")
+    return 0
+
+
+class TreeCpu:
+    """CPU seconds (user + system) of this process and every process under it, sandboxed ones included,
+    while in use (``with TreeCpu() as cpu: ...; cpu.seconds``). Sampled from /proc every 0.2 s (a
+    sandbox's processes are not waited for by the grader, so RUSAGE_CHILDREN misses them); a process
+    that lived less than 0.2 s may be missed, and one's last 0.2 s too."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.seen: dict[tuple[int, int], float] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def _stat(self, pid: str) -> tuple[int, int, float] | None:
+        try:
+            raw = Path(f"/proc/{pid}/stat").read_bytes()
+            f = raw[raw.rindex(b")") + 2:].split()
+            return int(f[1]), int(f[19]), (int(f[11]) + int(f[12])) / self.tick  # ppid, start, utime + stime
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def _sample(self) -> None:
+        stats = {int(p): st for p in os.listdir("/proc") if p.isdigit() and (st := self._stat(p))}
+        mine, me = {}, os.getpid()
+        for pid in stats:
+            chain, p = [], pid
+            while p in stats and p != me and p not in mine and len(chain) < 64:
+                chain.append(p)
+                p = stats[p][0]
+            under = p == me or mine.get(p, False)
+            for c in chain:
+                mine[c] = under
+        for pid, under in mine.items():
+            if under:
+                key = (pid, stats[pid][1])
+                self.seen[key] = max(self.seen.get(key, 0.0), stats[pid][2])
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.2):
+            self._sample()
+
+    def __enter__(self) -> "TreeCpu":
+        import resource
+
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        self.own = r.ru_utime + r.ru_stime
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import resource
+
+        self.stop.set()
+        self.thread.join()
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        self.seconds = r.ru_utime + r.ru_stime - self.own + sum(self.seen.values())
+
+
+SLEEP = "\nimport time as _tm\n_tm.sleep(100000)\n"  # tests/test_grading_attacks.py's sleep at import
+
+
+def sleep_cost() -> int:
+    """One session, the grader's defaults, seed 11: a complete checkout; the same with ``time.sleep``
+    at the end of serve/batch.py (the attack suite's: module-level code, which the grader's assembled
+    module leaves out); and that sleep put back into the assembled module after assembly, as if the
+    assembler had let it through: what the start-up watchdog bounds (the test run's 90 s, then the
+    scenario run's 30 s)."""
+    from course.grading import grade as grading
+
+    with tempfile.TemporaryDirectory(prefix="grade-sleep-") as tmp:
+        files = reference_files()
+        done = workspace(Path(tmp) / "complete" / "ch31", files)
+        slept = workspace(Path(tmp) / "sleep" / "ch31", {**files, "serve/batch.py": files["serve/batch.py"] + SLEEP})
+        session = grading.Session(grading.Options(seed=11))
+        print(f"machine: {machine_line()}")
+        place = grading.place_chapter_files
+
+        def place_with_sleep(parent, graded):
+            bed = place(parent, graded)
+            with open(bed / "engine" / "serve" / "batch.py", "a") as f:
+                f.write(SLEEP)
+            return bed
+
+        walls = {}
+        for name, path, placer in (("complete", done, place), ("sleep at import (left out)", slept, place),
+                                   ("sleep at import, run (the watchdog's bound)", done, place_with_sleep)):
+            grading.place_chapter_files = placer
+            start = time.monotonic()
+            try:
+                with TreeCpu() as cpu:
+                    doc = grading.grade(path, session)
+            finally:
+                grading.place_chapter_files = place
+            walls[name] = time.monotonic() - start
+            print(f"{name}: {walls[name]:.0f} s ({cpu.seconds:.0f} CPU-s), {doc['score']:g}/{doc['max_score']:g}"
+                  f"{'; ' + doc['problems'][0][:100] if doc['problems'] else ''}; load {os.getloadavg()}", flush=True)
     return 0
 
 
@@ -138,14 +244,15 @@ def phase_cost() -> int:
     print(f"machine: {machine_line()}")
     start = time.monotonic()
     session = grading.Session(grading.Options(seed=11))
-    print(f"session set-up: {time.monotonic() - start:.1f} s")
+    print(f"session set-up: {time.monotonic() - start:.1f} s; load {os.getloadavg()}")
     with tempfile.TemporaryDirectory(prefix="grade-phases-") as tmp:
         path = workspace(Path(tmp) / "complete" / "ch31", reference_files())
         start = time.monotonic()
-        doc = grading.grade(path, session)
+        with TreeCpu() as cpu:
+            doc = grading.grade(path, session)
         whole = time.monotonic() - start
-    print(f"one complete checkout: {whole:.1f} s ({doc['score']:g}/{doc['max_score']:g}): the tests in the sandbox "
-          f"{spent['run_tests']:.1f} s, the scenarios {spent['run_scenarios']:.1f} s, the rest "
+    print(f"one complete checkout: {whole:.1f} s ({doc['score']:g}/{doc['max_score']:g}; {cpu.seconds:.1f} CPU-s): the tests "
+          f"in the sandbox {spent['run_tests']:.1f} s, the scenarios {spent['run_scenarios']:.1f} s, the rest "
           f"{whole - sum(spent.values()):.1f} s; load {os.getloadavg()}")
     return 0
 

@@ -63,14 +63,7 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
         for aspect, fields in BATCH_ASPECTS.items():  # one rule of the docstring per scenario, fresh inputs each
             add("build_batch", ["build_batch"], [], {"batches": _batches(rnd, toks), "fields": fields,
                                                      "aspect": aspect})
-        nb, bs = rnd.randint(3, 6), rnd.choice([2, 4])
-        n = rnd.randint(2, min(8, nb * bs))
-        slots = rnd.sample(range(nb * bs), n)
-        slots[rnd.randrange(n)] = -1
-        if 0 not in slots:  # block 0's first slot is a real slot: only -1 is padding
-            slots[next(i for i, s in enumerate(slots) if s != -1)] = 0
-        add("write_kv", ["write_kv"], [], {"num_blocks": nb, "block_size": bs, "heads": 2, "dim": 3, "slots": slots,
-                                           "seed": rnd.randrange(1 << 30)})
+        add("write_kv", ["write_kv"], [], _write_kv_args(rnd))
         bs = rnd.choice([2, 4])
         spans = []
         for _ in range(rnd.randint(1, 3)):
@@ -171,7 +164,134 @@ def make_scenarios(seed: int, size: int = 2) -> list[dict]:
                       "params": {"max_tokens": 7, "min_tokens": rnd.choice([0, 1]), "stop_token_ids": stop,
                                  "ignore_eos": rnd.random() < 0.25}})
     add("check_stop", ["EngineCore.check_stop"], [], {"max_model_len": 12, "cases": cases})
+    # Drawn after all of the above (which stays the same for a seed): a request resumed after a recompute,
+    # its history over the whole budget but what it still needs under it, behind a newcomer (chunking off);
+    # a request's hashes left behind by the engine's own steps, then looked up again on readmission; a cached
+    # chain with a gap, and an empty req_blocks entry; and a step whose plan puts a capped prompt chunk (no
+    # sample row) before requests that do sample.
+    for _ in range(size):
+        add("schedule", ["Scheduler.schedule"], ["hash_block", *BLOCK_HOLES], _resumed_args(rnd, toks))
+    add("block_ops", BLOCK_HOLES, ["hash_block"], {"runs": [_resumed_ops(rnd, toks)]}, group="BlockManager")
+    add("block_ops", BLOCK_HOLES, ["hash_block"], {"runs": [_gap_ops(rnd, toks)]}, group="BlockManager")
+    for _ in range(size):
+        add("engine", ["EngineCore.step"], STEP_DEPS, _engine_args(rnd, toks, "capped"))
+    # And after those: build_batch's edges (one scenario per rule), write_kv into a pool of another dtype,
+    # the flat model with the model's own sliding window, check_stop with stop tokens before min_tokens, a
+    # step where a request with prompt logprobs is preempted by recompute and one whose prompt is one token,
+    # preemptions by hand of requests that came in with a cache hit, and a resumed request without a cache.
+    for aspect, fields in BATCH_ASPECTS.items():
+        add("build_batch", ["build_batch"], [], {"batches": _edge_batches(rnd, toks), "fields": fields,
+                                                 "aspect": aspect})
+    add("write_kv", ["write_kv"], [], {**_write_kv_args(rnd), "pool_dtype": "float32"})
+    lens = [rnd.randint(8, 20) for _ in range(rnd.randint(1, 3))]  # longer than the window
+    add("flat", ["FlatModel.attention", "FlatModel.forward"], ["write_kv", "ReferenceBackend.forward"],
+        {"prompts": [toks(n) for n in lens], "chunk": rnd.randint(2, 8), "moe": False, "rope_theta": None,
+         "sliding_window": rnd.choice([2, 3])}, group="FlatModel")
+    cases = []
+    for _ in range(20):
+        stop = [rnd.randrange(VOCAB), 11]
+        outputs = toks(rnd.randint(1, 4))
+        outputs[-1] = rnd.choice(stop)
+        cases.append({"prompt": toks(rnd.randint(1, 4)), "outputs": outputs, "eos": rnd.choice([None, 7]),
+                      "params": {"max_tokens": 7, "min_tokens": rnd.choice([len(outputs) + 1, len(outputs) + 2,
+                                                                            len(outputs)]),
+                                 "stop_token_ids": stop, "ignore_eos": rnd.random() < 0.25}})
+    add("check_stop", ["EngineCore.check_stop"], [], {"max_model_len": 12, "cases": cases})
+    add("engine", ["EngineCore.step"], STEP_DEPS, _engine_args(rnd, toks, "recompute"))
+    add("preempt", ["Scheduler._preempt"], ["hash_block", *BLOCK_HOLES, "Scheduler.schedule"],
+        _preempt_args(rnd, toks, "direct-shared"))
+    add("schedule", ["Scheduler.schedule"], ["hash_block", *BLOCK_HOLES], {**_resumed_args(rnd, toks), "caching": False})
     return out
+
+
+def _resumed_args(rnd, toks) -> dict:
+    """Chunking off, the priority policy, a budget B: request a runs its prompt and some decodes until its
+    history N is over B, is preempted by recompute (by the grader, ``preempt``: what _preempt's docstring
+    says for recompute under the priority policy, so that only schedule runs learner code), and c, a
+    newcomer of a better priority whose prompt leaves less of the budget than a still needs, arrives. a's full blocks are still
+    cached, so what it needs (N less its cached prefix) fits the whole budget: it waits for room for all of
+    it (the docstring's rule looks at what a request still needs, not at its history), then runs whole.
+    With ``caching`` False (set by the caller) it needs its whole history, more than the budget: it runs in
+    pieces of the budget left."""
+    bs = 4
+    budget = rnd.choice([8, 12])
+    total = rnd.choice([n for n in range(budget + 1, budget + 2 * bs + 1) if n % bs in (0, 2, 3)])
+    need = total - bs * ((total - 1) // bs)  # after the cached prefix: 2 to 4 tokens
+    plen = rnd.randint(max(1, total - 2 * bs), budget)
+    steps = total - plen  # the prompt's step, then decodes: total tokens, total - 1 computed
+    clen = rnd.randint(budget - need + 1, budget - 1)  # leaves 1 .. need - 1 of the budget
+    reqs = [{"id": "a", "prompt": toks(plen), "max_tokens": steps + 3, "priority": 1, "at": 0},
+            {"id": "c", "prompt": toks(clen), "max_tokens": rnd.randint(1, 3), "priority": 0, "at": steps}]
+    cfg = {"max_num_batched_tokens": budget, "max_num_seqs": 8, "long_prefill_token_threshold": rnd.choice([0, 3]),
+           "policy": "priority", "preemption_mode": "recompute", "enable_chunked_prefill": False}
+    return {"config": cfg, "num_blocks": 16, "block_size": bs, "reqs": reqs, "steps": 40,
+            "preempt": {str(steps): ["a"]}, "linger": []}
+
+
+def _gap_ops(rnd, toks) -> dict:
+    """A cached chain with a hole in it: g1's first two blocks are private duplicates (prompt logprobs:
+    no lookup) of g0's, its third is published; g0's copies are then evicted, so a lookup of that
+    prefix misses at block 0 while block 2 is still cached (the walk stops at the first miss). Then a
+    request given room for 0 tokens first (its ``req_blocks`` entry exists, empty: it holds no blocks),
+    looked up and admitted with the cached blocks of a prefix."""
+    bs = rnd.choice([2, 4])
+    head, other = toks(3 * bs), toks(2 * bs)
+    nb = rnd.randint(10, 14)
+    ops = [["admit", "g0", head[:2 * bs] + toks(1), 2 * bs + 1], ["admit", "g1", head + toks(1), 3 * bs + 1, 1],
+           ["free", "g0"], ["fill", "g2", toks(nb * bs)], ["free", "g2"],
+           ["admit", "g3", head + toks(rnd.randint(1, bs)), 3 * bs + 1], ["free", "g1"], ["free", "g3"],
+           ["admit", "g4", other + toks(1), 2 * bs + 1],
+           ["empty", "g5", other[:rnd.choice([bs, 2 * bs])] + toks(rnd.randint(1, bs)), 2 * bs], ["free", "g5"],
+           ["free", "g4"]]
+    return {"num_blocks": nb, "block_size": bs, "caching": True, "ops": ops}
+
+
+def _resumed_ops(rnd, toks) -> dict:
+    """Requests run by the engine's own steps (``decode``: publish up to the step's end, then the sampled
+    token appended, hashed only when a later call brings the hashes up to date) until a sampled token
+    fills a block; then freed (a recompute preemption) and readmitted (``retry``): the lookup must first
+    bring their hashes up to date (what a lookup did to the hashes is compared, ``_block_run``)."""
+    bs = rnd.choice([2, 4])
+    ops = []
+    for i in range(rnd.randint(2, 3)):
+        rid = f"d{i}"
+        prompt = toks(rnd.randint(1, 3 * bs))
+        ops += [["admit", rid, prompt, len(prompt)], ["decode", rid, rnd.randint(1, 2 * bs)]]
+    ops += [["free", f"d{i}"] for i in range(len(ops) // 2)]
+    ops += [op for i in range(len(ops) // 3) for op in (["retry", f"d{i}", 1], ["free", f"d{i}"])]
+    return {"num_blocks": 64, "block_size": bs, "caching": True, "ops": ops}
+
+
+def _write_kv_args(rnd) -> dict:
+    nb, bs = rnd.randint(3, 6), rnd.choice([2, 4])
+    n = rnd.randint(2, min(8, nb * bs))
+    slots = rnd.sample(range(nb * bs), n)
+    slots[rnd.randrange(n)] = -1
+    if 0 not in slots:  # block 0's first slot is a real slot: only -1 is padding
+        slots[next(i for i, s in enumerate(slots) if s != -1)] = 0
+    return {"num_blocks": nb, "block_size": bs, "heads": 2, "dim": 3, "slots": slots, "seed": rnd.randrange(1 << 30)}
+
+
+def _edge_batches(rnd, toks) -> list[dict]:
+    """build_batch's edges: a table too short for the step's positions (the docstring's ValueError); no
+    request at all, only dummies ([R, 0] block_table); a request with prompt logprobs that is past its
+    prompt (a decode: no prompt_spans entry)."""
+    short = _batch_args(rnd, toks)
+    q = rnd.choice(short["reqs"])
+    if (q["computed"] + q["n"] + short["block_size"] - 1) // short["block_size"] > 1:
+        q["table"] = q["table"][:-1]
+    else:  # a one-block request: it needs a second block for one more token
+        q["outputs"], q["n"] = q["outputs"] + toks(short["block_size"]), q["n"] + short["block_size"]
+    dummies = {"block_size": rnd.choice([4, 8]), "reqs": [], "pad_to": rnd.randint(1, 3)}
+    decode = _batch_args(rnd, toks)
+    bs = decode["block_size"]
+    for q in decode["reqs"][:2]:
+        q["outputs"] = q["outputs"] or toks(rnd.randint(1, 3))
+        q["plp"] = rnd.choice([1, 2])
+        q["computed"] = len(q["prompt"]) + len(q["outputs"]) - 1
+        q["n"] = 1
+        q["table"] = rnd.sample(range(1, 60), (q["computed"] + 1 + bs - 1) // bs)
+    return [short, dummies, decode]
 
 
 def _held_ops(rnd, toks) -> dict:
@@ -247,12 +367,19 @@ def _preempt_args(rnd, toks, rule: str) -> dict:
              "priority": rnd.randint(0, 3)} for i in range(rnd.randint(2, 3))]
     waiting = [{"id": f"w{i}", "prompt": toks(rnd.randint(1, bs)), "max_tokens": 2, "priority": rnd.randint(0, 3)}
                for i in range(2 if rule in ("front", "priority", "direct", "direct-priority") else 0)]
-    mode = {"recompute": "recompute", "swap": "swap"}.get(rule) or rnd.choice(["recompute", "swap"])
+    if rule == "direct-shared":  # each after the first starts with the first's full blocks: a cache hit
+        head = reqs[0]["prompt"][:bs * (len(reqs[0]["prompt"]) // bs)] or toks(bs)
+        reqs[0]["prompt"] = head + reqs[0]["prompt"][len(head):]
+        for q in reqs[1:]:
+            q["prompt"] = head + toks(rnd.randint(1, bs))
+    mode = {"recompute": "recompute", "swap": "swap", "direct-shared": "recompute"}.get(rule) \
+        or rnd.choice(["recompute", "swap"])
     policy = "priority" if rule in ("priority", "direct-priority") else "fcfs"
     cfg = {"max_num_batched_tokens": 64, "max_num_seqs": len(reqs), "policy": policy, "preemption_mode": mode}
     if rule.startswith("direct"):  # two victims in one step (the oldest running, then the newest), one again later
+        chunk = rnd.randint(1, 3 * bs)
         return {"rule": rule, "config": cfg, "block_size": bs, "reqs": reqs, "late": waiting, "num_blocks": 64,
-                "chunk": rnd.randint(1, 3 * bs), "victims": [0, -1]}
+                "chunk": 4 * bs if rule == "direct-shared" else chunk, "victims": [0, -1]}
     return {"rule": rule, "config": cfg, "block_size": bs, "reqs": reqs, "late": waiting,
             "num_blocks": max(sum((len(q["prompt"]) + bs - 1) // bs for q in reqs),
                               max((len(q["prompt"]) + q["max_tokens"] + bs - 1) // bs for q in reqs))}
@@ -274,6 +401,21 @@ def _engine_args(rnd, toks, what: str) -> dict:
     if what == "children":
         reqs[0]["n"] = 2
         reqs[-1]["plp"] = rnd.choice([1, 2])
+    if what == "capped":  # a chunk cap: a long prompt's capped chunk (no sample row) comes first in the
+        # plan, and requests that sample follow it in the same step (each takes its own rows)
+        cap = cfg["long_prefill_token_threshold"] = rnd.choice([2, 3, 4])
+        cfg["max_num_batched_tokens"] = rnd.choice([12, 16])
+        reqs[0].update(prompt=toks(rnd.randint(3 * cap + 1, 20)), at=0)
+        reqs[1].update(prompt=toks(rnd.randint(1, cap)), at=0)
+    if what == "recompute":  # a tight pool, preempting by recompute: the newest request (prompt logprobs)
+        # is the victim and computes its prompt again (its entries rewritten from 0, not appended); and a
+        # one-token prompt that asks for prompt logprobs (it has none: [])
+        bs = cfg["block_size"] = 4
+        reqs[:] = [{"id": "r2", "prompt": toks(1), "max_tokens": 2, "plp": 1, "at": 0},
+                   {"id": "r0", "prompt": toks(rnd.randint(5, 8)), "max_tokens": rnd.randint(10, 12), "at": 0},
+                   {"id": "r1", "prompt": toks(rnd.randint(5, 7)), "max_tokens": 8, "plp": rnd.choice([1, 2]), "at": 0}]
+        cfg["num_blocks"] = max((len(q["prompt"]) + q["max_tokens"] + bs - 1) // bs for q in reqs) + 1
+        cfg["preemption_mode"] = "recompute"
     if what == "seeded":  # sampled, not greedy: a seeded request draws from its own generator; chunked, so
         # that mid-prompt chunks (no sample row) sit among requests of other temperatures
         cfg["max_num_batched_tokens"] = rnd.choice([6, 10])
@@ -479,7 +621,8 @@ def _run_write_kv(a):
 
     g = torch.Generator().manual_seed(a["seed"])
     shape = (a["num_blocks"] + 1, a["block_size"], a["heads"], a["dim"])
-    k_cache, v_cache = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
+    pool = getattr(torch, a.get("pool_dtype", "float64"))  # the rows stay float64: written cast to the pool's
+    k_cache, v_cache = torch.zeros(shape, dtype=pool), torch.zeros(shape, dtype=pool)
     n = len(a["slots"])
     k = torch.randn(n, a["heads"], a["dim"], generator=g, dtype=torch.float64)
     v = torch.randn(n, a["heads"], a["dim"], generator=g, dtype=torch.float64)
@@ -526,6 +669,8 @@ def _run_attention(a):
     if a.get("mixed"):
         meta = _meta(a["mixed"], a["block_size"])
         q = torch.randn(int(meta.query_start_loc[-1]), a["heads"], a["dim"], generator=g, dtype=torch.float64)
+        scribble = torch.full_like(q, 7.0)  # freed just before: an output left uninitialised (empty_like) most
+        del scribble  # likely gets this memory back, so its padding rows show 7.0, not zeros by chance
         got["mixed"] = _floats(ReferenceBackend().forward(q, cache, meta, scale=a["mixed_scale"],
                                                           window=a["mixed_window"]))
     return got
@@ -538,7 +683,8 @@ def _run_flat(a):
     from engine.serve import FlatModel, ReferenceBackend
 
     model = tiny_model(seed=0, moe=a["moe"], dtype=torch.float64,
-                       **({"rope_theta": a["rope_theta"]} if a.get("rope_theta") else {}))
+                       **({"rope_theta": a["rope_theta"]} if a.get("rope_theta") else {}),
+                       **({"sliding_window": a["sliding_window"]} if a.get("sliding_window") else {}))
     flat = FlatModel(model)
     layers, kv_heads, head_dim = flat.kv_spec()
     bs, backend = 4, ReferenceBackend()
@@ -582,8 +728,7 @@ def _blocks_state(bm, reqs=None) -> dict:
             "block_hash": [None if h is None else bytes(h).hex() for h in bm.block_hash],
             "num_published": {str(k): int(v) for k, v in sorted(bm.num_published.items())},
             "pending_lookups": {str(k): [int(x) for x in v] for k, v in sorted(bm.pending_lookups.items())},
-            "counters": [int(bm.num_queries), int(bm.num_hits), int(bm.num_evicted)],
-            "hashed": {k: len(r.block_hashes) for k, r in sorted((reqs or {}).items())}}
+            "counters": [int(bm.num_queries), int(bm.num_hits), int(bm.num_evicted)]}
 
 
 def _call(fn, *args):
@@ -605,18 +750,33 @@ def _block_run(a):
     bm = BlockManager(a["num_blocks"], a["block_size"], a["caching"])
     reqs, records = {}, []
 
-    def rec(hole, ret):
-        records.append({"hole": hole, "ret": ret, "state": _blocks_state(bm, reqs)})
+    def rec(hole, ret, **more):
+        records.append({"hole": hole, "ret": ret, "state": {**_blocks_state(bm, reqs), **more}})
 
-    def admit(r, n) -> None:
+    def lookup(r):
+        """find_cached_prefix, recorded with what it did to the request's hashes: brought up to date on
+        a lookup, left as they were when it returns [] at once (prompt logprobs, caching off). Only
+        there: cache_full_blocks may bring them up to date on every call or only when a block fills."""
+        before = len(r.block_hashes)
         cached, err = _call(bm.find_cached_prefix, r)
-        cached = cached or []
-        rec("BlockManager.find_cached_prefix", err or [int(b) for b in cached])
+        if a["caching"] and r.params.prompt_logprobs is None:
+            full = (r.num_tokens - r.num_placeholders) // a["block_size"]
+            hashes = "up to date" if len(r.block_hashes) == full else "behind"
+        else:
+            hashes = "left as they were" if len(r.block_hashes) == before else "changed"
+        rec("BlockManager.find_cached_prefix", err or [int(b) for b in cached or []], hashes=hashes)
+        return cached
+
+    def admit(r, n, open_count=False) -> None:
+        cached = lookup(r) or []
         r.num_computed_tokens = 0
         hit = len(cached) * a["block_size"]
         n = max(1, min(n, r.num_tokens - hit))
         ok, err = _call(bm.allocate_slots, r, n, cached)
         rec("BlockManager.allocate_slots", err or bool(ok))
+        if open_count:  # the docstring sets num_published at a request's FIRST allocation only; adopting into
+            # an empty entry later may set it or not (cache_full_blocks, next, makes them agree again)
+            records[-1]["state"]["num_published"].pop(r.request_id, None)
         if ok:
             r.num_computed_tokens = hit + n
             rec("BlockManager.cache_full_blocks", _call(bm.cache_full_blocks, r)[1])
@@ -637,8 +797,7 @@ def _block_run(a):
         elif op[0] == "lookup":  # looked up, never admitted, then dropped
             _, rid, prompt = op
             r = reqs[rid] = _request(rid, prompt, max_tokens=64)
-            cached, err = _call(bm.find_cached_prefix, r)
-            rec("BlockManager.find_cached_prefix", err or [int(b) for b in cached])
+            lookup(r)
             rec("BlockManager.free", _call(bm.free, r)[1])
         elif op[0] == "readopt":  # cached blocks offered to a request that holds blocks: a ValueError
             rid = op[1]
@@ -663,6 +822,31 @@ def _block_run(a):
                     rec("BlockManager.cache_full_blocks", _call(bm.cache_full_blocks, r, r.num_tokens)[1])
                 else:
                     rec("BlockManager.cache_full_blocks", _call(bm.cache_full_blocks, r)[1])
+        elif op[0] == "empty":  # room for 0 tokens first (an entry, empty), then its lookup and admission
+            rid, prompt, n = op[1:4]
+            r = reqs[rid] = _request(rid, prompt, max_tokens=64)
+            ok, err = _call(bm.allocate_slots, r, 0)
+            rec("BlockManager.allocate_slots", err or bool(ok))
+            admit(r, n, open_count=True)
+        elif op[0] == "decode":  # the engine's steps: publish to the step's end, compute, append the sample
+            rid, k = op[1:3]
+            r = reqs[rid]
+            if rid not in bm.req_blocks or r.num_computed_tokens == 0:
+                continue
+            steps = 0
+            while steps < k or r.num_tokens % a["block_size"]:  # ends on a sample that fills a block
+                if r.num_computed_tokens >= r.num_tokens:
+                    r.append((r.num_tokens * 29) % VOCAB)
+                    if steps >= k and not r.num_tokens % a["block_size"]:
+                        break
+                n = r.num_tokens - r.num_computed_tokens  # the rest of its prompt, or its newest token
+                ok, err = _call(bm.allocate_slots, r, n)
+                rec("BlockManager.allocate_slots", err or bool(ok))
+                if not ok:
+                    break
+                rec("BlockManager.cache_full_blocks", _call(bm.cache_full_blocks, r, r.num_computed_tokens + n)[1])
+                r.num_computed_tokens += n
+                steps += 1
         elif op[0] == "free":
             rec("BlockManager.free", _call(bm.free, reqs[op[1]])[1])
         elif op[0] == "refree":  # a stale table freed again: its blocks are at 0 already (a RuntimeError)
@@ -679,7 +863,7 @@ def _run_schedule(a):
 
     from engine.serve import Status
 
-    s = Scheduler(SchedulerConfig(**a["config"]), BlockManager(a["num_blocks"], a["block_size"]))
+    s = Scheduler(SchedulerConfig(**a["config"]), BlockManager(a["num_blocks"], a["block_size"], a.get("caching", True)))
     reqs, pending, lingered = [], list(enumerate(a["reqs"])), set()
     plans = []
     for step in range(a["steps"]):
@@ -689,6 +873,16 @@ def _run_schedule(a):
             r.priority, r.arrival_time = q["priority"], float(i)
             s.add(r)
             reqs.append(r)
+        for rid in a.get("preempt", {}).get(str(step), []):  # a recompute preemption, done here by the
+            victim = next((r for r in s.running if r.request_id == rid), None)  # grader (not the learner's _preempt)
+            if victim is not None:
+                s.running.remove(victim)
+                victim.num_computed_tokens = 0
+                s.blocks.free(victim)
+                victim.status = Status.PREEMPTED
+                victim.num_preemptions += 1
+                s.num_preemptions += 1
+                s._insert_sorted(s.waiting, victim)
         if not s.has_unfinished():
             if not pending:
                 break
@@ -793,7 +987,8 @@ def _preempt_direct(s, a, add, reqs):
                 "swap_out": [[r.request_id, [int(b) for b in bl]] for r, bl in out.swap_out],
                 "count": int(s.num_preemptions), "free": int(s.blocks.num_free),
                 "reqs": {r.request_id: [str(r.status.name), int(r.num_computed_tokens), int(r.num_preemptions),
-                                        bool(r.swapped_out), r.request_id in s.blocks.req_blocks] for r in reqs}}
+                                        bool(r.swapped_out), r.request_id in s.blocks.req_blocks, bool(r.admitted),
+                                        int(r.num_cached_tokens)] for r in reqs}}
 
     got, out = [], SchedulerOutput()
     for v in a["victims"]:
@@ -853,7 +1048,14 @@ def _run_engine(a):
                    EngineConfig(**{"attention_backend": "reference", **a["config"]}))
     reqs = a.get("reqs") or [{"id": f"r{i}", "prompt": p, "max_tokens": m}
                              for i, (p, m) in enumerate(zip(a["prompts"], a["max_tokens"]))]
-    keys = {}
+    keys, sampled = {}, []
+    real_sampler = e.sampler
+
+    def sampler(logits, reqs, generators):  # the rows each step hands the sampler (0 rows: called all the same)
+        sampled.append([int(logits.shape[0]), len(reqs)])
+        return real_sampler(logits, reqs, generators)
+
+    e.sampler = sampler
 
     def add(q) -> None:
         key = tuple(q.get("key", ()))
@@ -926,7 +1128,7 @@ def _run_engine(a):
            "idle": not e.has_unfinished(), "free_blocks_at_idle": int(e.blocks.num_free),
            "pool_blocks": int(len(e.blocks.ref_count)), "aborted": aborted, "shared_across_keys": shared,
            "cached_tokens": dict(sorted(cached.items())), "prompt_logprobs": dict(sorted(plps.items())),
-           "steps": int(e.steps), "failures": failures}
+           "steps": int(e.steps), "failures": failures, "sampler_rows": sampled}
     if a.get("stream"):
         got["stream"] = stream
     return got

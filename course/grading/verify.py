@@ -15,7 +15,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,8 +48,10 @@ def reference_env() -> dict[str, str]:
 
 def reference_results(specs: list[dict], timeout: float = 900) -> dict[str, dict]:
     """The reference's answer to every scenario, from a trusted child process."""
-    with tempfile.TemporaryDirectory(prefix="ch31-ref-") as tmp:
-        spec_file, out = Path(tmp) / "specs.json", Path(tmp) / "results.jsonl"
+    from course.isolation.leftovers import run_folder
+
+    with run_folder("ref") as tmp:  # if this grader dies, the next run removes it (course/isolation/leftovers.py)
+        spec_file, out = tmp / "specs.json", tmp / "results.jsonl"
         spec_file.write_text(json.dumps(specs))
         env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **reference_env()}
         proc = subprocess.run([sys.executable, "-m", "course.grading.scenarios", str(spec_file), str(out)], cwd=ROOT, env=env,

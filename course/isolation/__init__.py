@@ -5,5 +5,6 @@ limits for the sandbox as a whole (a private uid per job, size-capped tmpfs, a m
 the machine has one) and reads back what it wrote without following links or blocking;
 ``watchdog.py`` runs the sandboxed pytest and scenario children under time limits, start-up
 included; ``allowlist.py`` builds the only view of the course a sandbox gets (given files, never the
-reference); ``parsing.py`` reads a learner's source in a limited child, never in the grader itself.
+reference); ``parsing.py`` reads a learner's source in a limited child, never in the grader itself; ``leftovers.py``
+names what a grader leaves on the machine after its owner, so the next run removes a dead grader's.
 """

@@ -45,6 +45,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from course.isolation.leftovers import owner_tag
+
 NOBODY = 65534
 GIB = 1 << 30
 BASE_UID = 61000  # as root, the k-th grading thread's sandboxes run as uid BASE_UID + k % UID_SLOTS
@@ -303,7 +305,9 @@ def release_mounts(path: Path) -> None:
 class MemoryCgroup:
     """One sandbox's memory cgroup: every process of the sandbox inside, ``bytes`` in all (RSS and the
     tmpfs pages they write). v2 (``memory.max``) or v1 (``memory.limit_in_bytes``), under this
-    process's own cgroup; ``make`` returns None where neither is writable (per-process caps only)."""
+    process's own cgroup; ``make`` returns None where neither is writable (per-process caps only).
+    Named after the grader that made it (``leftovers.owner_tag``), so that the next grading run
+    removes it if that grader died before it could (``leftovers.clean_dead``)."""
 
     _count = itertools.count()
 
@@ -316,7 +320,7 @@ class MemoryCgroup:
         if where is None:
             return None
         kind, parent = where
-        path = parent / f"ch31-sandbox-{os.getpid()}-{next(cls._count)}"
+        path = parent / f"ch31-sandbox-{owner_tag()}-{next(cls._count)}"  # course/isolation/leftovers.py
         try:
             path.mkdir()
             if kind == "v2":
@@ -426,7 +430,7 @@ def memory_cgroup_parent() -> tuple[str, Path] | None:
             if key is not None:
                 candidates.append(("v1", Path(point) / os.path.relpath(own[key], root)))
     for kind, folder in candidates:
-        probe = folder / f"ch31-probe-{os.getpid()}"
+        probe = folder / f"ch31-probe-{owner_tag()}"
         try:
             probe.mkdir()
             (probe / ("memory.max" if kind == "v2" else "memory.limit_in_bytes")).write_text(str(GIB))
