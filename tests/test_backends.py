@@ -335,12 +335,12 @@ def test_cpu_backend_write_matches_write_kv(pool_dtype):
 
 def test_cpu_kernel_cache_key_names_the_cpu(monkeypatch):
     """The kernel is built with -march=native: another CPU (model or feature flags) gets its own build."""
-    from engine.fast import cpu_attention
+    from engine.fast import cpu_attention, cpu_build
 
-    here = cpu_attention.kernel_path("c++")
-    assert here == cpu_attention.kernel_path("c++"), "the cache key must be stable on one machine"
-    monkeypatch.setattr(cpu_attention, "cpu_signature", lambda: "x86_64|model name=Other CPU|flags=sse2")
-    assert cpu_attention.kernel_path("c++") != here, "a kernel built for one CPU was keyed for every CPU"
+    here = cpu_build.kernel_path("c++", cpu_attention.SOURCE)
+    assert here == cpu_build.kernel_path("c++", cpu_attention.SOURCE), "the cache key must be stable on one machine"
+    monkeypatch.setattr(cpu_build, "cpu_signature", lambda: "x86_64|model name=Other CPU|flags=sse2")
+    assert cpu_build.kernel_path("c++", cpu_attention.SOURCE) != here, "a kernel built for one CPU was keyed for every CPU"
 
 
 def test_cpu_kernels_on_two_real_threads():
@@ -373,7 +373,7 @@ def test_cpu_kernel_build_boundaries(tmp_path, monkeypatch):
     import shutil
     import stat
 
-    from engine.fast import cpu_attention
+    from engine.fast import cpu_attention, cpu_build
 
     real = shutil.which("c++") or shutil.which("g++")
     open_cache = tmp_path / "shared-cache"
@@ -381,21 +381,21 @@ def test_cpu_kernel_build_boundaries(tmp_path, monkeypatch):
     open_cache.chmod(0o777)
     monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(open_cache))
     with pytest.raises(ValueError, match="only you can write"):
-        cpu_attention.build_library(cpu_attention.SOURCE)
+        cpu_build.build_library(cpu_attention.SOURCE)
     monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(tmp_path / "cache"))
     no_openmp = tmp_path / "no-openmp-c++"
     no_openmp.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {real} "$@"\n')
     no_openmp.chmod(no_openmp.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("CXX", str(no_openmp))
-    cpu_attention.build_library(cpu_attention.SOURCE)
-    assert cpu_attention.kernel_path(str(no_openmp), cpu_attention.SOURCE, cpu_attention.SERIAL_FLAGS).exists()
-    assert not cpu_attention.kernel_path(str(no_openmp), cpu_attention.SOURCE).exists()
+    cpu_build.build_library(cpu_attention.SOURCE)
+    assert cpu_build.kernel_path(str(no_openmp), cpu_attention.SOURCE, cpu_build.SERIAL_FLAGS).exists()
+    assert not cpu_build.kernel_path(str(no_openmp), cpu_attention.SOURCE).exists()
     monkeypatch.setenv("CXX", "false")
     with pytest.raises(ValueError, match="building cpu_paged_kernel.cpp failed"):
-        cpu_attention.build_library(cpu_attention.SOURCE)
+        cpu_build.build_library(cpu_attention.SOURCE)
     # An optional library (the linear and elementwise kernels): None and the reason, asked once.
     declared = []
-    optional = cpu_attention.OptionalKernels(cpu_attention.SOURCE, declared.append)
+    optional = cpu_build.OptionalKernels(cpu_attention.SOURCE, declared.append)
     assert optional.get() is None and "building cpu_paged_kernel.cpp failed" in optional.why
     assert optional.get() is None and not declared, "a failed optional build must not be retried on every call"
     monkeypatch.setenv("CXX", real)  # a failure is remembered per (cache, $CXX): another compiler is tried
@@ -438,7 +438,7 @@ def test_cpu_kernel_build_with_a_bad_compiler(tmp_path, monkeypatch):
     import shutil
     import stat
 
-    from engine.fast import cpu_attention
+    from engine.fast import cpu_attention, cpu_build
 
     real = shutil.which("c++") or shutil.which("g++")
     monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(tmp_path / "cache"))
@@ -448,18 +448,18 @@ def test_cpu_kernel_build_with_a_bad_compiler(tmp_path, monkeypatch):
                        ("'unbalanced", "is not a command line"), ("   ", "found no C\\+\\+ compiler|not an executable")]:
         monkeypatch.setenv("CXX", cxx)
         with pytest.raises(ValueError, match=match):
-            cpu_attention.build_library(cpu_attention.SOURCE)
-        optional = cpu_attention.OptionalKernels(cpu_attention.SOURCE, lambda lib: None)
+            cpu_build.build_library(cpu_attention.SOURCE)
+        optional = cpu_build.OptionalKernels(cpu_attention.SOURCE, lambda lib: None)
         assert optional.get() is None and optional.why
     monkeypatch.setenv("CXX", f"env {real}")  # a launcher and its compiler, as "ccache g++"
-    assert cpu_attention.build_library(cpu_attention.SOURCE) is not None
+    assert cpu_build.build_library(cpu_attention.SOURCE) is not None
     slow = tmp_path / "slow-c++"
     slow.write_text("#!/bin/sh\nexec sleep 60\n")
     slow.chmod(slow.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("CXX", str(slow))
-    monkeypatch.setattr(cpu_attention, "COMPILE_TIMEOUT_S", 1)
+    monkeypatch.setattr(cpu_build, "COMPILE_TIMEOUT_S", 1)
     with pytest.raises(ValueError, match="took longer than 1 s"):
-        cpu_attention.build_library(cpu_attention.SOURCE)
+        cpu_build.build_library(cpu_attention.SOURCE)
     assert not [p for p in (tmp_path / "cache").iterdir() if p.suffix == ".tmp"], "a failed build left its temp file"
 
 
@@ -468,14 +468,14 @@ def test_an_attention_kernel_that_cannot_be_built_is_tried_once(tmp_path, monkey
     one each time without running the compiler again (every LLM asks, through fastest_options),
     and fastest_options falls back to the "torch" backend."""
     from engine.fast import choose
-    from engine.fast import cpu_attention
+    from engine.fast import cpu_attention, cpu_build
 
     monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
-    monkeypatch.setattr(cpu_attention, "_kernel", cpu_attention.OptionalKernels(cpu_attention.SOURCE, cpu_attention._declare))
+    monkeypatch.setattr(cpu_attention, "_kernel", cpu_build.OptionalKernels(cpu_attention.SOURCE, cpu_attention._declare))
     builds = []
-    build = cpu_attention.build_library
-    monkeypatch.setattr(cpu_attention, "build_library", lambda source: builds.append(source) or build(source))
+    build = cpu_build.build_library
+    monkeypatch.setattr(cpu_build, "build_library", lambda source: builds.append(source) or build(source))
     for _ in range(3):
         with pytest.raises(ValueError, match="is not an executable file"):
             cpu_attention.load_kernel()
@@ -488,7 +488,7 @@ def test_cpu_kernel_builds_use_their_own_temporary_files(tmp_path):
     the same temporary file: each compiler run gets a fresh name, renamed onto the library at the end."""
     import stat
 
-    from engine.fast import cpu_attention
+    from engine.fast import cpu_attention, cpu_build
 
     log = tmp_path / "outputs.log"
     fake = tmp_path / "fake-c++"
@@ -496,7 +496,7 @@ def test_cpu_kernel_builds_use_their_own_temporary_files(tmp_path):
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     lib = tmp_path / "kernel.so"
     for _ in range(2):
-        assert cpu_attention._compile([str(fake)], cpu_attention.SOURCE, cpu_attention.FLAGS, lib) is None
+        assert cpu_build._compile([str(fake)], cpu_attention.SOURCE, cpu_build.FLAGS, lib) is None
     first, second = log.read_text().split()
     assert first != second, "two builds of one library wrote the same temporary file"
     assert lib.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["fake-c++", "kernel.so", "outputs.log"]
@@ -506,7 +506,7 @@ def test_cpu_kernel_cache_parents_must_be_private_too(tmp_path):
     """A private cache inside a folder others can write to (and not sticky) is refused: another user
     could rename the cache away and put their own in its place before the library is loaded. A
     sticky world-writable parent (as /tmp) is fine."""
-    from engine.fast import cpu_attention
+    from engine.fast import cpu_build
 
     for mode, refused in ((0o777, True), (0o1777, False), (0o755, False)):
         parent = tmp_path / f"parent-{mode:o}"
@@ -516,9 +516,9 @@ def test_cpu_kernel_cache_parents_must_be_private_too(tmp_path):
         parent.chmod(mode)
         if refused:
             with pytest.raises(ValueError, match="can be written by others and is not sticky"):
-                cpu_attention.check_private(cache)
+                cpu_build.check_private(cache)
         else:
-            cpu_attention.check_private(cache)
+            cpu_build.check_private(cache)
 
 
 def test_fused_torch_engine_needs_no_compiler(tmp_path):

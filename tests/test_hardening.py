@@ -67,20 +67,20 @@ def _script(path, body: str):
 def test_a_compiler_that_timed_out_is_not_started_again(tmp_path, monkeypatch):
     """Row 3: a $CXX that hangs is waited out once per process, not once per kernel and flag set
     (three kernels x two flag sets was half an hour before the default LLM() fell back)."""
-    from engine.fast import cpu_attention, cpu_elementwise, cpu_linear
+    from engine.fast import cpu_attention, cpu_build, cpu_elementwise, cpu_linear
 
     log = tmp_path / "starts.log"
     slow = _script(tmp_path / "slow-c++", f"echo started >> {log}\nexec sleep 30\n")
     monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", str(slow))
-    monkeypatch.setattr(cpu_attention, "COMPILE_TIMEOUT_S", 1)
-    monkeypatch.setattr(cpu_attention, "_hung_compilers", {}, raising=False)
-    kernels = [cpu_attention.OptionalKernels(k.SOURCE, lambda lib: None)
+    monkeypatch.setattr(cpu_build, "COMPILE_TIMEOUT_S", 1)
+    monkeypatch.setattr(cpu_build, "_hung_compilers", {}, raising=False)
+    kernels = [cpu_build.OptionalKernels(k.SOURCE, lambda lib: None)
                for k in (cpu_attention, cpu_linear, cpu_elementwise)]
     for optional in kernels:
         assert optional.get() is None and "took longer than 1 s" in optional.why
     with pytest.raises(ValueError, match="not started again"):
-        cpu_attention.build_library(cpu_attention.SOURCE)
+        cpu_build.build_library(cpu_attention.SOURCE)
     assert log.read_text().split() == ["started"], "a compiler that timed out was started again"
 
 
@@ -89,27 +89,27 @@ def test_a_corrupt_cached_kernel_is_rebuilt(tmp_path, monkeypatch):
     again, not an error every later process swallows; a compiler that "succeeds" with junk leaves
     no file in the cache and says so."""
 
-    from engine.fast import cpu_attention
+    from engine.fast import cpu_attention, cpu_build
 
-    monkeypatch.setattr(cpu_attention, "_hung_compilers", {}, raising=False)
+    monkeypatch.setattr(cpu_build, "_hung_compilers", {}, raising=False)
     monkeypatch.delenv("ENGINE_KERNEL_CACHE", raising=False)
-    good = next(cpu_attention.cache_dir().glob("cpu_paged_kernel-*.so"), None)
+    good = next(cpu_build.cache_dir().glob("cpu_paged_kernel-*.so"), None)
     if good is None:  # this process has not built it yet
-        cpu_attention.build_library(cpu_attention.SOURCE)
-        good = next(cpu_attention.cache_dir().glob("cpu_paged_kernel-*.so"))
+        cpu_build.build_library(cpu_attention.SOURCE)
+        good = next(cpu_build.cache_dir().glob("cpu_paged_kernel-*.so"))
     copier = _script(tmp_path / "copying-c++", f'while [ "$1" != -o ]; do shift; done\ncp {good} "$2"\n')
     monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", str(copier))
-    lib = cpu_attention.kernel_path(str(copier), cpu_attention.SOURCE)
+    lib = cpu_build.kernel_path(str(copier), cpu_attention.SOURCE)
     lib.parent.mkdir(mode=0o700, parents=True)
     lib.write_bytes(b"not an ELF file")
-    assert cpu_attention.build_library(cpu_attention.SOURCE).paged_decode_float32 is not None
+    assert cpu_build.build_library(cpu_attention.SOURCE).paged_decode_float32 is not None
     assert lib.read_bytes()[:4] == b"\x7fELF", "the corrupt cache entry was not rebuilt"
     junk = _script(tmp_path / "junk-c++", 'while [ "$1" != -o ]; do shift; done\necho junk > "$2"\n')
     monkeypatch.setenv("CXX", str(junk))
     with pytest.raises(ValueError, match="not a loadable library.*CXX"):
-        cpu_attention.build_library(cpu_attention.SOURCE)
-    assert not cpu_attention.kernel_path(str(junk), cpu_attention.SOURCE).exists(), "junk was kept in the cache"
+        cpu_build.build_library(cpu_attention.SOURCE)
+    assert not cpu_build.kernel_path(str(junk), cpu_attention.SOURCE).exists(), "junk was kept in the cache"
 
 
 def test_a_remembered_kernel_failure_is_keyed_by_its_cause(tmp_path, monkeypatch):
@@ -117,7 +117,7 @@ def test_a_remembered_kernel_failure_is_keyed_by_its_cause(tmp_path, monkeypatch
     another CXX) tries the build again; the same cache and compiler do not."""
     import shutil
 
-    from engine.fast import cpu_attention
+    from engine.fast import cpu_attention, cpu_build
 
     open_cache = tmp_path / "shared-cache"
     open_cache.mkdir()
@@ -125,7 +125,7 @@ def test_a_remembered_kernel_failure_is_keyed_by_its_cause(tmp_path, monkeypatch
     monkeypatch.setenv("ENGINE_KERNEL_CACHE", str(open_cache))
     monkeypatch.setenv("CXX", shutil.which("c++") or shutil.which("g++"))
     builds = []
-    optional = cpu_attention.OptionalKernels(cpu_attention.SOURCE, builds.append)
+    optional = cpu_build.OptionalKernels(cpu_attention.SOURCE, builds.append)
     assert optional.get() is None and str(open_cache) in optional.why
     assert optional.get() is None and not builds
     monkeypatch.delenv("ENGINE_KERNEL_CACHE")  # the default, private cache (built there by earlier tests)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.fast import cpu_attention, cpu_elementwise, cpu_linear, openmp
+from engine.fast import cpu_attention, cpu_build, cpu_elementwise, cpu_linear, openmp
 
 ROOT = Path(__file__).resolve().parents[1]
 LINUX = sys.platform.startswith("linux")
@@ -71,7 +71,7 @@ def test_the_kernels_follow_torchs_thread_count(restore_threads):
 def _second_runtime_kernel(tmp_path: Path) -> Path:
     """cpu_kernel_share.h built against a copy of the compiler's libgomp renamed libgomp.so.9 (its
     soname patched in place): loaded with RTLD_DEEPBIND, a kernel on a runtime of its own."""
-    compiler = cpu_attention.find_compiler()
+    compiler = cpu_build.find_compiler()
     found = subprocess.run([*compiler, "-print-file-name=libgomp.so.1"], capture_output=True, text=True).stdout.strip()
     if not os.path.isabs(found):
         pytest.skip(f"the compiler ({' '.join(compiler)}) names no libgomp.so.1 to copy for the negative control")

@@ -195,7 +195,7 @@ def kernel_at(rev: str):
     import subprocess
     import tempfile
 
-    from engine.fast import cpu_attention
+    from engine.fast import cpu_attention, cpu_build
 
     root = Path(__file__).resolve().parents[2]
     folder = Path(tempfile.mkdtemp(prefix="kernel-at-"))
@@ -206,7 +206,7 @@ def kernel_at(rev: str):
             text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{name}"], capture_output=True, text=True,
                                   check=True).stdout
             (folder / Path(name).name).write_text(text)
-    lib = cpu_attention.build_library(folder / "cpu_paged_kernel.cpp")
+    lib = cpu_build.build_library(folder / "cpu_paged_kernel.cpp")
     cpu_attention._declare(lib)
     backend = cpu_attention.CPUBackend(prefill="kernel")
     run = backend._run

@@ -138,7 +138,7 @@ class Options:
     only_groups: tuple = ()  # verify only these scenario groups (tests of the grader; default: all)
     startup_timeout: float = 90  # seconds a sandboxed run may take to start its first test / scenario (an
     # honest pytest start took 44 s at load 11.5, ~10 s when quiet)
-    startup_after_hang: float = 30  # the scenario run's, once the test run hung at start-up: 2 minutes in all
+    startup_after_hang: float = 25  # the scenario run's, once the test run hung at start-up: under 2 minutes in all
     run_tests: bool = True  # False: no pytest run, every test counted as passed, so each row earns exactly
     # its scenarios' share (the grade table's bug mode, course/grading/grade_table.py: the scenarios alone)
 

@@ -23,7 +23,6 @@ folders and cgroups, folders whose lock is held.
 from __future__ import annotations
 
 import fcntl
-import functools
 import os
 import re
 import sys
@@ -32,28 +31,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from course.isolation.sandbox import MemoryCgroup, memory_cgroup_parent, mounts_under, owner_tag, remove_tree, start_time
+
 LOCK_NAME = "owner.lock"
 KINDS = ("grade", "ref")
 _FOLDER = re.compile(r"ch31-(?:grade|ref)-(\d+)-(\d+)-[A-Za-z0-9_]+")
 _CGROUP = re.compile(r"ch31-(?:sandbox-(\d+)-(\d+)-\d+|probe-(\d+)-(\d+))")
-
-
-def start_time(pid: int) -> int | None:
-    """Process ``pid``'s start time (clock ticks after boot), or None when there is no such process."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    try:  # the command name (field 2) may hold spaces and parentheses: count from the last ')'
-        return int(raw[raw.rindex(b")") + 2:].split()[19])
-    except (ValueError, IndexError):
-        return None
-
-
-@functools.lru_cache(maxsize=None)
-def owner_tag() -> str:
-    """``<pid>-<start>`` of this process: the part of every leftover's name that says whose it is."""
-    return f"{os.getpid()}-{start_time(os.getpid()) or 0}"
 
 
 def alive(pid: int, start: int) -> bool:
@@ -66,7 +49,6 @@ def run_folder(kind: str):
     """A fresh folder ``ch31-<kind>-<owner>-<random>`` in the temporary folder, locked by this process
     while it is used, removed afterwards (``sandbox.remove_tree``: mounts inside unmounted first, never
     recursive; a failure is a warning on the console, never an exception)."""
-    from course.isolation.sandbox import remove_tree
 
     if kind not in KINDS:
         raise ValueError(f"run_folder kind {kind!r}: one of {', '.join(KINDS)}")
@@ -132,7 +114,6 @@ def dead_folders(where: Path | None = None) -> list[Path]:
 
 def dead_cgroups() -> list[Path]:
     """This grader's kind of memory cgroups (beside the ones it would make) whose owner is gone."""
-    from course.isolation.sandbox import memory_cgroup_parent
 
     where = memory_cgroup_parent()
     if where is None:
@@ -154,7 +135,6 @@ def dead_cgroups() -> list[Path]:
 def clean_dead(where: Path | None = None) -> Cleaned:
     """Remove every leftover of a dead grader (run folders in ``where``, default the temporary folder,
     with the mounts inside them; memory cgroups); see the module's docstring for what counts as dead."""
-    from course.isolation.sandbox import MemoryCgroup, memory_cgroup_parent, mounts_under, remove_tree
 
     if start_time(os.getpid()) is None:  # no /proc to tell the living from the dead: touch nothing
         return Cleaned()

@@ -56,7 +56,7 @@ from engine.models.mapped import trim_heap
 from engine.models.qwen3 import Qwen3MLP
 from engine.rope import rope_cos_sin
 from engine.serve.attention import AttentionBackend, KVCache
-from engine.fast.cpu_attention import cache_dir as kernel_cache_dir
+from engine.fast.cpu_build import cache_dir as kernel_cache_dir
 from engine.fast.fused import FusedFlatModel, Linear
 from engine.serve.batch import BatchMeta
 
@@ -71,7 +71,7 @@ COMPILER_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.Fai
 
 def compile_cache_dir() -> str:
     """Where TorchInductor keeps compiled graphs across runs: ``$TORCHINDUCTOR_CACHE_DIR`` when
-    set, else an ``inductor`` folder in the engine's kernel cache (``cpu_attention.cache_dir()``)."""
+    set, else an ``inductor`` folder in the engine's kernel cache (``cpu_build.cache_dir()``)."""
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(kernel_cache_dir() / "inductor")
 
 
@@ -220,7 +220,7 @@ def inductor_available() -> str | None:
     """None when TorchInductor can compile for the CPU here, else why not (it compiles with
     ``$CXX`` when set, which must then be an executable)."""
     if os.environ.get("CXX"):
-        from engine.fast.cpu_attention import find_compiler
+        from engine.fast.cpu_build import find_compiler
 
         try:
             find_compiler()

@@ -5,7 +5,7 @@
 // variant, to measure one against the other on the same machine). Also: unaligned loads of a
 // row's L values widened to float / double, a horizontal sum by halving, and exp(x) for x <= 0.
 // Kept apart from cpu_kernel_vec.h (the elementwise kernels' 32-byte vectors). Part of each
-// kernel's build cache key (engine/fast/cpu_attention.py).
+// kernel's build cache key (engine/fast/cpu_build.py).
 #pragma once
 #include <cstdint>
 #include <cstring>

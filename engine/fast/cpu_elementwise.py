@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.fast.cpu_attention import OptionalKernels
+from engine.fast.cpu_build import OptionalKernels
 
 SOURCE = Path(__file__).with_name("cpu_elementwise_kernel.cpp")
 MIN_ELEMENTS_PER_THREAD = 32768  # less work than this per thread: one thread does it all

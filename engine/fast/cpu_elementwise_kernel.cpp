@@ -15,7 +15,7 @@
 // vectors (_avx512, with AVX512-BF16's conversion instruction where present). Both compute the
 // same IEEE operations on each element; only the order of a norm's sum of squares differs.
 // cpu_elementwise.py picks one (the widest here, or ENGINE_KERNEL_ISA). Built and loaded like
-// cpu_paged_kernel.cpp (cpu_attention.py: the host's C++ compiler, -O3 -march=native, ctypes); rows
+// cpu_paged_kernel.cpp (cpu_build.py: the host's C++ compiler, -O3 -march=native, ctypes); rows
 // are shared by torch's OpenMP workers (`share`, cpu_kernel_share.h). Any row width works (the
 // vector loops take whole vectors, a scalar loop the rest).
 //

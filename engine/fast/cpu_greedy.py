@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine.fast.cpu_attention import OptionalKernels
+from engine.fast.cpu_build import OptionalKernels
 
 SOURCE = Path(__file__).with_name("cpu_greedy_kernel.cpp")
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}

@@ -1,6 +1,6 @@
 // Shared by the CPU kernels (cpu_paged_kernel.cpp, cpu_linear_kernel.cpp, cpu_elementwise_kernel.cpp):
 // how the threads of one call split its work. Part of each kernel's build cache key
-// (engine/fast/cpu_attention.py).
+// (engine/fast/cpu_build.py).
 //
 // share(total, threads, run) calls run(begin, end) over chunks of [0, total) through OpenMP. The
 // library is linked against the OpenMP runtime torch itself loaded (libgomp.so.1: the loader binds

@@ -1,6 +1,6 @@
 // Shared by the CPU kernels: 32-byte float vectors (GCC/Clang vector extensions: AVX2 on x86, two
 // NEON registers on ARM), their unaligned loads and stores, and exp(x) for x <= 0, 8 lanes at a
-// time. Part of each kernel's build cache key (engine/fast/cpu_attention.py).
+// time. Part of each kernel's build cache key (engine/fast/cpu_build.py).
 #pragma once
 #include <cstdint>
 #include <cstring>

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine.fast.cpu_attention import OptionalKernels
+from engine.fast.cpu_build import OptionalKernels
 
 SOURCE = Path(__file__).with_name("cpu_linear_kernel.cpp")
 PANEL = 16  # output columns per packed panel (two 8-float vectors)

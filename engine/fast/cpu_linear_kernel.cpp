@@ -3,7 +3,7 @@
 // units: the weights stay in their 16-bit form, half the bytes to stream, and each panel row is
 // widened to float32 in registers, exactly, before the same float32 arithmetic).
 //
-// Built and loaded like cpu_paged_kernel.cpp (engine/fast/cpu_attention.py: the host's C++
+// Built and loaded like cpu_paged_kernel.cpp (engine/fast/cpu_build.py: the host's C++
 // compiler, -O3 -march=native, ctypes). oneDNN's and MKL's matmuls are tuned for many rows; at
 // 1-64 rows their blocking leaves the FMA units idle part of the time. Here the weight is packed
 // once into panels of 16 output columns: panel j holds W[16 j .. 16 j + 15][k] for k = 0 .. K-1,

@@ -53,6 +53,8 @@ from pathlib import Path
 
 import torch
 
+from engine.fast.cpu_build import OptionalKernels
+
 PATHS = ("kernel", "sdpa", "blocked")  # the C++ row kernel / PyTorch's CPU flash attention / cpu_prefill_kernel.cpp
 ENV = "ENGINE_ATTENTION_PREFILL"
 PROBE_ROWS = (8, 32, 128, 512)  # the row counts each path is timed at (a step of 512 rows of prompts that long)
@@ -164,16 +166,11 @@ def _declare(lib: ctypes.CDLL) -> None:
             + [ctypes.c_double, ctypes.c_int64, ctypes.c_int64]
 
 
-_blocked = None  # OptionalKernels of cpu_prefill_kernel.cpp, made on first use (cpu_attention imports this module)
+_blocked = OptionalKernels(BLOCKED_SOURCE, _declare)  # cpu_prefill_kernel.cpp, built on first use
 
 
 def blocked_library() -> ctypes.CDLL | None:
     """The blocked prefill kernel, or None where it cannot be built here."""
-    global _blocked
-    if _blocked is None:
-        from engine.fast.cpu_attention import OptionalKernels
-
-        _blocked = OptionalKernels(BLOCKED_SOURCE, _declare)
     return _blocked.get()
 
 
