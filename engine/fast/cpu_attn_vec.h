@@ -7,8 +7,11 @@
 // Kept apart from cpu_kernel_vec.h (the elementwise kernels' 32-byte vectors). Part of each
 // kernel's build cache key (engine/fast/cpu_build.py).
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "cpu_vec_exp.h"
 
 #ifndef ATTN_VEC_BYTES
 #if defined(__AVX512F__)
@@ -43,6 +46,33 @@ typedef Vec<uint32_t, kAttnBytes>::type aword;
 struct BF16 {
   uint16_t bits;
 };
+
+// The pools' element types to and from the arithmetic's: float for float32 and bfloat16 pools,
+// double for float64 ones (VecOf: the vector of that arithmetic at this width).
+template <typename W> struct VecOf;
+template <> struct VecOf<float> { typedef afloat type; };
+template <> struct VecOf<double> { typedef adouble type; };
+
+inline float widen(float x) { return x; }
+inline double widen(double x) { return x; }
+inline float widen(BF16 x) {
+  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline void narrow(float x, float* out) { *out = x; }
+inline void narrow(double x, double* out) { *out = x; }
+inline void narrow(float x, BF16* out) {  // round to nearest even, as torch's .to(bfloat16)
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if (std::isnan(x)) {
+    out->bits = 0x7FC0;
+    return;
+  }
+  u += 0x7FFF + ((u >> 16) & 1);
+  out->bits = static_cast<uint16_t>(u >> 16);
+}
 
 inline afloat aload(const float* p) {
   afloat v;
@@ -80,27 +110,7 @@ inline T tree_sum(typename Vec<T, B>::type v) {
 inline float hsum(afloat v) { return tree_sum<float, kAttnBytes>(v); }
 inline double hsum(adouble v) { return tree_sum<double, kAttnBytes>(v); }
 
-// exp(x) for x <= 0, every lane: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-7 Taylor
-// polynomial (relative error < 1e-8), times 2^n made in the exponent bits; below -87 (a weight
-// under 2^-125 of the largest) the result is 0. The same arithmetic as cpu_kernel_vec.h's, at this width.
-inline afloat aexp_nonpositive(afloat x) {
-  const aint under = x < -87.0f;
-  x = under ? afloat{} - 87.0f : x;
-  const aint n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, aint);  // round(x / ln2), x <= 0
-  const afloat nf = __builtin_convertvector(n, afloat);
-  const afloat r = x - nf * 0.693145751953125f - nf * 1.428606765330187045e-06f;  // ln2 in two parts
-  afloat p = afloat{} + 1.0f / 5040;
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const aint bits = (n + 127) << 23;  // 2^n, n in [-126, 0]
-  afloat two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return under ? afloat{} : p * two_n;
-}
+// exp(x) for x <= 0 on every lane (cpu_vec_exp.h).
+inline afloat aexp_nonpositive(afloat x) { return exp_nonpositive_lanes<afloat, aint>(x); }
 
 }  // namespace

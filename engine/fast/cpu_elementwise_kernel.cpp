@@ -34,13 +34,6 @@
 namespace {
 
 // ----- scalar tails: float32 or bfloat16 elements, and rounding to the element type ----------------
-inline float value(float x) { return x; }
-inline float value(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 inline uint16_t to_bf16(float f) {
   uint32_t u;

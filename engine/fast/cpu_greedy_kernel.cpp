@@ -19,13 +19,6 @@ using W = Wide<64>;
 using W = Wide<32>;
 #endif
 
-inline float value(float x) { return x; }
-inline float value(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 // Row x[0..v) -> its argmax.
 template <typename T>

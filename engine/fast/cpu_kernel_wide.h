@@ -13,11 +13,22 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_vec_exp.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
+
+// A float32 or bfloat16 element as a float (bfloat16: its bits are a float's upper half).
+inline float value(float x) { return x; }
+inline float value(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 // The vector types of each width (GCC applies no vector_size that depends on a template argument).
 template <int Bytes>
@@ -142,28 +153,8 @@ struct Wide {
     return s;
   }
 
-  // exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-7 Taylor polynomial
-  // (relative error < 1e-8, under one ulp), times 2^n built in the exponent bits. Below -87 (a
-  // weight under 2^-125 of the largest) the result is 0. The same steps as cpu_kernel_vec.h's.
-  static F exp_nonpositive(F x) {
-    const I under = x < -87.0f;
-    x = under ? F{} - 87.0f : x;
-    const I n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, I);  // round(x / ln2), x <= 0
-    const F nf = __builtin_convertvector(n, F);
-    const F r = x - nf * 0.693145751953125f - nf * 1.428606765330187045e-06f;  // ln2 in two parts
-    F p = F{} + 1.0f / 5040;
-    p = p * r + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const I bits = (n + 127) << 23;  // 2^n, n in [-126, 0]
-    F two_n;
-    std::memcpy(&two_n, &bits, sizeof two_n);
-    return under ? F{} : p * two_n;
-  }
+  // exp(x) for x <= 0 on every lane (cpu_vec_exp.h).
+  static F exp_nonpositive(F x) { return exp_nonpositive_lanes<F, I>(x); }
 
   // silu(x) = x / (1 + exp(-x)): for x >= 0 directly, for x < 0 as x e / (1 + e), e = exp(-|x|).
   static F silu(F x) {

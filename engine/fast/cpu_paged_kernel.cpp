@@ -39,18 +39,7 @@
 
 namespace {
 
-template <typename W> struct VecOf;
-template <> struct VecOf<float> { typedef afloat type; };
-template <> struct VecOf<double> { typedef adouble type; };
 
-inline float widen(float x) { return x; }
-inline double widen(double x) { return x; }
-inline float widen(BF16 x) {
-  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 #if ATTN_DPBF16
 // dot(a, b) of two bf16 rows of d values (d a multiple of 32): the products exact, summed in float.
@@ -69,18 +58,6 @@ inline float dot_bf16(const BF16* a, const BF16* b, int64_t d) {
 }
 #endif
 
-inline void narrow(float x, float* out) { *out = x; }
-inline void narrow(double x, double* out) { *out = x; }
-inline void narrow(float x, BF16* out) {  // round to nearest even, as torch's .to(bfloat16)
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if (std::isnan(x)) {
-    out->bits = 0x7FC0;
-    return;
-  }
-  u += 0x7FFF + ((u >> 16) & 1);
-  out->bits = static_cast<uint16_t>(u >> 16);
-}
 
 // w[i] = exp(s[i] - m) for i < n; returns their sum.
 inline float exp_shifted(float* s, int64_t n, float m) {

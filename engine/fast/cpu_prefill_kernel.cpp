@@ -35,30 +35,7 @@ namespace {
 
 constexpr int64_t kTileRows = 32;  // query rows of one request per work item
 
-template <typename W> struct VecOf;
-template <> struct VecOf<float> { typedef afloat type; };
-template <> struct VecOf<double> { typedef adouble type; };
 
-inline float widen(float x) { return x; }
-inline double widen(double x) { return x; }
-inline float widen(BF16 x) {
-  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline void narrow(float x, float* out) { *out = x; }
-inline void narrow(double x, double* out) { *out = x; }
-inline void narrow(float x, BF16* out) {  // round to nearest even, as torch's .to(bfloat16)
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if (std::isnan(x)) {
-    out->bits = 0x7FC0;
-    return;
-  }
-  u += 0x7FFF + ((u >> 16) & 1);
-  out->bits = static_cast<uint16_t>(u >> 16);
-}
 
 template <typename V, typename W> inline V splat(W x) { return x - V{}; }  // x - 0 == x for every x: no add left
 template <typename V, typename W> inline V iota() {  // 0, 1, 2, ... in the lanes
