@@ -525,10 +525,10 @@ def test_bench_dtype_option_builds_the_preset_in_that_dtype(tmp_path):
         assert "matmuls in float32" in report["numerics"]
 
 
-# ----- two threads against one: course.bench.threads -----------------------------------------------
+# ----- two threads against one: course.tuning.threads -----------------------------------------------
 def test_thread_scaling_ratios_are_taken_per_round():
     """The summary's ratios are medians of each round's side-by-side pair, not ratios of medians."""
-    from course.bench.threads import policy_env, summarize
+    from course.tuning.threads import policy_env, summarize
 
     run = lambda wall, cpu: {"wall": wall, "cpu": cpu, "tokens": 100, "load": 1.0, "openmp": "x"}  # noqa: E731
     runs = {("float32", "probe", 1): [run(2.0, 2.0), run(4.0, 4.0), run(3.0, 3.0)],
@@ -545,7 +545,7 @@ def test_thread_scaling_ratios_are_taken_per_round():
 def test_thread_scaling_runs_each_count_in_its_own_process_under_the_policy(tmp_path, capsys):
     """One round on the test preset: a run.py bench process per thread count, the spin policy in its
     environment (its machine line says so), CPU seconds beside wall, the load printed."""
-    from course.bench.threads import main
+    from course.tuning.threads import main
 
     out = tmp_path / "threads.json"
     assert main(["--rounds", "1", "--dtypes", "float32", "--preset", "test", "--scale", "0.1",

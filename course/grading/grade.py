@@ -140,7 +140,7 @@ class Options:
     # honest pytest start took 44 s at load 11.5, ~10 s when quiet)
     startup_after_hang: float = 25  # the scenario run's, once the test run hung at start-up: under 2 minutes in all
     run_tests: bool = True  # False: no pytest run, every test counted as passed, so each row earns exactly
-    # its scenarios' share (the grade table's bug mode, course/grading/grade_table.py: the scenarios alone)
+    # its scenarios' share (the grade table's bug mode, course/quality/grade_table.py: the scenarios alone)
 
 
 class Session:

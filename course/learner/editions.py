@@ -34,8 +34,9 @@ BRANCH = "solutions"
 # that run them, their tests and tools import them; the copy cases are built from learner_fill.py.
 ANSWERS = ("solutions", "tests/learner_fill.py", "course/quality/data", "course/quality/mutants.py",
            "course/quality/bug_corpus.py", "tests/test_mutants.py", "tests/test_bug_corpus.py",
-           "course/grading/grade_table.py", "tests/copy_cases.py", "tests/test_copycheck.py",
-           "tests/test_gradescope.py", "tests/test_gradescope_zip.py", "tests/test_grading_attacks.py")
+           "course/quality/grade_table.py", "tests/copy_cases.py", "tests/test_copycheck.py",
+           "tests/test_gradescope.py", "tests/test_gradescope_zip.py", "tests/test_grading_attacks.py",
+           "tests/test_grade_honest.py")
 HANDOUT_README = Path("course") / "learner" / "HANDOUT.md"
 
 

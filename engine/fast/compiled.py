@@ -32,7 +32,7 @@ one graph serves every size but 1, so nothing recompiles mid-run). Which path se
 once compiled: the warm-up step is timed through the graph and eagerly (the same linears, in the
 same layouts), and where the graph is not the faster every step stays eager (on a CPU with the
 float32 / bfloat16 elementwise kernels it was slower even at 1,600 rows: ~2.0 s vs ~1.6 s,
-``course/bench/levers.py step --prefill``); where it is faster, steps of at most ``EAGER_ROWS`` rows
+``course/tuning/levers.py step --prefill``); where it is faster, steps of at most ``EAGER_ROWS`` rows
 (decodes) still stay eager when the elementwise kernels serve them. One compiled graph serves
 every engine and model of the same shape in the process. Results equal FusedFlatModel's up to summation order. Dense (non-MoE) Qwen3 models only.
 """

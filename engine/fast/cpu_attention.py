@@ -60,7 +60,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = ctypes.c_int64  # the number of slots out of range (then nothing is written)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] \
             + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-    lib.paged_set_prefetch.restype = None  # on by default; off only to measure it (course/bench/levers.py)
+    lib.paged_set_prefetch.restype = None  # on by default; off only to measure it (course/tuning/levers.py)
     lib.paged_set_prefetch.argtypes = [ctypes.c_int64]
 
 

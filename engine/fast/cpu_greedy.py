@@ -2,7 +2,7 @@
 
 ``sampler.greedy_tokens`` takes ``max(dim=-1).indices`` of the float32 logits: on one core, 16
 rows of Qwen3's vocabulary (151,936) take ~1.2 ms that way, ~0.4 ms here (``python -m
-course.bench.levers argmax``). ``argmax_rows(logits)``: [M, V] float32 or bfloat16 -> int64 [M],
+course.tuning.levers argmax``). ``argmax_rows(logits)``: [M, V] float32 or bfloat16 -> int64 [M],
 each row's argmax, the first index on a tie (a row with NaN: its first NaN, as torch's ``max``
 answers). The fused CPU model offers it to the sampler (``FusedFlatModel.greedy_tokens``).
 

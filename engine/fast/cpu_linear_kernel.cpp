@@ -11,7 +11,7 @@
 // the panel meets every row of x while it sits in cache, 6 rows at a time: 12 vector
 // accumulators, two vector loads and six broadcasts per k; meanwhile the next panel is prefetched,
 // a share of it by each block of rows (at 16 rows, 58 -> 77 GFLOP/s on the course's machine,
-// `course/bench/levers.py linear`). With threads > 1 the panels are
+// `course/tuning/levers.py linear`). With threads > 1 the panels are
 // shared by torch's OpenMP workers (`share`, cpu_kernel_share.h).
 #include <algorithm>
 #include <cstdint>
@@ -98,7 +98,7 @@ void rows(const float* x, int64_t k_dim, const P* panel, float* y, int64_t n, in
 // one stream; the step then waits on memory latency rather than bandwidth. Here G panels are read
 // side by side (G streams for the hardware prefetcher) and k is unrolled by two, 4 G independent
 // accumulators in all. On one Zen 2 core at Qwen3-0.6B's shapes it read the weights at 14.8 GB/s,
-// oneDNN's prepacked matmul at 8.0 and F.linear at 11.3 (`course/bench/levers.py linear --preset
+// oneDNN's prepacked matmul at 8.0 and F.linear at 11.3 (`course/tuning/levers.py linear --preset
 // qwen3-0.6b --rows 1`).
 template <int G, typename P>
 void one_row_panels(const float* x, const P* panel, int64_t k_dim, float* y, int64_t n, int64_t first) {
@@ -140,7 +140,7 @@ constexpr int64_t kOneRowGroup = 4;  // panels read side by side for a one-row i
 // 24-32, and widening once the faster from 64.
 constexpr int64_t kWidenOnceAfter = 18;
 
-// prefetch = 0: no software prefetch (the hardware's alone; course/bench/levers.py linear measures both).
+// prefetch = 0: no software prefetch (the hardware's alone; course/tuning/levers.py linear measures both).
 // Above kPrefetchMaxRows rows a panel's first pass is a small part of its time, and the prefetch
 // measured slower (256 rows) or even (64 rows): it is used at most up to there.
 constexpr int64_t kPrefetchMaxRows = 64;

@@ -21,7 +21,7 @@
 // k's own bf16 bits where the CPU has AVX512-BF16 (the products exact, summed in float, then
 // scaled). K rows are walked block by block (one table lookup per block, not per key, and the
 // next block's slots prefetched during the walk: 4 layers' decode attention at R = 256, one
-// thread, ~10% faster, `course/bench/levers.py attention`); a score's lanes are summed by
+// thread, ~10% faster, `course/tuning/levers.py attention`); a score's lanes are summed by
 // halving; the exponentials of a row's scores are computed a vector at a time by a polynomial
 // (within 2 ulp of std::exp) and the accumulators of the weighted sum stay in registers for head
 // sizes up to 128. Other head sizes take the same loops one lane at a time. Prefill requests may

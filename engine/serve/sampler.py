@@ -20,7 +20,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     ``torch.argmax`` gives it. Taken as ``max(dim=-1).indices``, the same indices by contract,
     because on a CPU torch's argmax over bfloat16 / float16 rows is 10-25x slower than ``max``
     (16 rows of the 0.6B vocabulary: ~55 ms vs ~2.4 ms on a Zen 2 core,
-    ``python -m course.bench.levers argmax``), and
+    ``python -m course.tuning.levers argmax``), and
     no float copy of the logits is made. A flat model may offer a faster reduction giving the same
     indices (its ``greedy_tokens``): the engine hands it to the sampler."""
     return logits.max(dim=-1).indices

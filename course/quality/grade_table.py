@@ -1,8 +1,8 @@
 """Honest checkouts under the sandboxed grader: the reference, the unfilled skeleton and a few mutants
 (``course/quality/mutants.py``: one realistic bug each), graded in one session, old rule against new.
 
-    python -m course.grading.grade_table [--seed 11] [--jobs 2] [MUTANT ...]
-    python -m course.grading.grade_table --bugs [--seed 11] [--jobs 2] [BUG ...]
+    python -m course.quality.grade_table [--seed 11] [--jobs 2] [MUTANT ...]
+    python -m course.quality.grade_table --bugs [--seed 11] [--jobs 2] [BUG ...]
 
 ``--bugs``: the learner-bug corpus (``course/quality/bug_corpus.py``, the corpus and the held-out bugs)
 graded through the grader's own ``grade`` with ``Options(run_tests=False)``: no pytest run, every test

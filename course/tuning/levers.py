@@ -1,15 +1,15 @@
 """A/B measurements behind docs/performance.md's "levers" list (interleaved rounds, medians).
 
-    python -m course.bench.levers attention [--requests 64] [--context 200]   decode attention, one layer
-    python -m course.bench.levers step [--requests 64] [--dtype float32]      one engine decode step
-    python -m course.bench.levers step --prefill [--requests 8]               one prefill step (a fresh engine's first)
-    python -m course.bench.levers prefill-attention --preset small --requests 32 --context 64 --dtype bfloat16
+    python -m course.tuning.levers attention [--requests 64] [--context 200]   decode attention, one layer
+    python -m course.tuning.levers step [--requests 64] [--dtype float32]      one engine decode step
+    python -m course.tuning.levers step --prefill [--requests 8]               one prefill step (a fresh engine's first)
+    python -m course.tuning.levers prefill-attention --preset small --requests 32 --context 64 --dtype bfloat16
         [--prefix 200] [--before 6ddabc4]     one step's attention, every layer: kernel / sdpa / blocked / probe
-    python -m course.bench.levers parts [--requests 64] [--context 64]        the fast core's decode step: linears / attention / write / rest
-    python -m course.bench.levers linear [--threads 1]                          one step's linears: the kernel, prefetch on/off, oneDNN
-    python -m course.bench.levers elementwise                                  eager vs compiled norms/RoPE/SiLU
-    python -m course.bench.levers argmax --requests 16                         greedy rows: argmax vs max().indices per dtype
-    python -m course.bench.levers ew-step [--preset qwen3-0.6b] [--rows 2048]   one step's elementwise kernels: torch ops / avx2 / avx512
+    python -m course.tuning.levers parts [--requests 64] [--context 64]        the fast core's decode step: linears / attention / write / rest
+    python -m course.tuning.levers linear [--threads 1]                          one step's linears: the kernel, prefetch on/off, oneDNN
+    python -m course.tuning.levers elementwise                                  eager vs compiled norms/RoPE/SiLU
+    python -m course.tuning.levers argmax --requests 16                         greedy rows: argmax vs max().indices per dtype
+    python -m course.tuning.levers ew-step [--preset qwen3-0.6b] [--rows 2048]   one step's elementwise kernels: torch ops / avx2 / avx512
 
 ``attention`` times one layer's decode attention on the bench's small-model shapes (8 query / 4
 kv heads of 64, blocks of 16): TorchBackend (gather, then bmm), CPUBackend (the C++ kernel reading

@@ -1,4 +1,4 @@
-"""``python -m course.bench.threads``: does a second thread pay? The fast core on one workload at
+"""``python -m course.tuning.threads``: does a second thread pay? The fast core on one workload at
 one and two torch threads, interleaved rounds, each run a fresh ``run.py bench`` process.
 
 Each round runs, per dtype and OpenMP spin policy, one thread then two (the order alternates from
@@ -90,7 +90,7 @@ def print_summary(rows: list[dict], workload: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m course.bench.threads", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m course.tuning.threads", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)")
