@@ -14,12 +14,13 @@ run both on any machine. ``chosen_report`` lists the choices, as ``run.py bench`
 """
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from engine.fast import probe
 
 VARIANTS = ("native", "avx2")
 ENV = "ENGINE_ATTENTION_DECODE"
@@ -44,14 +45,7 @@ _made: dict[tuple, DecodeChoice] = {}
 
 def forced_variant(variant: str | None) -> str | None:
     """The build asked for (``variant``, else ``$ENGINE_ATTENTION_DECODE``); None: measure."""
-    asked = variant if variant is not None else os.environ.get(ENV) or None
-    if asked in (None, "auto"):
-        return None
-    if asked not in VARIANTS:
-        where = "" if variant is not None else f" (from ${ENV})"
-        raise ValueError(f"attention decode variant{where} must be one of {', '.join(VARIANTS)} or 'auto', "
-                         f"not {asked!r}")
-    return asked
+    return probe.forced_name(variant, ENV, VARIANTS, "attention decode variant")
 
 
 def measure(run: Callable[[str, torch.Tensor, tuple, torch.Tensor, torch.Tensor], torch.Tensor],
@@ -80,25 +74,17 @@ def choose(run: Callable, dtype: torch.dtype, hq: int, hkv: int, d: int, bs: int
            variant: str | None = None) -> DecodeChoice:
     """The build for this attention shape: forced, else measured once per shape and thread count."""
     forced = forced_variant(variant)
-    key = (dtype, hq, hkv, d, bs, torch.get_num_threads())
-    if forced is not None:
-        choice = DecodeChoice(forced, {}, forced=True)
-    else:
-        if key not in _chosen:
-            ms = measure(run, dtype, hq, hkv, d, bs)
-            _chosen[key] = DecodeChoice("avx2" if ms["avx2"] < (1 - MARGIN) * ms["native"] else "native", ms)
-        choice = _chosen[key]
-    _made[key + (choice.forced,)] = choice
-    return choice
+
+    def measured() -> DecodeChoice:
+        ms = measure(run, dtype, hq, hkv, d, bs)
+        return DecodeChoice("avx2" if ms["avx2"] < (1 - MARGIN) * ms["native"] else "native", ms)
+
+    return probe.remembered(_chosen, _made, probe.attention_key(dtype, hq, hkv, d, bs),
+                            None if forced is None else DecodeChoice(forced, {}, forced=True), measured)
 
 
 def chosen_report() -> list[str]:
     """One line per (dtype, attention shape, threads) this process chose a kernel build for."""
-    lines = []
-    for (dtype, hq, hkv, d, bs, threads, _), choice in _made.items():
-        times = (" (ms per probe batch: " + "; ".join(f"{v} {t:.3f}" for v, t in choice.ms.items()) + ")"
-                 if choice.ms else "")
-        how = "measured" if choice.ms else "forced"
-        lines.append(f"{choice.variant}{times} [{how}; {str(dtype).removeprefix('torch.')}, {hq}/{hkv} heads of {d}, "
-                     f"blocks of {bs}, {threads} thread(s)]")
-    return lines
+    return [probe.shape_line(choice.variant + (" (ms per probe batch: " + "; ".join(
+        f"{v} {t:.3f}" for v, t in choice.ms.items()) + ")" if choice.ms else ""), key, bool(choice.ms))
+        for key, choice in _made.items()]

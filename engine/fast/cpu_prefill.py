@@ -45,7 +45,6 @@ bench`` prints.
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from engine.fast import probe
 from engine.fast.cpu_build import OptionalKernels
 
 PATHS = ("kernel", "sdpa", "blocked")  # the C++ row kernel / PyTorch's CPU flash attention / cpu_prefill_kernel.cpp
@@ -112,13 +112,7 @@ _made: dict[tuple, PrefillChoice] = {}  # every choice made (measured or forced)
 
 def forced_path(path: str | None) -> str | None:
     """The path asked for (``path``, else ``$ENGINE_ATTENTION_PREFILL``); None: measure."""
-    asked = path if path is not None else os.environ.get(ENV) or None
-    if asked in (None, "auto"):
-        return None
-    if asked not in PATHS:
-        where = "" if path is not None else f" (from ${ENV})"
-        raise ValueError(f"attention prefill path{where} must be one of {', '.join(PATHS)} or 'auto', not {asked!r}")
-    return asked
+    return probe.forced_name(path, ENV, PATHS, "attention prefill path")
 
 
 def attend_requests(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor,
@@ -266,28 +260,22 @@ def choose(kernel: Callable, dtype: torch.dtype, hq: int, hkv: int, d: int, bs: 
     """Which requests take the matrix path for this attention shape: forced (``path`` or
     ``$ENGINE_ATTENTION_PREFILL``), else measured once per shape and thread count."""
     forced = forced_path(path)
-    key = (dtype, hq, hkv, d, bs, torch.get_num_threads())
     if forced == "blocked" and not blocked_serves(dtype, d):
         forced = "sdpa"  # the blocked kernel cannot serve this head size or cannot be built here
-    if forced is not None:
-        choice = PrefillChoice(() if forced == "kernel" else ((FORCED_MIN_ROWS, forced),), {}, forced=True)
-    else:
-        if key not in _chosen:
-            ms = measure(kernel, dtype, hq, hkv, d, bs)
-            _chosen[key] = PrefillChoice(decide(ms), ms)
-        choice = _chosen[key]
-    _made[key + (choice.forced,)] = choice
-    return choice
+    steps = None if forced is None else () if forced == "kernel" else ((FORCED_MIN_ROWS, forced),)
+
+    def measured() -> PrefillChoice:
+        ms = measure(kernel, dtype, hq, hkv, d, bs)
+        return PrefillChoice(decide(ms), ms)
+
+    return probe.remembered(_chosen, _made, probe.attention_key(dtype, hq, hkv, d, bs),
+                            None if steps is None else PrefillChoice(steps, {}, forced=True), measured)
 
 
 def chosen_report() -> list[str]:
     """One line per (dtype, attention shape, threads) this process chose a prefill path for."""
-    lines = []
-    for (dtype, hq, hkv, d, bs, threads, _), choice in _made.items():
-        how = "measured" if choice.ms else "forced"
-        lines.append(f"{choice.describe().replace(' (forced)', '')} [{how}; {str(dtype).removeprefix('torch.')}, "
-                     f"{hq}/{hkv} heads of {d}, blocks of {bs}, {threads} thread(s)]")
-    return lines
+    return [probe.shape_line(choice.describe().replace(" (forced)", ""), key, bool(choice.ms))
+            for key, choice in _made.items()]
 
 
 def flops(rows: int, context: int, hq: int, d: int) -> float:

@@ -28,7 +28,6 @@ tests and A/B runs.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.fast import cpu_linear
+from engine.fast import cpu_linear, probe
 
 LAYOUTS = ("packed", "small", "plain")  # oneDNN-prepacked, cpu_linear panels, the plain tensor
 PROBE_ROWS = (16, 64, 256)  # the row counts each layout is timed at
@@ -71,13 +70,7 @@ _made: dict[tuple, Choice] = {}  # every choice this process made (measured, onl
 
 def forced_layout(layout: str | None) -> str | None:
     """The layout asked for (``layout``, else ``$ENGINE_LINEAR_LAYOUT``), None for "measure"."""
-    asked = layout if layout is not None else os.environ.get(ENV) or None
-    if asked in (None, "auto"):
-        return None
-    if asked not in LAYOUTS:
-        where = "" if layout is not None else f" (from ${ENV})"
-        raise ValueError(f"linear layout{where} must be one of {', '.join(LAYOUTS)} or 'auto', not {asked!r}")
-    return asked
+    return probe.forced_name(layout, ENV, LAYOUTS, "linear layout")
 
 
 def held_dtype(layout: str, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> torch.dtype:
