@@ -24,7 +24,7 @@ from test_backends import CASES, random_paged_batch
 
 pytestmark = pytest.mark.given
 
-PATHS = ("kernel", "sdpa", "blocked", "auto")
+PATHS = ("kernel", "sdpa", "blocked", "amx", "auto")
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 8e-3}  # max |got - float64 oracle|: bfloat16 rounds once, at the output
 
 
@@ -45,14 +45,19 @@ def backend(path: str):
 def test_every_prefill_path_matches_float64_attention(path, dtype, head_dim):
     """Ragged mixed batches (decodes, chunks over cached prefixes, fresh prompts longer than a tile,
     padding requests) on every CASES shape and window: each path within the dtype's rounding
-    (heads of 8: the blocked kernel does not serve them, and a forced "blocked" takes sdpa)."""
+    (heads of 8: the blocked kernel does not serve them, and a forced "blocked" takes sdpa; "amx"
+    serves bfloat16 heads of 32 on a CPU with AMX, elsewhere it takes the next path)."""
     from engine.fast import cpu_prefill
 
     for seed, block_size, hq, hkv, window in CASES:
         q, cache, meta = random_paged_batch(seed, block_size, hq, hkv, head_dim=head_dim, dtype=dtype)
         b = backend(path)
         if path != "auto":
-            want = "sdpa" if path == "blocked" and not cpu_prefill.blocked_serves(dtype, head_dim) else path
+            want = path
+            if want == "amx" and not cpu_prefill.amx_serves(dtype, hq, hkv, head_dim):
+                want = "blocked"
+            if want == "blocked" and not cpu_prefill.blocked_serves(dtype, head_dim):
+                want = "sdpa"
             assert b.prefill_choice(dtype, hq, cache).path == want
         got = b.forward(q, cache, meta, window=window)
         assert got.dtype == dtype
@@ -105,11 +110,11 @@ def test_requests_of_one_shape_are_batched_exactly(dtype, window, path):
         choice = cpu_prefill.PrefillChoice(((2, "blocked"), (8, "sdpa")), {})
         b.prefill_choice = lambda *args: choice
     got = b.forward(q, cache, meta, window=window, scale=0.3)
-    groups, blocked, kernel_pos = b._matrix_plan(meta, b._row_plan(meta, q.shape[0])[1], choice)
+    groups, packed, kernel_pos = b._matrix_plan(meta, b._row_plan(meta, q.shape[0])[1], choice)
     want_groups = {"sdpa": {(5, 3): False, (7, 0): True, (9, 8): True}, "blocked": {}, "mixed": {(9, 8): True}}[path]
     assert {key: (start is not None) for key, (_, _, start) in groups.items()} == want_groups
     want_blocked = {"sdpa": [], "blocked": [5, 5, 7, 7, 5, 9], "mixed": [5, 5, 7, 7, 5]}[path]
-    assert (blocked[2].tolist() if blocked is not None else []) == want_blocked
+    assert (packed["blocked"][2].tolist() if "blocked" in packed else []) == want_blocked
     assert int((kernel_pos >= 0).sum()) == 3, "the three decodes take the kernel"
     err = (got.double() - oracle(q, cache, meta, window, scale=0.3)).abs().max().item()
     assert err < TOLERANCE[dtype], f"{path} requests ({dtype}, window={window}) differ by {err:.2e}"
@@ -179,10 +184,10 @@ def test_the_path_is_forced_by_option_or_environment(monkeypatch):
     monkeypatch.setenv(cpu_prefill.ENV, "kernel")
     assert backend(None).prefill_choice(*shape[:2], cache).min_rows == 0
     assert backend("sdpa").prefill_choice(*shape[:2], cache).min_rows == 2, "the option outranks the environment"
-    monkeypatch.setenv(cpu_prefill.ENV, "amx")
+    monkeypatch.setenv(cpu_prefill.ENV, "tiles")
     with pytest.raises(ValueError, match="ENGINE_ATTENTION_PREFILL"):
         backend(None)
-    with pytest.raises(ValueError, match="must be one of kernel, sdpa, blocked"):
+    with pytest.raises(ValueError, match="must be one of kernel, sdpa, blocked, amx"):
         backend("tiles")
     assert any("forced" in line for line in cpu_prefill.chosen_report())
 
@@ -210,6 +215,134 @@ def test_the_probe_measures_both_paths_and_reports(monkeypatch):
     assert steps == ((8, "blocked"), (128, "sdpa"))
     choice = cpu_prefill.PrefillChoice(steps, {})
     assert [choice.path_for(t) for t in (1, 7, 8, 127, 128, 4096)] == ["kernel"] * 2 + ["blocked"] * 2 + ["sdpa"] * 2
+
+
+# ----- the AMX kernel (bfloat16 on the matrix units) ---------------------------------------------
+def packed_oracle(q, k_pool, v_pool, tables, row0, rows, context, scale, window):
+    """Float64 attention of each request's rows over its context (causal, windowed): [N, Hq, D]."""
+    n, hq, d = q.shape
+    _, bs, hkv, _ = k_pool.shape
+    out = torch.zeros(n, hq, d, dtype=torch.float64)
+    for r in range(rows.shape[0]):
+        t, c, first = int(rows[r]), int(context[r]), int(row0[r])
+        pos = torch.arange(c + t)
+        slots = tables[r, pos // bs].long() * bs + pos % bs
+        k, v = (pool.view(-1, hkv, d)[slots].double() for pool in (k_pool, v_pool))  # [keys, Hkv, D]
+        qp, kp = torch.arange(c, c + t)[:, None], pos[None, :]
+        seen = (kp <= qp) & ((kp > qp - window) if window > 0 else True)
+        for j in range(hq):
+            s = (q[first:first + t, j].double() @ k[:, j * hkv // hq].T * scale).masked_fill(~seen, float("-inf"))
+            out[first:first + t, j] = torch.softmax(s, -1) @ v[:, j * hkv // hq]
+    return out
+
+
+AMX_SHAPES = [  # (Hq, Hkv, D, block size, window, [(rows, cached) per request])
+    (8, 4, 64, 16, 0, [(40, 0), (7, 100), (64, 0), (1, 33)]),  # the small preset's heads; a 1-row request
+    (16, 8, 128, 16, 0, [(128, 0), (33, 70)]),  # Qwen3-0.6B's heads
+    (8, 4, 64, 16, 50, [(100, 30), (5, 200)]),  # a window starting mid-chunk
+    (4, 1, 64, 8, 0, [(19, 13)]),  # one kv head, 4 query heads
+    (32, 2, 32, 32, 0, [(3, 40), (50, 1)]),  # 16 query heads per kv head (one row per tile)
+    (8, 8, 256, 1, 7, [(20, 5)]),  # the largest head, blocks of one key
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_amx_kernel_matches_float64_attention_where_the_cpu_has_amx(threads):
+    """On a CPU with AMX: every request's rows within bfloat16's output rounding of float64
+    attention (scores as exact bf16 products summed in float, the weights' hi + lo parts), over
+    cached prefixes, windows, several 32-key chunks and 16-row tiles, grouped heads up to 16 per kv
+    head, on one and two threads. Without AMX (or without the OS's tile permission) the path is not
+    offered: ``amx_serves`` is False and a forced "amx" resolves to the blocked kernel."""
+    from engine.fast import cpu_prefill
+    from engine.fast.cpu_attention import CPUBackend
+
+    if cpu_prefill.amx_library() is None:
+        assert not cpu_prefill.amx_serves(torch.bfloat16, 8, 4, 64)
+        cache = (torch.zeros(1, 16, 4, 64, dtype=torch.bfloat16),) * 2
+        assert CPUBackend(prefill="amx").prefill_choice(torch.bfloat16, 8, cache).path == "blocked"
+        return
+    gen = torch.Generator().manual_seed(8)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for hq, hkv, d, bs, window, specs in AMX_SHAPES:
+            assert cpu_prefill.amx_serves(torch.bfloat16, hq, hkv, d)
+            rows = torch.tensor([t for t, _ in specs])
+            context = torch.tensor([c for _, c in specs])
+            row0 = torch.cumsum(rows, 0) - rows
+            width = max(-(-(t + c) // bs) for t, c in specs)
+            num_blocks = len(specs) * width + 1
+            k_pool, v_pool = (torch.randn(num_blocks, bs, hkv, d, generator=gen).bfloat16() for _ in range(2))
+            tables = torch.randperm(num_blocks, generator=gen)[:len(specs) * width].view(len(specs), width).to(torch.int32)
+            q = (2 * torch.randn(int(rows.sum()), hq, d, generator=gen)).bfloat16()
+            out = torch.zeros_like(q)
+            cpu_prefill.attend_packed("amx", q, k_pool, v_pool, tables, row0, rows, context, d ** -0.5, window, out)
+            want = packed_oracle(q, k_pool, v_pool, tables, row0, rows, context, d ** -0.5, window)
+            err = (out.double() - want).abs().max().item()
+            where = f"amx kernel, {hq}/{hkv} heads of {d}, blocks of {bs}, window {window}, {threads} thread(s)"
+            assert err < TOLERANCE[torch.bfloat16], f"{where}: {err:.2e} from float64 attention"
+            # One rounding, at the output: nearly every value is float64 attention rounded to bf16
+            # (measured <= 0.25% differ, by summation order); weights rounded to bf16 before the
+            # value product (no lo part) make ~25% differ.
+            differ = (out != want.bfloat16()).double().mean().item()
+            assert differ < 0.01, (f"{where}: {differ:.1%} of outputs are not float64 attention rounded to bf16 "
+                                   "(are the softmax weights rounded to bf16 before the value product? the lo part)")
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_amx_kernel_leaves_the_matrix_units_as_it_found_them():
+    """oneDNN's bf16 matmuls use the same tiles: the kernel puts the thread's tile setup back as it
+    found it (none, or oneDNN's), and a bf16 linear after it gives what it gave before."""
+    from engine.fast import cpu_prefill
+
+    gen = torch.Generator().manual_seed(9)
+    x, w = torch.randn(24, 96, generator=gen).bfloat16(), torch.randn(80, 96, generator=gen).bfloat16()
+    before = torch.nn.functional.linear(x, w)
+    lib = cpu_prefill.amx_library()
+    if lib is None:  # no AMX here: nothing to leave as found, and the path is not offered
+        assert not cpu_prefill.amx_serves(torch.bfloat16, 8, 4, 64)
+        return
+    q = torch.randn(20, 8, 64, generator=gen).bfloat16()
+    pools = [torch.randn(3, 16, 4, 64, generator=gen).bfloat16() for _ in range(2)]
+    table = torch.tensor([[0, 2]], dtype=torch.int32)
+    config = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
+    for setup in ("none", "custom"):
+        if setup == "custom":  # a thread whose tiles something else configured: that setup comes back
+            torch.nn.functional.linear(x, w)
+        assert lib.prefill_amx_tile_config(config[0].data_ptr()) == 0
+        cpu_prefill.attend_packed("amx", q, *pools, table, torch.tensor([0]), torch.tensor([20]), torch.tensor([0]),
+                                  0.125, 0, torch.empty_like(q))
+        assert lib.prefill_amx_tile_config(config[1].data_ptr()) == 0
+        assert torch.equal(config[0], config[1]), f"the AMX kernel changed the thread's tile setup ({setup} before it)"
+    assert torch.equal(torch.nn.functional.linear(x, w), before)
+
+
+@pytest.mark.parametrize("path", ["amx", "blocked"])
+def test_bfloat16_engine_on_the_matrix_kernels_matches_generate(path, monkeypatch):
+    """A bfloat16 model (the fused flat model: bf16 matmuls where the CPU has bf16 units) with every
+    prefill chunk through the C++ matrix kernel ``path`` (on a CPU without AMX "amx" is the blocked
+    kernel), chunked over cached context beside decodes: generate()'s greedy tokens in bfloat16."""
+    from engine.fast import cpu_prefill
+
+    monkeypatch.setenv(cpu_prefill.ENV, path)
+    model = tiny_model(seed=3, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (37, 5, 21, 50, 12)]
+    prompts[4] = prompts[0][:16] + prompts[4]
+    lens = (12, 15, 9, 5, 13)
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused",
+                                          max_num_batched_tokens=16, long_prefill_token_threshold=8))
+    cfg = model.cfg
+    pool = (torch.zeros(1, 8, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.bfloat16),) * 2
+    want = path if path != "amx" or cpu_prefill.amx_serves(torch.bfloat16, cfg.num_attention_heads,
+                                                           cfg.num_key_value_heads, cfg.head_dim) else "blocked"
+    assert core.runner.backend.prefill_choice(torch.bfloat16, cfg.num_attention_heads, pool).path == want
+    for i, (p, m) in enumerate(zip(prompts, lens)):
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
+    out = core.run_until_done()
+    for i, (p, m) in enumerate(zip(prompts, lens)):
+        assert out[f"r{i}"] == generate(model, p, m), f"request r{i} on prefill path {path!r} (bfloat16) differs from generate()"
 
 
 # ----- the engine on each path: greedy tokens equal generate() ------------------------------------

@@ -158,6 +158,9 @@ def prefill_attention(args) -> None:
     if args.before:  # the row kernel as it was at a git revision: every row through that library
         variants[f"before ({args.before})"] = kernel_at(args.before)
     variants.update({path: CPUBackend(prefill=path) for path in ("kernel", "sdpa", "blocked")})
+    hq, hkv, d = qs[0].shape[1], pools[0][0].shape[2], qs[0].shape[2]
+    if cpu_prefill.amx_serves(dtype, hq, hkv, d):  # bfloat16 on a CPU with AMX
+        variants["amx"] = CPUBackend(prefill="amx")
     variants["kernel, avx2 build"] = CPUBackend(prefill="kernel", decode="avx2")
     if args.context > 1:
         variants["auto (probe)"] = CPUBackend(prefill="auto")

@@ -9,9 +9,10 @@ bfloat16 in memory and is widened in registers) and computes softmax(q k^T * sca
 (double for float64 pools). Decode rows take the kernel; a request with several rows (a prefill
 chunk) takes it too, each row with its own causal limit, or is served as matrix products by
 ``cpu_prefill`` (PyTorch's CPU flash attention over its context gathered once, in float32, or
-the blocked kernel ``cpu_prefill_kernel.cpp``): which, by
+the blocked kernel ``cpu_prefill_kernel.cpp``, or for bfloat16 on a CPU with AMX the matrix
+units' kernel ``cpu_prefill_amx.cpp``): which, by
 its row count, is measured per attention shape on the machine at hand
-(``cpu_prefill.choose``), printed by ``run.py bench``, and forced by ``prefill="kernel"|"sdpa"|"blocked"``
+(``cpu_prefill.choose``), printed by ``run.py bench``, and forced by ``prefill="kernel"|"sdpa"|"blocked"|"amx"``
 or ``$ENGINE_ATTENTION_PREFILL`` (``prefill_in_place=False``: the older design, requests with several
 rows through ``TorchBackend``'s tile path of one gather per 32-row tile, measured slower).
 ``write`` stores the step's K/V rows with one kernel call too, and ``forward_rows`` attends only
@@ -93,7 +94,7 @@ class CPUBackend(TorchBackend):
     ``prefill_in_place=True`` (the default): every row of the batch goes through the kernel, each
     with its request's block table and its own position (the causal limit), except the rows of
     requests the prefill choice sends to matrix products (``prefill``: "kernel", "sdpa",
-    "blocked", or None / "auto": ``$ENGINE_ATTENTION_PREFILL``, else measured; ``cpu_prefill``). ``False``:
+    "blocked", "amx", or None / "auto": ``$ENGINE_ATTENTION_PREFILL``, else measured; ``cpu_prefill``). ``False``:
     only decode tiles take the kernel; tiles of several rows take ``TorchBackend``'s
     gather-and-SDPA path (an earlier design, kept to measure against). ``decode``: the kernel
     build rows take, "native" or "avx2" (None / "auto": ``$ENGINE_ATTENTION_DECODE``, else
@@ -209,9 +210,9 @@ class CPUBackend(TorchBackend):
                        window: int) -> torch.Tensor:
         """Each request of several rows through the path ``choice`` gives its row count: "sdpa"
         (``cpu_prefill.attend_requests``, requests of one shape together, their contexts gathered
-        once) or "blocked" (``cpu_prefill.attend_blocked``, all of them in one call); every other
-        row through the row kernel."""
-        groups, blocked, kernel_pos = self._matrix_plan(meta, q_pos, choice)
+        once), "blocked" or "amx" (``cpu_prefill.attend_packed``, all of a kernel's requests in one
+        call); every other row through the row kernel."""
+        groups, packed, kernel_pos = self._matrix_plan(meta, q_pos, choice)
         k_pool, v_pool = cache
         checked = self._checked
         if checked is None or checked[0] is not meta or checked[1:] != (k_pool.shape[0], window):  # once per step
@@ -223,8 +224,8 @@ class CPUBackend(TorchBackend):
         else:
             out = q.new_zeros(q.shape)  # padding rows stay zeros
         hq, d = q.shape[1:]
-        if blocked is not None:
-            cpu_prefill.attend_blocked(q, k_pool, v_pool, *blocked, scale, window, out)
+        for path, plan in packed.items():  # the C++ matrix kernels: each its requests in one call
+            cpu_prefill.attend_packed(path, q, k_pool, v_pool, *plan, scale, window, out)
         for (t, context), (rows, reqs, start) in groups.items():
             b = reqs.shape[0]
             blocks = meta.block_table.index_select(0, reqs)  # [B, W]
@@ -261,9 +262,10 @@ class CPUBackend(TorchBackend):
     def _matrix_plan(self, meta: BatchMeta, q_pos: torch.Tensor, choice: cpu_prefill.PrefillChoice):
         """The requests of several rows by the path ``choice`` gives them: "sdpa" ones grouped by
         (rows t, cached context), per group its rows (int64 [B * t]), its requests (int64 [B]) and
-        its first row when the rows are consecutive (else None); "blocked" ones as (tables int32
-        [B, W], first rows, row counts, cached contexts: int64 [B] each), or None; and the kernel's
-        positions: ``q_pos`` with every matrix row at -1 (skipped)."""
+        its first row when the rows are consecutive (else None); per C++ matrix kernel ("blocked",
+        "amx") that has requests, theirs as (tables int32 [B, W], first rows, row counts, cached
+        contexts: int64 [B] each); and the kernel's positions: ``q_pos`` with every matrix row at
+        -1 (skipped)."""
         key = (meta, q_pos.shape[0], choice.steps)
         if self._matrix_key is not None and self._matrix_key[0] is meta and self._matrix_key[1:] == key[1:]:
             return self._matrix
@@ -271,14 +273,14 @@ class CPUBackend(TorchBackend):
         seq_lens = meta.seq_lens_cpu.tolist()
         kernel_pos = q_pos.clone()
         members: dict[tuple[int, int], list[int]] = {}
-        blocked_reqs: list[int] = []
+        packed_reqs: dict[str, list[int]] = {}
         for r, seq_len in enumerate(seq_lens):
             t = qsl[r + 1] - qsl[r]
             path = choice.path_for(t) if t > 1 and seq_len > 0 else "kernel"
             if path == "sdpa":
                 members.setdefault((t, seq_len - t), []).append(r)
-            elif path == "blocked":
-                blocked_reqs.append(r)
+            elif path != "kernel":
+                packed_reqs.setdefault(path, []).append(r)
             if path != "kernel":
                 kernel_pos[qsl[r]:qsl[r + 1]] = -1
         groups = {}
@@ -287,14 +289,14 @@ class CPUBackend(TorchBackend):
             consecutive = all(s == starts[0] + i * t for i, s in enumerate(starts))
             rows = torch.tensor([s + j for s in starts for j in range(t)], dtype=torch.int64)
             groups[(t, context)] = (rows, torch.tensor(reqs, dtype=torch.int64), starts[0] if consecutive else None)
-        blocked = None
-        if blocked_reqs:
-            idx = torch.tensor(blocked_reqs, dtype=torch.int64)
-            t = torch.tensor([qsl[r + 1] - qsl[r] for r in blocked_reqs], dtype=torch.int64)
-            blocked = (meta.block_table.index_select(0, idx).to(torch.int32).contiguous(),
-                       torch.tensor([qsl[r] for r in blocked_reqs], dtype=torch.int64), t,
-                       torch.tensor([seq_lens[r] for r in blocked_reqs], dtype=torch.int64) - t)
-        self._matrix_key, self._matrix = key, (groups, blocked, kernel_pos)
+        packed = {}
+        for path, reqs in packed_reqs.items():
+            idx = torch.tensor(reqs, dtype=torch.int64)
+            t = torch.tensor([qsl[r + 1] - qsl[r] for r in reqs], dtype=torch.int64)
+            packed[path] = (meta.block_table.index_select(0, idx).to(torch.int32).contiguous(),
+                            torch.tensor([qsl[r] for r in reqs], dtype=torch.int64), t,
+                            torch.tensor([seq_lens[r] for r in reqs], dtype=torch.int64) - t)
+        self._matrix_key, self._matrix = key, (groups, packed, kernel_pos)
         return self._matrix
 
     def _row_plan(self, meta: BatchMeta, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,9 +27,18 @@ values as register-blocked products with an online softmax, all of a step's requ
 call, no Python per request; float32 K is transposed by AVX-512 gathers. Heads of a multiple of
 16 up to 256 (``blocked_serves``).
 
+``attend_packed("amx", ...)`` is the third, for bfloat16 pools on a CPU with AMX (Sapphire Rapids
+and later): ``cpu_prefill_amx.cpp`` packs each (request, kv head)'s keys and values once into the
+matrix units' pair layout and runs both products as tile multiplies, the softmax online in
+AVX-512 floats. Its bf16 products are exact and summed in float; the softmax weights enter the
+value product as two bf16 parts (hi + lo, ~16 bits), so no weight is rounded to bf16 on its own
+and the one rounding is still the output's. Heads of a multiple of 32 up to 256, at most 16 query
+heads per kv head (``amx_serves``). Its speed against the others: ``python -m course.tuning.levers
+prefill-attention --dtype bfloat16`` (docs/performance.md).
+
 Which path a request takes is measured (``choose``) and depends on its row count: a request with
 few rows over a long context gains little from a matrix product and pays its fixed cost. The
-probe times the three on seeded random pools of the model's attention shape at ``PROBE_ROWS``
+probe times each path that serves the shape on seeded random pools of the model's attention shape at ``PROBE_ROWS``
 rows (a step of fresh prompts of that length, 512 rows in all, so that serving a step's requests
 together counts; fastest of ``PROBE_ROUNDS`` interleaved rounds); at each
 count the fastest wins (a matrix path by ``MARGIN`` over the kernel), and the choice is a few
@@ -37,9 +46,10 @@ steps, "blocked from 8 rows, sdpa from 128 rows" (``PrefillChoice.steps``; none:
 every row). Cached per (dtype, heads, head size, block size, threads) for the process; the probe
 takes about half a second at Qwen3-0.6B's shape, once, in the first prefill (a benchmark's
 warm-up request).
-``ENGINE_ATTENTION_PREFILL=kernel|sdpa|blocked`` (or ``CPUBackend(prefill=...)``) forces a path
-for every request of two or more rows (``blocked`` where it does not serve the head size:
-``sdpa``), so tests run each on any machine. ``chosen_report`` lists the choices, as ``run.py
+``ENGINE_ATTENTION_PREFILL=kernel|sdpa|blocked|amx`` (or ``CPUBackend(prefill=...)``) forces a path
+for every request of two or more rows (``amx`` where it does not serve the dtype, shape or CPU:
+``blocked``; ``blocked`` where it does not serve the head size: ``sdpa``), so tests run each on any
+machine. ``chosen_report`` lists the choices, as ``run.py
 bench`` prints.
 """
 from __future__ import annotations
@@ -55,13 +65,15 @@ import torch
 from engine.fast import probe
 from engine.fast.cpu_build import OptionalKernels
 
-PATHS = ("kernel", "sdpa", "blocked")  # the C++ row kernel / PyTorch's CPU flash attention / cpu_prefill_kernel.cpp
+PATHS = ("kernel", "sdpa", "blocked", "amx")  # the C++ row kernel / PyTorch's CPU flash attention / cpu_prefill_kernel.cpp / cpu_prefill_amx.cpp
+PACKED_PATHS = ("blocked", "amx")  # the C++ matrix kernels: all of a step's requests in one call
 ENV = "ENGINE_ATTENTION_PREFILL"
 PROBE_ROWS = (8, 32, 128, 512)  # the row counts each path is timed at (a step of 512 rows of prompts that long)
 PROBE_ROUNDS = 3  # timed rounds after a warm-up; the fastest counts (other processes only ever add time)
 MARGIN = 0.05  # the matrix path must be this much faster at a row count to take it
 FORCED_MIN_ROWS = 2  # a forced matrix path: every request with more than one row
 BLOCKED_SOURCE = Path(__file__).with_name("cpu_prefill_kernel.cpp")
+AMX_SOURCE = Path(__file__).with_name("cpu_prefill_amx.cpp")
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 
 # PyTorch's flash attention rounds its softmax weights to bfloat16 before the value product on
@@ -174,25 +186,86 @@ def blocked_serves(dtype: torch.dtype, d: int) -> bool:
     return dtype in DTYPE_NAMES and d % 16 == 0 and d <= 256 and blocked_library() is not None
 
 
-def attend_blocked(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                   row0: torch.Tensor, rows: torch.Tensor, context: torch.Tensor, scale: float, window: int,
-                   out: torch.Tensor) -> torch.Tensor:
+def _declare_amx(lib: ctypes.CDLL) -> None:
+    lib.prefill_amx_bfloat16.restype = ctypes.c_int64  # 0; -1 not served here; -2 tiles refused (nothing computed)
+    lib.prefill_amx_bfloat16.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 \
+        + [ctypes.c_int64] * 5 + [ctypes.c_double, ctypes.c_int64, ctypes.c_int64]
+    lib.prefill_amx_available.restype = ctypes.c_int64
+    lib.prefill_amx_available.argtypes = []
+    lib.prefill_amx_tile_config.restype = ctypes.c_int64  # the calling thread's 64-byte tile setup (tests)
+    lib.prefill_amx_tile_config.argtypes = [ctypes.c_void_p]
+
+
+_amx = OptionalKernels(AMX_SOURCE, _declare_amx)  # cpu_prefill_amx.cpp, built on first use
+_amx_usable: list[bool] = []  # [whether a first call ran], once per process
+
+
+def amx_library() -> ctypes.CDLL | None:
+    """The AMX prefill kernel where it runs here: built for a CPU with AMX-BF16 and granted the
+    tile state by the OS (tried once, on one row); else None."""
+    lib = _amx.get()
+    if lib is None or not lib.prefill_amx_available():
+        return None
+    if not _amx_usable:
+        pool = torch.zeros(1, 1, 1, 32, dtype=torch.bfloat16)  # one key of one head of 32
+        q, out = torch.zeros(1, 1, 32, dtype=torch.bfloat16), torch.empty(1, 1, 32, dtype=torch.bfloat16)
+        table, zero, one = torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+        status = lib.prefill_amx_bfloat16(q.data_ptr(), pool.data_ptr(), pool.data_ptr(), out.data_ptr(), table.data_ptr(),
+                                          1, zero.data_ptr(), one.data_ptr(), zero.data_ptr(), 1, 1, 1, 32, 1, 1.0, 0, 1)
+        _amx_usable.append(status == 0)
+    return lib if _amx_usable[0] else None
+
+
+def amx_serves(dtype: torch.dtype, hq: int, hkv: int, d: int) -> bool:
+    """Whether the AMX kernel serves this attention shape here: bfloat16 pools, heads of a multiple
+    of 32 up to 256, at most 16 query heads per kv head, on a CPU (and OS) that runs AMX tiles."""
+    return (dtype == torch.bfloat16 and d % 32 == 0 and d <= 256 and hkv > 0 and hq % hkv == 0
+            and hq // hkv <= 16 and amx_library() is not None)
+
+
+def serves(path: str, dtype: torch.dtype, hq: int, hkv: int, d: int) -> bool:
+    """Whether ``path`` can serve this shape here (the row kernel and sdpa serve every one)."""
+    if path == "blocked":
+        return blocked_serves(dtype, d)
+    if path == "amx":
+        return amx_serves(dtype, hq, hkv, d)
+    return True
+
+
+def attend_packed(path: str, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                  row0: torch.Tensor, rows: torch.Tensor, context: torch.Tensor, scale: float, window: int,
+                  out: torch.Tensor) -> torch.Tensor:
     """Requests r (``row0[r]``, ``rows[r]`` rows after ``context[r]`` cached keys, block table
-    ``tables[r]`` int32) through cpu_prefill_kernel.cpp in one call, written into ``out`` [N, Hq, D]
-    at their rows (others untouched); q [N, Hq, D] and pools contiguous, of one dtype."""
-    lib = blocked_library()
+    ``tables[r]`` int32) through the C++ matrix kernel ``path`` ("blocked": cpu_prefill_kernel.cpp,
+    "amx": cpu_prefill_amx.cpp) in one call, written into ``out`` [N, Hq, D] at their rows (others
+    untouched); q [N, Hq, D] and pools contiguous, of one dtype."""
     n, hq, d = q.shape
     _, bs, hkv, _ = k_pool.shape
-    assert lib is not None and q.is_contiguous() and out.is_contiguous() and k_pool.is_contiguous() \
+    assert q.is_contiguous() and out.is_contiguous() and k_pool.is_contiguous() \
         and v_pool.is_contiguous() and tables.dtype == torch.int32 and tables.stride(1) == 1
-    fn = getattr(lib, f"prefill_blocked_{DTYPE_NAMES[q.dtype]}")
+    if path == "amx":
+        lib = amx_library()
+        assert lib is not None and q.dtype == torch.bfloat16
+        fn = lib.prefill_amx_bfloat16
+    else:
+        lib = blocked_library()
+        assert lib is not None
+        fn = getattr(lib, f"prefill_blocked_{DTYPE_NAMES[q.dtype]}")
     threads = max(1, min(torch.get_num_threads(), int(rows.shape[0]) * hkv))
     status = fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(), tables.stride(0),
                 row0.data_ptr(), rows.data_ptr(), context.data_ptr(), rows.shape[0], hq, hkv, d, bs, float(scale),
                 int(window), threads)
     if status:
-        raise ValueError(f"the blocked prefill kernel does not serve heads of {d} (a multiple of 16 up to 256 does)")
+        raise ValueError(f"the {path} prefill kernel does not serve {hq} query / {hkv} kv heads of {d} here "
+                         f"(status {status}); force another path with {ENV}")
     return out
+
+
+def attend_blocked(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                   row0: torch.Tensor, rows: torch.Tensor, context: torch.Tensor, scale: float, window: int,
+                   out: torch.Tensor) -> torch.Tensor:
+    """``attend_packed`` through the blocked kernel (cpu_prefill_kernel.cpp)."""
+    return attend_packed("blocked", q, k_pool, v_pool, tables, row0, rows, context, scale, window, out)
 
 
 def measure(kernel: Callable[[torch.Tensor, tuple, torch.Tensor, int], torch.Tensor], dtype: torch.dtype,
@@ -205,7 +278,7 @@ def measure(kernel: Callable[[torch.Tensor, tuple, torch.Tensor, int], torch.Ten
     gen = torch.Generator().manual_seed(0)
     most = max(PROBE_ROWS)
     out: dict[str, list[float]] = {p: [] for p in PATHS}
-    blocked = blocked_serves(dtype, d)
+    packed = [p for p in PACKED_PATHS if serves(p, dtype, hq, hkv, d)]
     with torch.inference_mode():
         for rows in PROBE_ROWS:
             reqs, width = max(1, most // rows), -(-rows // bs)
@@ -219,9 +292,9 @@ def measure(kernel: Callable[[torch.Tensor, tuple, torch.Tensor, int], torch.Ten
             plan = (torch.arange(reqs) * rows, torch.full((reqs,), rows), torch.zeros(reqs, dtype=torch.int64))
             fns = {"kernel": lambda: kernel(q, (k_pool, v_pool), row_tables, q_pos),
                    "sdpa": lambda: attend_requests(q.view(reqs, rows, hq, d), k_pool, v_pool, blocks, 0, d ** -0.5)}
-            if blocked:
-                fns["blocked"] = lambda: attend_blocked(q, k_pool, v_pool, tables, *plan, d ** -0.5, 0,
-                                                        torch.empty_like(q))
+            for name in packed:
+                fns[name] = lambda name=name: attend_packed(name, q, k_pool, v_pool, tables, *plan, d ** -0.5, 0,
+                                                            torch.empty_like(q))
             times: dict[str, list[float]] = {p: [] for p in fns}
             for round_ in range(PROBE_ROUNDS + 1):  # round 0 warms up
                 for name, fn in fns.items():
@@ -260,6 +333,8 @@ def choose(kernel: Callable, dtype: torch.dtype, hq: int, hkv: int, d: int, bs: 
     """Which requests take the matrix path for this attention shape: forced (``path`` or
     ``$ENGINE_ATTENTION_PREFILL``), else measured once per shape and thread count."""
     forced = forced_path(path)
+    if forced == "amx" and not amx_serves(dtype, hq, hkv, d):
+        forced = "blocked"  # no AMX here, or not this dtype / shape: the next matrix kernel
     if forced == "blocked" and not blocked_serves(dtype, d):
         forced = "sdpa"  # the blocked kernel cannot serve this head size or cannot be built here
     steps = None if forced is None else () if forced == "kernel" else ((FORCED_MIN_ROWS, forced),)
