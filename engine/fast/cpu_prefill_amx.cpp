@@ -98,7 +98,7 @@ struct Scratch {
   std::vector<float> o;          // [16][d] accumulators
   alignas(64) float s[kRows * kKeys];
   alignas(64) float pv[kRows * 16];
-  alignas(64) uint16_t q[kRows * 256];
+  alignas(64) uint16_t q[kRows * 256] = {};
   alignas(64) uint16_t hi[kRows * kKeys], lo[kRows * kKeys];
 };
 
@@ -134,14 +134,16 @@ void pack(const BF16* k_pool, const BF16* v_pool, const Request& req, int64_t h,
 void rows_tile(const BF16* q, BF16* out, const Request& req, int64_t h, int64_t i0, int64_t i1, int64_t hq,
                int64_t hkv, int64_t d, float scale, int64_t window, int64_t k0, int64_t hi_key, Scratch& sc) {
   const int64_t group = hq / hkv, m_rows = (i1 - i0) * group, chunks = d / 32, cols = d / 16;
-  std::memset(sc.q, 0, sizeof sc.q);
+  // Rows past m_rows keep whatever an earlier tile left (zeros at first): their scores are never
+  // used, their weights are zeros.
   for (int64_t i = i0; i < i1; ++i) {
     for (int64_t g = 0; g < group; ++g) {
       const BF16* src = q + (req.row0 + i) * hq * d + (h * group + g) * d;
       std::memcpy(sc.q + ((i - i0) * group + g) * d, src, sizeof(uint16_t) * d);
     }
   }
-  sc.o.assign(static_cast<size_t>(kRows * d), 0.0f);
+  sc.o.resize(static_cast<size_t>(kRows * d));
+  std::fill(sc.o.begin(), sc.o.begin() + m_rows * d, 0.0f);
   float m[kRows], l[kRows];
   int64_t pos[kRows];
   for (int64_t r = 0; r < kRows; ++r) {
@@ -177,19 +179,21 @@ void rows_tile(const BF16* q, BF16* out, const Request& req, int64_t h, int64_t 
         _mm512_store_si512(lo_row, _mm512_setzero_si512());
         continue;
       }
-      const float last = static_cast<float>(std::min(pos[r], hi_key));
-      const float first = window > 0 ? static_cast<float>(pos[r] - window) : -1.0f;  // keys > first
+      const int64_t last = std::min(pos[r], hi_key), first = window > 0 ? pos[r] - window : -1;  // keys in (first, last]
+      const __m512 scale_v = _mm512_set1_ps(scale);
       __m512 x[2];
-      __m512 top = neg_inf;
-      for (int half = 0; half < 2; ++half) {
-        const __m512 p = _mm512_add_ps(lanes, _mm512_set1_ps(key0 + 16 * half));
-        const __mmask16 seen = _mm512_cmp_ps_mask(p, _mm512_set1_ps(last), _CMP_LE_OQ) &
-                               _mm512_cmp_ps_mask(p, _mm512_set1_ps(first), _CMP_GT_OQ);
-        x[half] = _mm512_mask_mul_ps(neg_inf, seen, _mm512_load_ps(sc.s + r * kKeys + 16 * half), _mm512_set1_ps(scale));
-        top = _mm512_max_ps(top, x[half]);
+      if (k0 + c0 > first && k0 + c0 + kKeys - 1 <= last) {  // every key of the chunk seen by this row
+        x[0] = _mm512_mul_ps(_mm512_load_ps(sc.s + r * kKeys), scale_v);
+        x[1] = _mm512_mul_ps(_mm512_load_ps(sc.s + r * kKeys + 16), scale_v);
+      } else {
+        for (int half = 0; half < 2; ++half) {
+          const __m512 p = _mm512_add_ps(lanes, _mm512_set1_ps(key0 + 16 * half));
+          const __mmask16 seen = _mm512_cmp_ps_mask(p, _mm512_set1_ps(static_cast<float>(last)), _CMP_LE_OQ) &
+                                 _mm512_cmp_ps_mask(p, _mm512_set1_ps(static_cast<float>(first)), _CMP_GT_OQ);
+          x[half] = _mm512_mask_mul_ps(neg_inf, seen, _mm512_load_ps(sc.s + r * kKeys + 16 * half), scale_v);
+        }
       }
-      const float chunk_max = _mm512_reduce_max_ps(top);
-      const float m_new = std::max(m[r], chunk_max);
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x[0], x[1])));
       if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing seen yet by this row
         _mm512_store_si512(hi_row, _mm512_setzero_si512());
         _mm512_store_si512(lo_row, _mm512_setzero_si512());
@@ -203,27 +207,23 @@ void rows_tile(const BF16* q, BF16* out, const Request& req, int64_t h, int64_t 
         for (int64_t col = 0; col < d; col += 16) _mm512_storeu_ps(o + col, _mm512_mul_ps(a, _mm512_loadu_ps(o + col)));
         m[r] = m_new;
       }
-      float total = 0;
-      uint16_t his[32], los[32];
+      __m512 w[2];
+      __m256i hb[2], lb[2];
       for (int half = 0; half < 2; ++half) {
         afloat v;
         const __m512 shifted = _mm512_sub_ps(x[half], _mm512_set1_ps(m_new));
         std::memcpy(&v, &shifted, sizeof v);
-        const afloat w = aexp_nonpositive(v);  // masked lanes: -inf -> 0
-        __m512 wz;
-        std::memcpy(&wz, &w, sizeof wz);
-        total += _mm512_reduce_add_ps(wz);
-        const __m256bh hb = _mm512_cvtneps_pbh(wz);  // round to nearest even
-        __m256i hbits;
-        std::memcpy(&hbits, &hb, sizeof hbits);
-        const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hbits), 16));
-        const __m256bh lb = _mm512_cvtneps_pbh(_mm512_sub_ps(wz, hf));
-        std::memcpy(his + 16 * half, &hb, 32);
-        std::memcpy(los + 16 * half, &lb, 32);
+        const afloat e = aexp_nonpositive(v);  // masked lanes: -inf -> 0
+        std::memcpy(&w[half], &e, sizeof e);
+        const __m256bh h16 = _mm512_cvtneps_pbh(w[half]);  // round to nearest even
+        std::memcpy(&hb[half], &h16, sizeof h16);
+        const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb[half]), 16));
+        const __m256bh l16 = _mm512_cvtneps_pbh(_mm512_sub_ps(w[half], hf));
+        std::memcpy(&lb[half], &l16, sizeof l16);
       }
-      l[r] += total;
-      std::memcpy(hi_row, his, 64);
-      std::memcpy(lo_row, los, 64);
+      l[r] += _mm512_reduce_add_ps(_mm512_add_ps(w[0], w[1]));
+      _mm512_store_si512(hi_row, _mm512_inserti64x4(_mm512_castsi256_si512(hb[0]), hb[1], 1));
+      _mm512_store_si512(lo_row, _mm512_inserti64x4(_mm512_castsi256_si512(lb[0]), lb[1], 1));
     }
     // O += (hi + lo) V: per 16 columns, two products into tile 4, added into the rows' O.
     _tile_loadd(5, sc.hi, kKeys * 2);
