@@ -61,8 +61,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] \
             + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     for name in ("paged_set_prefetch", "paged_set_blocked"):  # on by default; off only to measure them (levers.py) or test
-        getattr(lib, name).restype = None
-        getattr(lib, name).argtypes = [ctypes.c_int64]
+        if hasattr(lib, name):  # a library built from an older revision (levers.py's "before") may lack the second
+            getattr(lib, name).restype = None
+            getattr(lib, name).argtypes = [ctypes.c_int64]
 
 
 _kernel = OptionalKernels(SOURCE, _declare)

@@ -26,10 +26,12 @@
 // ulp of std::exp). Pass 2, per kv head: each V row widened once for all its query heads (a
 // bfloat16 row as 32-bit words, shift and mask: even and odd elements in two instructions per 32
 // values, put back in order once at the output) and accumulated into up to 16 registers per 16
-// keys. One rounding at the output (bfloat16: to nearest even, vectorised). Each pass prefetches
-// the next chunk's slots (`paged_set_prefetch`). `paged_set_blocked(0)` switches the path off, to
-// measure the difference (one thread, rows in L2, 8 query / 4 kv heads of 64 over 230 keys:
-// ~2x faster; a step's rows from L3 or memory add their load time to either path alike).
+// keys. One rounding at the output (bfloat16: to nearest even, vectorised). While a pass works on
+// one chunk it prefetches the next chunk's slots a few lines per key visited (ChunkPrefetch; all
+// of them at the chunk's start was no faster than none; `paged_set_prefetch`).
+// `paged_set_blocked(0)` switches the path off, to measure the difference: one thread, a row's
+// K/V in L2, 8 query / 4 kv heads of 64 over 230 keys, ~2x faster; where the rows come from L3 or
+// memory, their load time (which neither path hides) narrows that (docs/performance.md).
 // Other builds and head sizes (and float64 pools) take the older loops: the widest vectors the
 // build targets (cpu_attn_vec.h: 16 floats or 8 doubles with AVX-512, else 32 bytes, AVX2 or two
 // NEON registers) when the head size is a multiple of the lanes, one score at a time summed by
@@ -257,11 +259,33 @@ template <int NV> struct HeldQ<BF16, NV> {  // q's own bf16 bits: the products e
 };
 #endif
 
+// The next chunk's slots (every kv head) to prefetch, a few lines at a time between the current
+// chunk's loads (step(k): the next k lines, slot after slot), so that the requests go out at the
+// pace of the work rather than in one burst the CPU's miss buffers cannot hold (a burst of a
+// chunk's lines at its start was measured no faster than no prefetch at all).
+struct ChunkPrefetch {
+  const char* slot[16];
+  int64_t lines_per_slot = 0, next = 0, total = 0;
+  template <typename T>
+  void reset(const T* pool, const int64_t* off, int64_t i, int64_t n, int64_t slot_bytes) {
+    const int64_t count = kv_prefetch ? std::max<int64_t>(0, std::min<int64_t>(16, n - i)) : 0;
+    for (int64_t j = 0; j < count; ++j) slot[j] = reinterpret_cast<const char*>(pool + off[i + j]);
+    lines_per_slot = (slot_bytes + 63) / 64;
+    next = 0;
+    total = count * lines_per_slot;
+  }
+  void step(int64_t k) {
+    for (const int64_t end = std::min(total, next + k); next < end; ++next)
+      __builtin_prefetch(slot[next / lines_per_slot] + 64 * (next % lines_per_slot), 0, 3);
+  }
+};
+
 // Lane j: the dot product of q with the key row kp[j] (a chunk's missing keys point at kZeroRow).
 template <typename T, int NV>
-inline __m512 scores16(const HeldQ<T, NV>& q, const T* const* kp) {
+inline __m512 scores16(const HeldQ<T, NV>& q, const T* const* kp, ChunkPrefetch& ahead, int64_t lines) {
   __m512 quad[4];
   for (int u = 0; u < 4; ++u) {
+    ahead.step(lines);
     const T* const* k = kp + 4 * u;
     quad[u] = fold2(fold1(q.part(k[0]), q.part(k[1])), fold1(q.part(k[2]), q.part(k[3])));
   }
@@ -308,12 +332,14 @@ inline void store_out(const float* acc, int c16, __m512 inv, BF16* out) {
 // acc[g] += w[g][j] * v_j, w with a row stride of np; the GT * NV accumulators stay in registers
 // over the chunk (loaded and stored once per 16 keys), each V row widened once for the GT heads.
 template <typename T, int NV, int GT>
-inline void weigh16(const float* w, int64_t np, const T* const* vp, int count, float* acc) {
+inline void weigh16(const float* w, int64_t np, const T* const* vp, int count, float* acc, ChunkPrefetch& ahead,
+                    int64_t lines) {
   __m512 a[GT][NV];
   for (int g = 0; g < GT; ++g)
     for (int c = 0; c < NV; ++c) a[g][c] = _mm512_loadu_ps(acc + g * 16 * NV + 16 * c);
   for (int j = 0; j < count; ++j) {
     __m512 v[NV];
+    ahead.step(lines);
     v_row(vp[j], v, NV);
     for (int g = 0; g < GT; ++g) {
       const __m512 wg = _mm512_set1_ps(w[g * np + j]);
@@ -324,7 +350,7 @@ inline void weigh16(const float* w, int64_t np, const T* const* vp, int count, f
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + g * 16 * NV + 16 * c, a[g][c]);
 }
 
-// Prefetches the whole slots (every kv head) of keys i .. i + 15 (of n) from pool.
+// Prefetches the whole slots (every kv head) of keys i .. i + 15 (of n) from pool, at once (a row's first chunk).
 template <typename T>
 inline void prefetch16(const T* pool, const int64_t* off, int64_t i, int64_t n, int64_t slot_bytes) {
   if (!kv_prefetch) return;
@@ -358,10 +384,13 @@ void attend_row_blocked(const float* qf, const T* qraw, float scale, const T* k_
   float* s = scores.data();  // [hq, np]
   const __m512 post = _mm512_set1_ps(HeldQ<T, NV>::kRaw ? scale : 1.0f);
   const T* kp[16];
-  prefetch16(k_pool, off, 0, n, slot_bytes);
+  // prefetch lines per quarter of a scores16 call: a chunk's slots over its hq calls
+  const int64_t k_lines = (16 * ((slot_bytes + 63) / 64) + 4 * hq - 1) / (4 * hq);
+  ChunkPrefetch ahead;
+  prefetch16(k_pool, off, 0, n, slot_bytes);  // the first chunk: at once
   for (int64_t i = 0; i < n; i += 16) {  // pass 1
     const int count = static_cast<int>(std::min<int64_t>(16, n - i));
-    prefetch16(k_pool, off, i + 16, n, slot_bytes);
+    ahead.reset(k_pool, off, i + 16, n, slot_bytes);
     const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
     for (int64_t h = 0; h < hkv; ++h) {
       for (int j = 0; j < count; ++j) kp[j] = k_pool + off[i + j] + h * d;
@@ -369,7 +398,7 @@ void attend_row_blocked(const float* qf, const T* qraw, float scale, const T* k_
       for (int64_t j = h * group; j < (h + 1) * group; ++j) {
         HeldQ<T, NV> q;
         q.load(qf + j * d, qraw + j * d);
-        __m512 sc = scores16(q, kp);
+        __m512 sc = scores16(q, kp, ahead, k_lines);
         if (HeldQ<T, NV>::kRaw) sc = _mm512_mul_ps(sc, post);
         _mm512_mask_storeu_ps(s + j * np + i, valid, sc);
       }
@@ -391,26 +420,28 @@ void attend_row_blocked(const float* qf, const T* qraw, float scale, const T* k_
   float* acc = accs.data();  // [hq, d] (bf16 pools: each 32 as [16 even, 16 odd])
   constexpr int GT = NV >= 16 ? 1 : NV >= 8 ? 2 : NV >= 4 ? 4 : 8;
   const T* vp[16];
+  // prefetch lines per V row read: a chunk's slots over its hkv x 16 rows
+  const int64_t v_lines = (16 * ((slot_bytes + 63) / 64) + 16 * hkv - 1) / (16 * hkv);
   prefetch16(v_pool, off, 0, n, slot_bytes);
   for (int64_t i = 0; i < n; i += 16) {
     const int count = static_cast<int>(std::min<int64_t>(16, n - i));
-    prefetch16(v_pool, off, i + 16, n, slot_bytes);
+    ahead.reset(v_pool, off, i + 16, n, slot_bytes);
     for (int64_t h = 0; h < hkv; ++h) {
       for (int j = 0; j < count; ++j) vp[j] = v_pool + off[i + j] + h * d;
       for (int64_t j = h * group, end = (h + 1) * group; j < end;) {
         const float* w = s + j * np + i;
         const int64_t left = end - j;
         if (left >= GT) {
-          weigh16<T, NV, GT>(w, np, vp, count, acc + j * d);
+          weigh16<T, NV, GT>(w, np, vp, count, acc + j * d, ahead, v_lines);
           j += GT;
         } else if (GT > 4 && left >= 4) {
-          weigh16<T, NV, (GT > 4 ? 4 : 1)>(w, np, vp, count, acc + j * d);
+          weigh16<T, NV, (GT > 4 ? 4 : 1)>(w, np, vp, count, acc + j * d, ahead, v_lines);
           j += 4;
         } else if (GT > 2 && left >= 2) {
-          weigh16<T, NV, (GT > 2 ? 2 : 1)>(w, np, vp, count, acc + j * d);
+          weigh16<T, NV, (GT > 2 ? 2 : 1)>(w, np, vp, count, acc + j * d, ahead, v_lines);
           j += 2;
         } else {
-          weigh16<T, NV, 1>(w, np, vp, count, acc + j * d);
+          weigh16<T, NV, 1>(w, np, vp, count, acc + j * d, ahead, v_lines);
           j += 1;
         }
       }
