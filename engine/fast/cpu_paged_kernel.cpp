@@ -265,18 +265,23 @@ template <int NV> struct HeldQ<BF16, NV> {  // q's own bf16 bits: the products e
 // chunk's lines at its start was measured no faster than no prefetch at all).
 struct ChunkPrefetch {
   const char* slot[16];
-  int64_t lines_per_slot = 0, next = 0, total = 0;
+  int64_t count = 0, slot_bytes = 0, at = 0, line = 0;  // next: line `line` of slot `at`
   template <typename T>
-  void reset(const T* pool, const int64_t* off, int64_t i, int64_t n, int64_t slot_bytes) {
-    const int64_t count = kv_prefetch ? std::max<int64_t>(0, std::min<int64_t>(16, n - i)) : 0;
+  void reset(const T* pool, const int64_t* off, int64_t i, int64_t n, int64_t slot_bytes_) {
+    count = kv_prefetch ? std::max<int64_t>(0, std::min<int64_t>(16, n - i)) : 0;
     for (int64_t j = 0; j < count; ++j) slot[j] = reinterpret_cast<const char*>(pool + off[i + j]);
-    lines_per_slot = (slot_bytes + 63) / 64;
-    next = 0;
-    total = count * lines_per_slot;
+    slot_bytes = slot_bytes_;
+    at = line = 0;
   }
   void step(int64_t k) {
-    for (const int64_t end = std::min(total, next + k); next < end; ++next)
-      __builtin_prefetch(slot[next / lines_per_slot] + 64 * (next % lines_per_slot), 0, 3);
+    for (; k > 0 && at < count; --k) {
+      __builtin_prefetch(slot[at] + line, 0, 3);
+      line += 64;
+      if (line >= slot_bytes) {
+        line = 0;
+        ++at;
+      }
+    }
   }
 };
 
