@@ -285,16 +285,19 @@ struct ChunkPrefetch {
   }
 };
 
-// Lane j: the dot product of q with the key row kp[j] (a chunk's missing keys point at kZeroRow).
-template <typename T, int NV>
-inline __m512 scores16(const HeldQ<T, NV>& q, const T* const* kp, ChunkPrefetch& ahead, int64_t lines) {
-  __m512 quad[4];
+// Lane j of out[g]: the dot product of q[g] with the key row kp[j], for GT query heads at once
+// (each key row read once for all of them; a chunk's missing keys point at kZeroRow). A quarter
+// of the chunk's prefetch between each 4 keys.
+template <typename T, int NV, int GT>
+inline void scores16(const HeldQ<T, NV>* q, const T* const* kp, ChunkPrefetch& ahead, int64_t lines, __m512* out) {
+  __m512 quad[GT][4];
   for (int u = 0; u < 4; ++u) {
     ahead.step(lines);
     const T* const* k = kp + 4 * u;
-    quad[u] = fold2(fold1(q.part(k[0]), q.part(k[1])), fold1(q.part(k[2]), q.part(k[3])));
+    for (int g = 0; g < GT; ++g)
+      quad[g][u] = fold2(fold1(q[g].part(k[0]), q[g].part(k[1])), fold1(q[g].part(k[2]), q[g].part(k[3])));
   }
-  return fold34(fold34(quad[0], quad[1]), fold34(quad[2], quad[3]));
+  for (int g = 0; g < GT; ++g) out[g] = fold34(fold34(quad[g][0], quad[g][1]), fold34(quad[g][2], quad[g][3]));
 }
 alignas(64) const float kZeroRow[256] = {};  // zeros for any row of d <= 256 (float or bf16)
 
@@ -400,12 +403,21 @@ void attend_row_blocked(const float* qf, const T* qraw, float scale, const T* k_
     for (int64_t h = 0; h < hkv; ++h) {
       for (int j = 0; j < count; ++j) kp[j] = k_pool + off[i + j] + h * d;
       for (int j = count; j < 16; ++j) kp[j] = reinterpret_cast<const T*>(kZeroRow);
-      for (int64_t j = h * group; j < (h + 1) * group; ++j) {
-        HeldQ<T, NV> q;
-        q.load(qf + j * d, qraw + j * d);
-        __m512 sc = scores16(q, kp, ahead, k_lines);
-        if (HeldQ<T, NV>::kRaw) sc = _mm512_mul_ps(sc, post);
-        _mm512_mask_storeu_ps(s + j * np + i, valid, sc);
+      for (int64_t j = h * group, end = (h + 1) * group; j < end;) {  // query heads in pairs, then one
+        const int pair = end - j >= 2 ? 2 : 1;
+        HeldQ<T, NV> q[2];
+        __m512 sc[2];
+        for (int g = 0; g < pair; ++g) q[g].load(qf + (j + g) * d, qraw + (j + g) * d);
+        if (pair == 2) {
+          scores16<T, NV, 2>(q, kp, ahead, 2 * k_lines, sc);
+        } else {
+          scores16<T, NV, 1>(q, kp, ahead, k_lines, sc);
+        }
+        for (int g = 0; g < pair; ++g) {
+          if (HeldQ<T, NV>::kRaw) sc[g] = _mm512_mul_ps(sc[g], post);
+          _mm512_mask_storeu_ps(s + (j + g) * np + i, valid, sc[g]);
+        }
+        j += pair;
       }
     }
   }
