@@ -262,7 +262,9 @@ template <int NV> struct HeldQ<BF16, NV> {  // q's own bf16 bits: the products e
 // The next chunk's slots (every kv head) to prefetch, a few lines at a time between the current
 // chunk's loads (step(k): the next k lines, slot after slot), so that the requests go out at the
 // pace of the work rather than in one burst the CPU's miss buffers cannot hold (a burst of a
-// chunk's lines at its start was measured no faster than no prefetch at all).
+// chunk's lines at its start was measured no faster than no prefetch at all). A chunk of more
+// than 16 KiB goes to L2 only: into L1 it would push out the chunk being read (float32 at the
+// 0.6B shape, 64 KiB chunks over 1,000 keys: ~20% faster so).
 struct ChunkPrefetch {
   const char* slot[16];
   int64_t count = 0, slot_bytes = 0, at = 0, line = 0;  // next: line `line` of slot `at`
@@ -271,11 +273,14 @@ struct ChunkPrefetch {
     count = kv_prefetch ? std::max<int64_t>(0, std::min<int64_t>(16, n - i)) : 0;
     for (int64_t j = 0; j < count; ++j) slot[j] = reinterpret_cast<const char*>(pool + off[i + j]);
     slot_bytes = slot_bytes_;
+    to_l2 = 16 * slot_bytes > (16 << 10);  // a chunk larger than a third to half of L1: into L2 only
     at = line = 0;
   }
+  bool to_l2 = false;
   void step(int64_t k) {
     for (; k > 0 && at < count; --k) {
-      __builtin_prefetch(slot[at] + line, 0, 3);
+      if (to_l2) __builtin_prefetch(slot[at] + line, 0, 2);
+      else __builtin_prefetch(slot[at] + line, 0, 3);
       line += 64;
       if (line >= slot_bytes) {
         line = 0;
