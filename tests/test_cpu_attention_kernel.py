@@ -4,7 +4,7 @@ The kernel's AVX-512 build serves float32 and bfloat16 rows of head sizes 32 / 6
 16 keys at a time (the "blocked" path: a chunk of 16 positions may span blocks, and the last one
 of a row is short); every other row takes its older loops (one score at a time, or one lane at a
 time). Here each path meets the cases that stress it: chunks with fewer than 16 visible keys,
-windows that start mid-block, block sizes 1 / 8 / 16 / 32, query groups G = 1 / 2 / 4 / 8, the rows
+windows that start mid-block, block sizes 1 / 8 / 16 / 32, query groups G = 1 / 2 / 3 / 4 / 8, the rows
 of one prefill chunk (each with its own causal limit), padding rows, float64 pools, two threads,
 and the builds a CPU without AVX-512 (``avx2``) or without AVX512-BF16 runs, forced here.
 """
@@ -98,11 +98,11 @@ def test_blocked_rows_every_head_size(dtype, head_dim):
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (6, 2), (8, 2), (8, 1)])
 def test_blocked_rows_block_sizes_and_groups(block_size, hq, hkv):
     """Block sizes 1 / 8 / 16 / 32 (a chunk of 16 keys spans several blocks, or half of one) and
-    G = 1 / 2 / 4 / 8 query heads per kv head (whole tiles of the weighted sum, and remainders),
-    with and without a window that starts mid-block."""
+    G = 1 / 2 / 3 / 4 / 8 query heads per kv head (scores in pairs of heads and a last single one;
+    whole tiles of the weighted sum, and remainders), with and without a window that starts mid-block."""
     from engine.fast.cpu_attention import load_kernel
 
     lib = load_kernel("native")

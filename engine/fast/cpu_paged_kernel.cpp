@@ -18,20 +18,22 @@
 // Speed, AVX-512 builds (float and bfloat16 pools of head size 32, 64, 96, 128 or 256: the
 // "blocked" path, attend_row_blocked): a row's visible keys are taken 16 positions at a time (a
 // chunk may span blocks: each key's slot offset is looked up once per row, one table read per
-// block). Pass 1, per kv head and query head: 16 vectors of partial products (FMAs on q held in
-// registers; for bfloat16 pools where the CPU has AVX512-BF16, vdpbf16ps on q's and k's own bf16
-// bits: the products exact, summed in float, then scaled) folded by a shuffle-and-add network into
-// one vector of the 16 scores, about 3 instructions a score where a horizontal sum per score took
-// about 10. The softmax runs a vector at a time (the maximum, then exp by a polynomial within 2
-// ulp of std::exp). Pass 2, per kv head: each V row widened once for all its query heads (a
-// bfloat16 row as 32-bit words, shift and mask: even and odd elements in two instructions per 32
-// values, put back in order once at the output) and accumulated into up to 16 registers per 16
-// keys. One rounding at the output (bfloat16: to nearest even, vectorised). While a pass works on
-// one chunk it prefetches the next chunk's slots a few lines per key visited (ChunkPrefetch; all
-// of them at the chunk's start was no faster than none; `paged_set_prefetch`).
-// `paged_set_blocked(0)` switches the path off, to measure the difference: one thread, a row's
-// K/V in L2, 8 query / 4 kv heads of 64 over 230 keys, ~2x faster; where the rows come from L3 or
-// memory, their load time (which neither path hides) narrows that (docs/performance.md).
+// block). Pass 1, per kv head and pair of its query heads: for each head, 16 vectors of partial
+// products (FMAs on q held in registers; for bfloat16 pools where the CPU has AVX512-BF16,
+// vdpbf16ps on q's and k's own bf16 bits: the products exact, summed in float, then scaled),
+// each key row read once for both heads, folded by a shuffle-and-add network into one vector of
+// the 16 scores: about 3 instructions a score where a horizontal sum per score took about 10.
+// The softmax runs a vector at a time (the maximum, then exp by a polynomial within 2 ulp of
+// std::exp). Pass 2, per kv head: each V row widened once for all its query heads (a bfloat16
+// row as 32-bit words, shift and mask: even and odd elements in two instructions per 32 values,
+// put back in order once at the output) and accumulated into up to 16 registers per 16 keys. One
+// rounding at the output (bfloat16: to nearest even, vectorised). While a pass works on one
+// chunk it prefetches the next chunk's slots a few lines per 4 keys visited (ChunkPrefetch;
+// `paged_set_prefetch`). `paged_set_blocked(0)` switches the path off, to measure the difference
+// (course/tuning/levers.py attention). Measured on the AMX Xeon of issue 40, one thread: with a
+// row's K/V in L2, bf16 rows ~1.9x (8 query / 4 kv heads of 64) and ~1.6x (16 / 8 of 128) as
+// fast as one score at a time, float32 ~1.4x / ~1.0x; a decode step's rows come from L3 or
+// memory, whose load time neither path hides, and there the whole call ran 1.1-1.4x as fast.
 // Other builds and head sizes (and float64 pools) take the older loops: the widest vectors the
 // build targets (cpu_attn_vec.h: 16 floats or 8 doubles with AVX-512, else 32 bytes, AVX2 or two
 // NEON registers) when the head size is a multiple of the lanes, one score at a time summed by
