@@ -30,10 +30,11 @@
 // rounding at the output (bfloat16: to nearest even, vectorised). While a pass works on one
 // chunk it prefetches the next chunk's slots a few lines per 4 keys visited (ChunkPrefetch;
 // `paged_set_prefetch`). `paged_set_blocked(0)` switches the path off, to measure the difference
-// (course/tuning/levers.py attention). Measured on the AMX Xeon of issue 40, one thread: with a
-// row's K/V in L2, bf16 rows ~1.9x (8 query / 4 kv heads of 64) and ~1.6x (16 / 8 of 128) as
-// fast as one score at a time, float32 ~1.4x / ~1.0x; a decode step's rows come from L3 or
-// memory, whose load time neither path hides, and there the whole call ran 1.1-1.4x as fast.
+// (course/tuning/levers.py attention). Measured on a 2-core Sapphire Rapids-class Xeon, one
+// thread: with a row's K/V in L2, bf16 rows ~1.9x (8 query / 4 kv heads of 64) and ~1.6x (16 / 8
+// of 128) as fast as one score at a time, float32 ~1.4x / ~1.0x; a decode step's rows come from
+// L3 or memory, whose load time neither path hides, and there the whole call ran 1.1-1.4x as
+// fast. Scores on AMX tiles (16 keys' rows x q's pairs) measured no faster (+-8%), not kept.
 // Other builds and head sizes (and float64 pools) take the older loops: the widest vectors the
 // build targets (cpu_attn_vec.h: 16 floats or 8 doubles with AVX-512, else 32 bytes, AVX2 or two
 // NEON registers) when the head size is a multiple of the lanes, one score at a time summed by
