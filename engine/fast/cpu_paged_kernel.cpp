@@ -34,7 +34,9 @@
 // thread: with a row's K/V in L2, bf16 rows ~1.9x (8 query / 4 kv heads of 64) and ~1.6x (16 / 8
 // of 128) as fast as one score at a time, float32 ~1.4x / ~1.0x; a decode step's rows come from
 // L3 or memory, whose load time neither path hides, and there the whole call ran 1.1-1.4x as
-// fast. Scores on AMX tiles (16 keys' rows x q's pairs) measured no faster (+-8%), not kept.
+// fast. Tried on AMX tiles and not kept: the scores (16 keys' rows x q's pairs: +-8%), and the
+// weighted sum with each weight split into three bf16 terms that sum to it exactly (as written,
+// C tiles through memory every 32 keys: 1.4-1.9x slower than the vectors).
 // Other builds and head sizes (and float64 pools) take the older loops: the widest vectors the
 // build targets (cpu_attn_vec.h: 16 floats or 8 doubles with AVX-512, else 32 bytes, AVX2 or two
 // NEON registers) when the head size is a multiple of the lanes, one score at a time summed by
