@@ -13,7 +13,8 @@
 
 ``attention`` times one layer's decode attention on the bench's small-model shapes (8 query / 4
 kv heads of 64, blocks of 16): TorchBackend (gather, then bmm), CPUBackend (the C++ kernel reading
-the pool in place) and the same gather-free attention written as tensor indexing and compiled by
+the pool in place; over four layers' pools also without its prefetch, and without its AVX-512
+blocked path of 16 keys at a time) and the same gather-free attention written as tensor indexing and compiled by
 TorchInductor (the lever measured first and not kept). ``step`` times the core's decode step with
 R requests of ~200-token contexts (``--prefill``: a fresh engine's first step over R prompts), for
 the torch backend, the cpu backend, the cpu backend with the fused flat model, and with the compiled one and
@@ -99,17 +100,20 @@ def attention(args) -> None:
             assert (got - want).abs().max().item() < 1e-5, name
         lib = cpu_b._lib
 
-        def cpu(prefetch: bool):  # the kernel with / without its prefetch of each next block
+        def cpu(prefetch: bool, blocked: bool = True):  # the kernel with / without its prefetch, its blocked path
             def run():
                 lib.paged_set_prefetch(int(prefetch))
+                lib.paged_set_blocked(int(blocked))
                 for c in caches:
                     cpu_b.forward(q, c, meta)
                 lib.paged_set_prefetch(1)
+                lib.paged_set_blocked(1)
             return run
         res = interleaved({"torch (gather + bmm)": lambda: torch_b.forward(q, cache, meta),
                            "cpu (C++ kernel, in place)": lambda: cpu_b.forward(q, cache, meta),
                            f"cpu, {len(caches)} layers' pools": cpu(True),
                            f"cpu, {len(caches)} layers' pools, no prefetch": cpu(False),
+                           f"cpu, {len(caches)} layers' pools, one score at a time": cpu(True, blocked=False),
                            "inductor (compiled, gather-free)": lambda: compiled(q, *cache, tab, q_pos, d ** -0.5)},
                           args.rounds)
     print(f"decode attention, one layer, R={r}, context ~{args.context}, {torch.get_num_threads()} thread(s): {res}")

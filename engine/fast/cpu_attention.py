@@ -61,8 +61,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = ctypes.c_int64  # the number of slots out of range (then nothing is written)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] \
             + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-    lib.paged_set_prefetch.restype = None  # on by default; off only to measure it (course/tuning/levers.py)
-    lib.paged_set_prefetch.argtypes = [ctypes.c_int64]
+    for name in ("paged_set_prefetch", "paged_set_blocked"):  # on by default; off only to measure them (levers.py) or test
+        if hasattr(lib, name):  # a library built from an older revision (levers.py's "before") may lack the second
+            getattr(lib, name).restype = None
+            getattr(lib, name).argtypes = [ctypes.c_int64]
 
 
 _kernel = OptionalKernels(SOURCE, _declare)
