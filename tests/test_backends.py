@@ -561,3 +561,22 @@ def test_cpu_kernels_refuse_shapes_that_would_read_past_their_buffers():
         cpu_elementwise.qk_norm_rope(torch.ones(2, 8), 4, 2, 8, torch.ones(6, 8), torch.ones(2, 8), torch.ones(2, 8), 1e-6)
     with pytest.raises(ValueError, match="silu_mul takes"):
         cpu_elementwise.silu_mul(torch.ones(3, 5))
+
+
+def test_the_cpu_backends_pools_are_zeros_on_huge_pages_where_linux_grants_them():
+    """CPUBackend.allocate: two zero pools of the shape and dtype, each advised for 2 MiB pages
+    before it is first touched; on Linux with transparent huge pages on ("always" or "madvise")
+    the advice is accepted (whether the pages come is the kernel's call, not asserted)."""
+    from pathlib import Path
+
+    from engine.fast import huge_pages
+    from engine.fast.cpu_attention import CPUBackend
+
+    k, v = CPUBackend().allocate((1024, 16, 4, 64), torch.bfloat16, "cpu")  # 8 MiB each
+    assert k.shape == v.shape == (1024, 16, 4, 64) and k.dtype == torch.bfloat16
+    assert k.data_ptr() != v.data_ptr() and not k.any() and not v.any()
+    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    mode = setting.read_text() if setting.exists() else ""
+    on = "[always]" in mode or "[madvise]" in mode
+    assert huge_pages.advise(k) == on, f"madvise(MADV_HUGEPAGE) on an 8 MiB pool; THP setting: {mode.strip() or 'none'}"
+    assert not huge_pages.advise(torch.zeros(4)), "a tensor under 2 MiB holds no aligned huge page"

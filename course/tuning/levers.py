@@ -9,6 +9,7 @@
     python -m course.tuning.levers linear [--threads 1]                          one step's linears: the kernel, prefetch on/off, oneDNN
     python -m course.tuning.levers elementwise                                  eager vs compiled norms/RoPE/SiLU
     python -m course.tuning.levers argmax --requests 16                         greedy rows: argmax vs max().indices per dtype
+    python -m course.tuning.levers pages --requests 64 --dtype bfloat16          decode attention: K/V pools on 4 KiB vs huge pages
     python -m course.tuning.levers ew-step [--preset qwen3-0.6b] [--rows 2048]   one step's elementwise kernels: torch ops / avx2 / avx512
 
 ``attention`` times one layer's decode attention on the bench's small-model shapes (8 query / 4
@@ -584,10 +585,48 @@ def argmax(args) -> None:
               f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f} (median ms): {res}")
 
 
+def pages(args) -> None:
+    """Decode attention over K/V pools of 1 GiB, rows out of cache (64 MiB touched before each call):
+    the pools on ordinary 4 KiB pages (``torch.zeros``) against ``huge_pages.zeros`` (2 MiB pages
+    where Linux grants them), same values, interleaved, median ms."""
+    from course.bench.compare import MODEL_PRESETS
+    from course.bench.machine import machine_line
+    from engine.fast import huge_pages
+    from engine.fast.cpu_attention import CPUBackend
+
+    dtype = getattr(torch, args.dtype)
+    cfg = MODEL_PRESETS[args.preset]
+    hq, hkv, d, bs = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], 16
+    num_blocks = 2**30 // (bs * hkv * d * torch.tensor([], dtype=dtype).element_size())
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype) for _ in range(2)]
+    pools = {"4 KiB pages": tuple(torch.zeros(v.shape, dtype=dtype).copy_(v) for v in values),
+             "huge pages": tuple(huge_pages.zeros(v.shape, dtype).copy_(v) for v in values)}
+    del values
+    width = -(-args.context // bs)
+    tables = torch.randperm(num_blocks, generator=gen)[:args.requests * width].view(args.requests, width).to(torch.int32)
+    q = torch.randn(args.requests, hq, d, generator=gen).to(dtype)
+    pos = torch.full((args.requests,), args.context - 1, dtype=torch.int64)
+    backend, junk = CPUBackend(), torch.empty(64 * 2**20, dtype=torch.uint8)
+    times: dict[str, list[float]] = {k: [] for k in pools}
+    for round_ in range(args.rounds + 1):  # round 0 warms up
+        for name, cache in pools.items():
+            junk.add_(1)  # the rows' K/V out of the caches
+            start = time.perf_counter()
+            backend._run(q, cache, tables, pos, d ** -0.5, 0)
+            if round_:
+                times[name].append((time.perf_counter() - start) * 1000)
+    res = {k: round(statistics.median(v), 3) for k, v in times.items()}
+    print(machine_line(torch.get_num_threads()))
+    print(f"decode attention, {args.preset} ({hq}/{hkv} heads of {d}), {args.dtype}, R={args.requests}, context "
+          f"{args.context}, 1 GiB pools, K/V out of cache, median ms of the call: {res} "
+          f"(huge pages {res['4 KiB pages'] / res['huge pages']:.2f}x)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("attention", "prefill-attention", "step", "parts", "linear", "elementwise",
-                                     "ew-step", "argmax"))
+                                     "ew-step", "argmax", "pages"))
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--dtype", default="float32")
@@ -612,7 +651,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     {"attention": attention, "prefill-attention": prefill_attention, "step": step, "parts": parts, "linear": linear,
-     "elementwise": elementwise, "ew-step": ew_step, "argmax": argmax}[args.what](args)
+     "elementwise": elementwise, "ew-step": ew_step, "argmax": argmax, "pages": pages}[args.what](args)
     return 0
 
 

@@ -41,7 +41,7 @@ import torch
 
 from engine.serve.attention import KVCache
 from engine.serve.batch import BatchMeta
-from engine.fast import cpu_decode_variant, cpu_prefill
+from engine.fast import cpu_decode_variant, cpu_prefill, huge_pages
 from engine.fast.cpu_build import OptionalKernels
 from engine.fast.torch_attention import TorchBackend, _TileGroup
 
@@ -129,7 +129,7 @@ class CPUBackend(TorchBackend):
         if torch.device(device).type != "cpu" or dtype not in DTYPES:
             raise ValueError(f"the 'cpu' attention backend serves CPU pools of {sorted(map(str, DTYPES))}, "
                              f"not {dtype} on {device}; use attention_backend='torch'")
-        return super().allocate(shape, dtype, device)
+        return huge_pages.zeros(shape, dtype), huge_pages.zeros(shape, dtype)  # zeros, on 2 MiB pages where granted
 
     def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
         """The reference's ``write_kv`` (padding rows into the last slot) in one kernel call, k and v
