@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 
 from engine._impl import apply_impl
+from engine.fast.huge_pages import prefer_huge_pages
 from engine.fast.openmp import prefer_short_spins
 
 
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     # machine idle OpenMP threads spin briefly, then sleep (engine/fast/openmp.py says why;
     # GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment overrides the probe).
     prefer_short_spins()
+    # Likewise torch's allocator, read once at its first allocation: blocks of 2 MiB and more on
+    # huge pages (engine/fast/huge_pages.py; THP_MEM_ALLOC_ENABLE in the environment overrides).
+    prefer_huge_pages()
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"core": "course.bench.core:core_main", "generate": "course.learner.cli_generate:generate_main",
                 "bench": "course.bench.compare:bench_main", "serve": "engine.entrypoints.cli:serve_main",

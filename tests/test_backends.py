@@ -580,3 +580,31 @@ def test_the_cpu_backends_pools_are_zeros_on_huge_pages_where_linux_grants_them(
     on = "[always]" in mode or "[madvise]" in mode
     assert huge_pages.advise(k) == on, f"madvise(MADV_HUGEPAGE) on an 8 MiB pool; THP setting: {mode.strip() or 'none'}"
     assert not huge_pages.advise(torch.zeros(4)), "a tensor under 2 MiB holds no aligned huge page"
+
+
+def test_torchs_allocator_is_asked_for_huge_pages_before_torch_loads_and_only_then():
+    """prefer_huge_pages sets THP_MEM_ALLOC_ENABLE=1 where nothing is set, keeps a value the user
+    set, and in this process (torch loaded) changes nothing and says why; run.py calls it first."""
+    from engine.fast import huge_pages
+
+    env: dict = {}
+    assert huge_pages.prefer_huge_pages(env) == "THP_MEM_ALLOC_ENABLE=1 (run.py's choice)" and env == {huge_pages.TORCH_VAR: "1"}
+    env = {huge_pages.TORCH_VAR: "0"}
+    assert "set in the environment" in huge_pages.prefer_huge_pages(env) and env[huge_pages.TORCH_VAR] == "0"
+    import os
+
+    before = os.environ.pop(huge_pages.TORCH_VAR, None)
+    try:
+        assert "torch was loaded first" in huge_pages.prefer_huge_pages()
+        assert huge_pages.TORCH_VAR not in os.environ
+    finally:
+        if before is not None:
+            os.environ[huge_pages.TORCH_VAR] = before
+    import subprocess
+    import sys
+
+    code = "import run, os, sys; run.prefer_huge_pages(); import torch; print(os.environ.get('THP_MEM_ALLOC_ENABLE'))"
+    env = {k: v for k, v in os.environ.items() if k != huge_pages.TORCH_VAR}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    assert out.stdout.split()[-1] == "1"

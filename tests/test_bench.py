@@ -288,7 +288,7 @@ def test_cpu_flags_come_from_cpuinfo(tmp_path):
                                                "amx_int8", "amx_fancy"])
     m = machine_info(2)
     assert m["torch_threads"] == 2 and "; 2 torch thread(s), OpenMP " in m["line"] and m["cpu"] in m["line"]
-    assert m["line"].endswith(m["openmp"]), "the OpenMP runtime and its spin policy close the line"
+    assert m["line"].endswith(f'{m["openmp"]}; {m["pages"]}'), "the OpenMP runtime, its spin policy and the pages close the line"
 
 
 # ----- qwen3-0.6b workloads and the LM head ------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import platform
 
-from engine.fast import openmp
+from engine.fast import huge_pages, openmp
 
 # Flags named in the line when the CPU has them: vector width, and the units a bf16 GEMM can use
 # (avx512_bf16: bf16 dot products in AVX-512; amx_*: Intel's tile matrix units, which oneDNN uses).
@@ -44,7 +44,7 @@ def machine_info(threads: int | None = None) -> dict:
     model, flags = cpu_model_and_flags()
     return {"cpu": model, "flags": flags, "bf16_units": any(f in flags for f in ("avx512_bf16", "amx_bf16")),
             "cores": os.cpu_count(), "load_average": load_average(), "torch_threads": threads,
-            "openmp": openmp.describe(), "line": machine_line(threads)}
+            "openmp": openmp.describe(), "pages": huge_pages.describe(), "line": machine_line(threads)}
 
 
 def machine_line(threads: int | None = None) -> str:
@@ -53,4 +53,5 @@ def machine_line(threads: int | None = None) -> str:
     load_s = "/".join(f"{x:.1f}" for x in load) if load else "?"
     line = f"{model}; {' '.join(flags) or '(flags unknown)'}; {os.cpu_count()} cores; load average {load_s}"
     # The OpenMP runtime(s) and spin policy: one runtime is one pool of threads (engine/fast/openmp.py).
-    return line + (f"; {threads} torch thread(s), {openmp.describe()}" if threads is not None else "")
+    return line + (f"; {threads} torch thread(s), {openmp.describe()}; {huge_pages.describe()}"
+                   if threads is not None else "")

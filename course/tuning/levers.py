@@ -10,6 +10,7 @@
     python -m course.tuning.levers elementwise                                  eager vs compiled norms/RoPE/SiLU
     python -m course.tuning.levers argmax --requests 16                         greedy rows: argmax vs max().indices per dtype
     python -m course.tuning.levers pages --requests 64 --dtype bfloat16          decode attention: K/V pools on 4 KiB vs huge pages
+    python -m course.tuning.levers linear-pages --requests 1 --rounds 5         0.6B-shape weights streamed: torch's allocator on huge pages or not
     python -m course.tuning.levers ew-step [--preset qwen3-0.6b] [--rows 2048]   one step's elementwise kernels: torch ops / avx2 / avx512
 
 ``attention`` times one layer's decode attention on the bench's small-model shapes (8 query / 4
@@ -623,10 +624,53 @@ def pages(args) -> None:
           f"(huge pages {res['4 KiB pages'] / res['huge pages']:.2f}x)")
 
 
+_LINEAR_PAGES_CHILD = """
+import statistics, sys, time, torch
+from engine.fast.linear_layout import PACK_BATCH
+torch.set_num_threads(1)
+k_in, inter, layers, rows = (int(a) for a in sys.argv[1:5])
+shapes = [(k_in, 4 * k_in), (2 * k_in, k_in), (k_in, 2 * inter), (inter, k_in)] * layers  # (in, out) per linear
+gen = torch.Generator().manual_seed(0)
+packed = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, generator=gen).bfloat16(), batch_size=PACK_BATCH)
+          for k, n in shapes]
+xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k, _ in shapes}
+times = []
+for _ in range(6):
+    start = time.perf_counter()
+    for w, (k, _) in zip(packed, shapes):
+        torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+    times.append(time.perf_counter() - start)
+print(statistics.median(times[1:]) * 1000)
+"""
+
+
+def linear_pages(args) -> None:
+    """The Qwen3-0.6B shape's layer weights (bfloat16, oneDNN-packed, 880 MB: out of every cache)
+    streamed by one-row matmuls, in fresh processes with and without ``THP_MEM_ALLOC_ENABLE=1``
+    (torch's allocator on huge pages: it must be set before torch loads), alternating, median ms."""
+    import subprocess
+
+    from course.bench.machine import machine_line
+
+    root = Path(__file__).resolve().parents[2]
+    base = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    runs = {"4 KiB pages": base, "huge pages": {**base, "THP_MEM_ALLOC_ENABLE": "1"}}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(args.rounds):
+        for name, env in runs.items():
+            out = subprocess.run([sys.executable, "-c", _LINEAR_PAGES_CHILD, "1024", "3072", "28", str(args.requests)],
+                                 env=env, cwd=root, capture_output=True, text=True, check=True)
+            times[name].append(float(out.stdout.split()[-1]))
+    res = {k: round(statistics.median(v), 1) for k, v in times.items()}
+    print(machine_line(1))
+    print(f"0.6B shape, 112 packed bf16 linears (880 MB), {args.requests} row(s), one thread, median ms of a pass over "
+          f"{args.rounds} fresh processes each: {res} (huge pages {res['4 KiB pages'] / res['huge pages']:.2f}x)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("attention", "prefill-attention", "step", "parts", "linear", "elementwise",
-                                     "ew-step", "argmax", "pages"))
+                                     "ew-step", "argmax", "pages", "linear-pages"))
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--dtype", default="float32")
@@ -651,7 +695,8 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     {"attention": attention, "prefill-attention": prefill_attention, "step": step, "parts": parts, "linear": linear,
-     "elementwise": elementwise, "ew-step": ew_step, "argmax": argmax, "pages": pages}[args.what](args)
+     "elementwise": elementwise, "ew-step": ew_step, "argmax": argmax, "pages": pages,
+     "linear-pages": linear_pages}[args.what](args)
     return 0
 
 
