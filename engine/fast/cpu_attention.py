@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -132,6 +133,7 @@ class CPUBackend(TorchBackend):
         self._matrix_key: tuple | None = None
         self._matrix: tuple | None = None
         self._checked: tuple | None = None  # (BatchMeta, pool blocks, window) whose matrix requests' tables passed
+        self._decode_libs: dict[tuple, ctypes.CDLL] = {}  # _decode_lib's memo
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
         if torch.device(device).type != "cpu" or dtype not in DTYPES:
@@ -215,6 +217,16 @@ class CPUBackend(TorchBackend):
             except ValueError:  # only the native build here: nothing to measure
                 return cpu_decode_variant.choose(run, dtype, hq, hkv, d, bs, "native")
         return cpu_decode_variant.choose(run, dtype, hq, hkv, d, bs, self.decode)
+
+    def _decode_lib(self, dtype: torch.dtype, hq: int, cache: KVCache) -> ctypes.CDLL:
+        """The library of the build ``decode_choice`` gives, remembered per (dtype, shape, thread
+        count, ``$ENGINE_ATTENTION_DECODE``'s value): every layer of every step asks, and the
+        choice is the same until one of those changes."""
+        key = (dtype, hq, cache[0].shape[1:], torch.get_num_threads(), os.environ.get(cpu_decode_variant.ENV))
+        lib = self._decode_libs.get(key)
+        if lib is None:
+            lib = self._decode_libs[key] = load_kernel(self.decode_choice(dtype, hq, cache).variant)
+        return lib
 
     def prefill_choice(self, dtype: torch.dtype, hq: int, cache: KVCache) -> cpu_prefill.PrefillChoice:
         """Which requests of a step take the matrix path (``cpu_prefill.choose``: forced, or
@@ -321,6 +333,16 @@ class CPUBackend(TorchBackend):
         padding row)."""
         if self._rows_key is not None and self._rows_key[0] is meta and self._rows_key[1] == n:
             return self._rows
+        width = max(1, -(-meta.max_seq_len // meta.block_size))
+        if meta.max_query_len == 1 and n == meta.num_reqs == int(meta.query_start_loc_cpu[-1]):
+            # Pure decode, one row per request (the common step): row r is request r, at position
+            # seq_len - 1 (-1: a padding request's row, seq_len 0). The general plan below gives
+            # the same tables and positions with more arithmetic.
+            seq_lens = meta.seq_lens_cpu.numpy().astype(np.int64)  # [R]
+            q_pos = np.where(seq_lens > 0, seq_lens - 1, -1)
+            tables = meta.block_table[:, :width].to(torch.int32).contiguous()
+            self._rows_key, self._rows = (meta, n), (tables, torch.from_numpy(q_pos))
+            return self._rows
         qsl = meta.query_start_loc_cpu.numpy().astype(np.int64)  # [R + 1]
         seq_lens = meta.seq_lens_cpu.numpy().astype(np.int64)  # [R]
         num_rows = np.diff(qsl)  # [R]
@@ -330,7 +352,6 @@ class CPUBackend(TorchBackend):
         # A request's t rows end its context: row j of them is position seq_len - t + j.
         pos = seq_lens[req] - num_rows[req] + (np.arange(req.size) - first_row)
         q_pos[:req.size] = np.where(seq_lens[req] > 0, pos, -1)
-        width = max(1, -(-meta.max_seq_len // meta.block_size))
         if req.size == meta.num_reqs and (num_rows == 1).all():
             tables = meta.block_table[:, :width]  # pure decode: row r is request r
         else:
@@ -376,10 +397,11 @@ class CPUBackend(TorchBackend):
         q = q.contiguous()
         if tables.stride(1) != 1 or tables.dtype != torch.int32:
             tables = tables.to(torch.int32).contiguous()
-        q_pos = q_pos.to(torch.int64).contiguous()  # int64 [G]
+        if q_pos.dtype != torch.int64 or not q_pos.is_contiguous():
+            q_pos = q_pos.to(torch.int64).contiguous()  # int64 [G]
         out = torch.empty_like(q)
         if lib is None:
-            lib = load_kernel(self.decode_choice(q.dtype, hq, cache).variant)
+            lib = self._decode_lib(q.dtype, hq, cache)
         fn = getattr(lib, f"paged_decode_{DTYPES[q.dtype]}")
         head = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(),
                 tables.stride(0), tables.shape[1], q_pos.data_ptr(), g)
