@@ -37,7 +37,9 @@ class RopeTable:
     (doubling, to at least ``MIN_ROWS``) when a step asks past its end. The lookup is the computed
     value only where the angle's cos and sin do not depend on where the row sits in the batch
     (elementwise ops: tests check it against ``rope_cos_sin`` on this machine's torch).
-    Negative positions (no table row) are computed as ``rope_cos_sin`` computes them.
+    Negative positions (no table row) are computed as ``rope_cos_sin`` computes them, and so are
+    positions on another device than the CPU (the lookup needs the largest position on the host:
+    there, a wait for the device every step).
     """
 
     MIN_ROWS = 1024
@@ -48,7 +50,7 @@ class RopeTable:
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] (int64) -> cos, sin [N, head_dim], as ``rope_cos_sin(positions, head_dim, theta, dtype)``."""
-        if positions.numel() == 0 or positions.device != self.device:
+        if positions.numel() == 0 or positions.device.type != "cpu" or positions.device != self.device:
             return rope_cos_sin(positions, self.head_dim, self.theta, self.dtype)
         low, high = (int(v) for v in torch.aminmax(positions))
         if low < 0:
