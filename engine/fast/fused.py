@@ -68,8 +68,6 @@ from engine.serve.sampler import greedy_tokens
 SCRATCH_VIEWS = 1024  # views of the scratch buffers kept for reuse (one per output name and step shape)
 
 
-
-
 def packable(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether oneDNN can prepack a linear weight of this dtype here (CPU float32, or bfloat16 on
     a CPU with bf16 units): the layout vLLM's CPU backend also uses."""
