@@ -305,18 +305,43 @@ def test_cpu_backend_dtypes():
         CPUBackend().allocate((2, 4, 2, 8), torch.float16, "cpu")
 
 
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_cpu_backend_write_matches_write_kv(pool_dtype):
-    """CPUBackend.write (one kernel call) stores what the reference's write_kv stores: k and v read
-    as strided views of a merged projection, padding rows (slot -1) into the last slot, bfloat16
-    pools rounded as torch rounds; a slot outside the pool is a ValueError that writes nothing."""
-    from engine.serve.attention import write_kv
+@pytest.mark.parametrize("pad", [0, 2])
+def test_cpu_backend_decode_row_plan_is_the_general_plan(pad):
+    """A pure decode step's row plan (CPUBackend._row_plan's shortcut: row r is request r, at
+    position seq_len - 1, a padding request's row at -1) equals the general plan's tables and
+    positions, and attention through it equals the reference's."""
     from engine.fast.cpu_attention import CPUBackend
 
+    q, cache, meta = random_paged_batch(40 + pad, 4, 4, 2, num_reqs=6, pad=pad, decode_only=True)
+    n = q.shape[0]
+    assert meta.max_query_len == 1 and n == meta.num_reqs
+    tables, q_pos = CPUBackend()._row_plan(meta, n)
+    # The same batch declared with a larger max_query_len takes the general plan.
+    general_tables, general_pos = CPUBackend()._row_plan(dataclasses.replace(meta, max_query_len=2), n)
+    assert torch.equal(tables, general_tables) and tables.dtype == torch.int32 and tables.is_contiguous()
+    assert torch.equal(q_pos, general_pos) and q_pos.dtype == torch.int64
+    assert torch.equal(q_pos, torch.where(meta.seq_lens_cpu > 0, meta.seq_lens_cpu.long() - 1, -1))
+    got = CPUBackend().forward(q, cache, meta)
+    assert (got - ReferenceBackend().forward(q, cache, meta)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("pool_dtype, source", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                (torch.bfloat16, torch.bfloat16), (torch.float64, torch.float64)])
+def test_cpu_backend_write_matches_write_kv(pool_dtype, source, monkeypatch):
+    """CPUBackend.write (one kernel call) stores what the reference's write_kv stores: k and v read
+    as strided views of a merged projection, padding rows (slot -1) into the last slot, float32 rows
+    into bfloat16 pools rounded as torch rounds, bfloat16 rows copied (cpu_write_kernel.cpp); a slot
+    outside the pool is a ValueError that writes nothing."""
+    from engine.serve.attention import write_kv
+    from engine.fast.cpu_attention import CPUBackend
+    from engine.fast.torch_attention import TorchBackend
+
+    def reference_write(*args):
+        raise AssertionError("CPUBackend.write took the reference's path: these rows must take a kernel")
+    monkeypatch.setattr(TorchBackend, "write", reference_write)
     _, cache, meta = random_paged_batch(13, 4, 4, 2, head_dim=8)
     n = meta.slot_mapping.shape[0]
     assert int((meta.slot_mapping < 0).sum()) > 0, "the batch must have padding rows"
-    source = torch.float32 if pool_dtype == torch.bfloat16 else pool_dtype
     qkv = torch.randn(n, (4 + 2 + 2) * 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(source)
     k, v = qkv[:, 32:48].view(n, 2, 8), qkv[:, 48:].view(n, 2, 8)  # views, row stride 64
     want = tuple(p.to(pool_dtype).clone() for p in cache)

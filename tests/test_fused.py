@@ -449,3 +449,40 @@ def test_kernel_isa_switch_is_checked_and_reported(monkeypatch):
         ew.silu_mul(torch.ones(2, 4))
     monkeypatch.setenv(ew.ISA_ENV, "avx2")
     assert ew.isa() == "avx2" and "forced by ENGINE_KERNEL_ISA" in ew.describe()
+    monkeypatch.delenv(ew.ISA_ENV)  # unset again: the widest width again (what each value selects is remembered)
+    assert ew.isa() == ew.built_isas()[-1]
+    assert ew._kernel("silu_mul", torch.ones(2, 4)).__name__ == f"silu_mul_float32_{ew.built_isas()[-1]}"
+    monkeypatch.setenv(ew.ISA_ENV, "avx2")
+    assert ew._kernel("silu_mul", torch.ones(2, 4)).__name__ == "silu_mul_float32_avx2"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+def test_rope_table_rows_are_rope_cos_sin(dtype, head_dim):
+    """``RopeTable`` (the fused model's cos/sin lookup) returns exactly ``rope_cos_sin``'s rows for
+    any batch of positions: rows in any order and repeated, a batch past the table's end (it grows),
+    an empty batch, and negative positions (computed, not looked up)."""
+    from engine.rope import RopeTable, rope_cos_sin
+
+    table = RopeTable(head_dim, 1e6, dtype)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 300, (n,), generator=gen) for n in (1, 7, 16, 33, 200)]
+    batches += [torch.tensor([5000, 3, 3, 0]), torch.arange(0, 40_000, 97), torch.zeros(0, dtype=torch.int64),
+                torch.tensor([-3, 4])]
+    for positions in batches:
+        got, want = table(positions), rope_cos_sin(positions, head_dim, 1e6, dtype)
+        for name, g, w in zip(("cos", "sin"), got, want):
+            assert g.dtype == w.dtype and torch.equal(g, w), f"{name} rows of {positions.tolist()[:8]}... differ"
+    assert table.table[0].shape[0] > 40_000 - 97
+
+
+def test_scratch_buffers_grow_and_their_views_follow():
+    """``_scratch`` hands the same view back for a shape seen before and, once the buffer grows for
+    a larger step, views of the new buffer only (never of a buffer it has let go)."""
+    model = FusedFlatModel(tiny_model(seed=3))
+    small = model._scratch("x", (2, 4), torch.float32)
+    assert model._scratch("x", (2, 4), torch.float32) is small
+    large = model._scratch("x", (8, 4), torch.float32)
+    again = model._scratch("x", (2, 4), torch.float32)
+    assert again is not small and again.data_ptr() == large.data_ptr() and again.shape == (2, 4)
+    assert model._scratch("q", (2, 4), torch.float32).data_ptr() != large.data_ptr()

@@ -15,7 +15,8 @@ its row count, is measured per attention shape on the machine at hand
 (``cpu_prefill.choose``), printed by ``run.py bench``, and forced by ``prefill="kernel"|"sdpa"|"blocked"|"amx"``
 or ``$ENGINE_ATTENTION_PREFILL`` (``prefill_in_place=False``: the older design, requests with several
 rows through ``TorchBackend``'s tile path of one gather per 32-row tile, measured slower).
-``write`` stores the step's K/V rows with one kernel call too, and ``forward_rows`` attends only
+``write`` stores the step's K/V rows with one kernel call too (``cpu_write_kernel.cpp``'s plain
+copy where a bfloat16 model hands bfloat16 rows to its bfloat16 pool), and ``forward_rows`` attends only
 the rows asked for (the fast flat models' last layer).
 
 Measured before writing a kernel (docs/performance.md): the same gather-free decode attention
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +70,16 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 _kernel = OptionalKernels(SOURCE, _declare)
+WRITE_SOURCE = Path(__file__).with_name("cpu_write_kernel.cpp")  # bfloat16 rows into a bfloat16 pool: copied
+
+
+def _declare_write(lib: ctypes.CDLL) -> None:
+    lib.write_kv_copy.restype = ctypes.c_int64  # the number of slots out of range (then nothing is written)
+    lib.write_kv_copy.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] \
+        + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+
+
+_write_kernel = OptionalKernels(WRITE_SOURCE, _declare_write)
 # The kernel's builds (cpu_attn_vec.h; which one serves a shape: cpu_decode_variant): "native",
 # the widest vectors -march=native targets (AVX-512, and AVX512-BF16 dot products for bfloat16
 # pools, where the CPU has them); "avx2", the same source held to 32-byte vectors without bf16
@@ -124,6 +136,7 @@ class CPUBackend(TorchBackend):
         self._matrix_key: tuple | None = None
         self._matrix: tuple | None = None
         self._checked: tuple | None = None  # (BatchMeta, pool blocks, window) whose matrix requests' tables passed
+        self._decode_libs: dict[tuple, ctypes.CDLL] = {}  # _decode_lib's memo
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
         if torch.device(device).type != "cpu" or dtype not in DTYPES:
@@ -133,24 +146,32 @@ class CPUBackend(TorchBackend):
 
     def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
         """The reference's ``write_kv`` (padding rows into the last slot) in one kernel call, k and v
-        read where they lie (e.g. views of a merged qkv projection). Rows of another dtype than the
-        pool's (float32 rows into a bfloat16 pool are the exception: rounded on the way) take the
-        reference's path."""
+        read where they lie (e.g. views of a merged qkv projection). Rows in the pool's dtype are
+        stored as they are; float32 rows into a bfloat16 pool are rounded on the way
+        (``cpu_paged_kernel.cpp``'s ``write_kv_*``). A bfloat16 pool's bfloat16 rows (a bfloat16
+        model whose matmuls run in bfloat16) are copied by ``cpu_write_kernel.cpp``. Rows of any
+        other dtype, and any kernel that cannot be built here, take the reference's path."""
         k_pool, v_pool, slots = *cache, meta.slot_mapping
-        source = torch.float32 if k_pool.dtype == torch.bfloat16 else k_pool.dtype
         n, hkv, d = k.shape
         if v.shape != k.shape or k_pool.shape[2:] != (hkv, d) or v_pool.shape != k_pool.shape:
             raise ValueError(f"write: rows k {tuple(k.shape)}, v {tuple(v.shape)} do not fit pools "
                              f"{tuple(k_pool.shape)}, {tuple(v_pool.shape)} ([blocks, bs, Hkv, D] each)")
+        copy = k.dtype == torch.bfloat16 and k_pool.dtype == torch.bfloat16  # bf16 rows: a plain copy
+        source = torch.float32 if k_pool.dtype == torch.bfloat16 and not copy else k_pool.dtype
         rows_ok = all(t.dtype == source and t.stride(2) == 1 and t.stride(1) == d for t in (k, v))
         slots_ok = slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == n
-        if not (rows_ok and slots_ok and k_pool.is_contiguous() and v_pool.is_contiguous()):
+        lib = _write_kernel.get() if copy else self._lib
+        if not (rows_ok and slots_ok and k_pool.is_contiguous() and v_pool.is_contiguous()) or lib is None:
             return super().write(cache, k, v, meta)
-        fn = getattr(self._lib, f"write_kv_{DTYPES[k_pool.dtype]}")
         num_slots = k_pool.shape[0] * k_pool.shape[1]
         threads = max(1, min(torch.get_num_threads(), n // MIN_WRITE_ROWS_PER_THREAD))
-        bad = fn(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), n, hkv * d,
-                 k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
+        if copy:  # strides in bytes, 2 bytes an element
+            bad = lib.write_kv_copy(k.data_ptr(), 2 * k.stride(0), v.data_ptr(), 2 * v.stride(0), slots.data_ptr(),
+                                    n, 2 * hkv * d, k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
+        else:
+            bad = getattr(lib, f"write_kv_{DTYPES[k_pool.dtype]}")(
+                k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), n, hkv * d,
+                k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
         if bad:
             raise ValueError(f"write: {bad} slot(s) of the slot mapping lie outside the pool's {num_slots} slots")
 
@@ -199,6 +220,16 @@ class CPUBackend(TorchBackend):
             except ValueError:  # only the native build here: nothing to measure
                 return cpu_decode_variant.choose(run, dtype, hq, hkv, d, bs, "native")
         return cpu_decode_variant.choose(run, dtype, hq, hkv, d, bs, self.decode)
+
+    def _decode_lib(self, dtype: torch.dtype, hq: int, cache: KVCache) -> ctypes.CDLL:
+        """The library of the build ``decode_choice`` gives, remembered per (dtype, shape, thread
+        count, ``$ENGINE_ATTENTION_DECODE``'s value): every layer of every step asks, and the
+        choice is the same until one of those changes."""
+        key = (dtype, hq, cache[0].shape[1:], torch.get_num_threads(), os.environ.get(cpu_decode_variant.ENV))
+        lib = self._decode_libs.get(key)
+        if lib is None:
+            lib = self._decode_libs[key] = load_kernel(self.decode_choice(dtype, hq, cache).variant)
+        return lib
 
     def prefill_choice(self, dtype: torch.dtype, hq: int, cache: KVCache) -> cpu_prefill.PrefillChoice:
         """Which requests of a step take the matrix path (``cpu_prefill.choose``: forced, or
@@ -306,6 +337,17 @@ class CPUBackend(TorchBackend):
         padding row)."""
         if self._rows_key is not None and self._rows_key[0] is meta and self._rows_key[1] == n:
             return self._rows
+        width = max(1, -(-meta.max_seq_len // meta.block_size))
+        if meta.max_query_len == 1 and n == meta.num_reqs == meta.query_start_loc_cpu.tolist()[-1]:
+            # Pure decode, one row per request (the common step): row r is request r, at position
+            # seq_len - 1 (-1: a padding request's row, seq_len 0). The general plan below gives
+            # the same tables and positions with more arithmetic. (A few requests' positions in
+            # Python: in an engine step, where numpy's code has gone cold since the last step,
+            # the general plan's numpy calls took ~60 us.)
+            q_pos = torch.tensor([s - 1 if s > 0 else -1 for s in meta.seq_lens_cpu.tolist()], dtype=torch.int64)
+            tables = meta.block_table[:, :width].to(torch.int32).contiguous()
+            self._rows_key, self._rows = (meta, n), (tables, q_pos)
+            return self._rows
         qsl = meta.query_start_loc_cpu.numpy().astype(np.int64)  # [R + 1]
         seq_lens = meta.seq_lens_cpu.numpy().astype(np.int64)  # [R]
         num_rows = np.diff(qsl)  # [R]
@@ -315,7 +357,6 @@ class CPUBackend(TorchBackend):
         # A request's t rows end its context: row j of them is position seq_len - t + j.
         pos = seq_lens[req] - num_rows[req] + (np.arange(req.size) - first_row)
         q_pos[:req.size] = np.where(seq_lens[req] > 0, pos, -1)
-        width = max(1, -(-meta.max_seq_len // meta.block_size))
         if req.size == meta.num_reqs and (num_rows == 1).all():
             tables = meta.block_table[:, :width]  # pure decode: row r is request r
         else:
@@ -361,10 +402,11 @@ class CPUBackend(TorchBackend):
         q = q.contiguous()
         if tables.stride(1) != 1 or tables.dtype != torch.int32:
             tables = tables.to(torch.int32).contiguous()
-        q_pos = q_pos.to(torch.int64).contiguous()  # int64 [G]
+        if q_pos.dtype != torch.int64 or not q_pos.is_contiguous():
+            q_pos = q_pos.to(torch.int64).contiguous()  # int64 [G]
         out = torch.empty_like(q)
         if lib is None:
-            lib = load_kernel(self.decode_choice(q.dtype, hq, cache).variant)
+            lib = self._decode_lib(q.dtype, hq, cache)
         fn = getattr(lib, f"paged_decode_{DTYPES[q.dtype]}")
         head = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(),
                 tables.stride(0), tables.shape[1], q_pos.data_ptr(), g)

@@ -66,11 +66,25 @@ def built_isas() -> tuple[str, ...]:
     return lib.isas
 
 
+_isa_of: dict[str | None, str] = {}  # $ENGINE_KERNEL_ISA's value (None: unset) -> the width it selects, once checked
+
+
 def isa() -> str:
     """The width the kernels run at: ``$ENGINE_KERNEL_ISA`` when set (ValueError when it names none of
-    ``ISAS`` or one this build lacks), else the widest one built here. Read at each call, so a test
-    can switch it."""
-    forced, built = os.environ.get(ISA_ENV), built_isas()
+    ``ISAS`` or one this build lacks), else the widest one built here. The variable is read at each
+    call, so a test can switch it; what each value selects is worked out once (a refused value is
+    refused again each time)."""
+    forced = os.environ.get(ISA_ENV)
+    chosen = _isa_of.get(forced)
+    if chosen is None:
+        chosen = _choose_isa(forced)
+        if library() is not None:  # the built widths are known from now on
+            _isa_of[forced] = chosen
+    return chosen
+
+
+def _choose_isa(forced: str | None) -> str:
+    built = built_isas()
     if forced:
         if forced not in ISAS:
             raise ValueError(f"{ISA_ENV}={forced!r}: choose one of {', '.join(ISAS)}")
@@ -96,26 +110,36 @@ def takes_head_dim(dh: int) -> bool:
 
 
 def _threads(elements: int) -> int:
+    if elements < 2 * MIN_ELEMENTS_PER_THREAD:  # one thread whatever torch's count (not asked for)
+        return 1
     return max(1, min(torch.get_num_threads(), elements // MIN_ELEMENTS_PER_THREAD))
 
 
+_functions: dict[tuple[str, torch.dtype, str], ctypes._CFuncPtr] = {}  # (kernel, dtype, width) -> the C function
+
+
 def _kernel(name: str, *tensors: torch.Tensor):
-    """The ``name`` kernel for the tensors' one dtype (contiguous CPU float32 or bfloat16 tensors)."""
+    """The ``name`` kernel for the tensors' one dtype (contiguous CPU float32 or bfloat16 tensors),
+    at the width ``isa()`` selects now (looked up in the library once per kernel, dtype and width)."""
     dtype = tensors[0].dtype
     for t in tensors:
-        if t.dtype != dtype or dtype not in DTYPES or t.device.type != "cpu" or not t.is_contiguous():
+        if t.dtype != dtype or dtype not in DTYPES or not t.is_cpu or not t.is_contiguous():
             raise ValueError(f"the elementwise kernels take contiguous CPU tensors of one dtype, float32 or "
                              f"bfloat16, not {t.dtype} {tuple(t.shape)} on {t.device} (with {dtype})")
-    return getattr(library(), f"{name}_{DTYPES[dtype]}_{isa()}")
+    key = (name, dtype, isa())
+    fn = _functions.get(key)
+    if fn is None:
+        fn = _functions[key] = getattr(library(), f"{name}_{DTYPES[dtype]}_{key[2]}")
+    return fn
 
 
 def _out(out: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``out`` (checked: contiguous, ``like``'s dtype and device, ``shape``) or a new tensor. A
-    caller that passes the same buffer every layer saves the allocation and the page faults of
-    fresh memory (tens of MB per call at a 2,048-token step)."""
+    """``out`` (checked: contiguous, ``like``'s dtype, on the CPU like ``like``, ``shape``) or a new
+    tensor. A caller that passes the same buffer every layer saves the allocation and the page
+    faults of fresh memory (tens of MB per call at a 2,048-token step)."""
     if out is None:
         return like.new_empty(shape)
-    if out.shape != shape or out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
+    if out.shape != shape or out.dtype != like.dtype or not out.is_cpu or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {like.dtype} tensor of shape {shape}, not {out.dtype} "
                          f"{tuple(out.shape)}")
     return out

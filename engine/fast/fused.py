@@ -6,7 +6,8 @@ and, on a CPU, a few microseconds of dispatch. This class serves the same comput
 
 - one ``[D, (Hq + 2 Hkv) Dh]`` matmul for q, k and v, and one for gate and up (merged weights,
   built once at start-up);
-- q and k normalised and rotated together, as one ``[N, Hq + Hkv, Dh]`` tensor;
+- q and k normalised and rotated together, as one ``[N, Hq + Hkv, Dh]`` tensor, their cos and sin
+  rows looked up in a table of ``rope_cos_sin``'s rows (``RopeTable``) rather than computed each step;
 - SiLU and the gate product done in place on the merged output;
 - on a CPU, each weight shape in the layout measured fastest for it at load time
   (``linear_layout.choose``): prepacked for oneDNN's matmul (float32, or bfloat16 with bf16 units)
@@ -56,7 +57,7 @@ from torch import nn
 from engine.models.layers import Qwen3MLP
 from engine.models.mapped import drop_pages, releasable, release_pages, trim_heap
 from engine.precision import work_dtype
-from engine.rope import rope_cos_sin
+from engine.rope import RopeTable
 from engine.serve.attention import AttentionBackend, KVCache
 from engine.fast import cpu_elementwise, cpu_greedy, cpu_linear, linear_layout
 from engine.fast.linear_layout import Linear
@@ -64,7 +65,7 @@ from engine.serve.batch import Batch, BatchMeta
 from engine.serve.flat import FlatModel
 from engine.serve.sampler import greedy_tokens
 
-
+SCRATCH_VIEWS = 1024  # views of the scratch buffers kept for reuse (one per output name and step shape)
 
 
 def packable(dtype: torch.dtype, device: torch.device) -> bool:
@@ -228,6 +229,12 @@ class FusedFlatModel(FlatModel):
         own_rows = self.tied and self.lm_head.layout != "packed"
         self._embedding_pages = None if own_rows else releasable(model.model.embed_tokens.weight.detach())
         self._norm_weights: dict[int, torch.Tensor] = {}
+        # What ``forward`` reads of each layer besides its weights, looked up once here instead of
+        # through nn.Module attribute lookups in every layer of every step: (input norm, post-
+        # attention norm, the q/k norm's eps, attention scale, MLP block).
+        self._seams = [(layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm.eps,
+                        layer.self_attn.scale, layer.mlp) for layer in model.model.layers]
+        self.rope = RopeTable(self.cfg.head_dim, self.cfg.rope_theta, linear_dtype, device)  # rope_cos_sin's rows
         self._local = threading.local()  # per thread: the elementwise kernels' reused outputs (``_scratch``)
         trim_heap()  # the merged temporaries' heap memory back to the OS
 
@@ -246,13 +253,27 @@ class FusedFlatModel(FlatModel):
         layer and step of this thread (grown to the largest step seen): a fresh tensor per call costs
         an allocation and, at a 2,048-token step, the page faults of tens of MB of new memory per
         call. Only outputs consumed within the layer use it (a norm's output by the next matmul, q
-        by attention, SiLU-mul's by the down projection); ``forward``'s result is a new tensor."""
-        buffers = self._local.__dict__.setdefault("buffers", {})
-        numel = math.prod(shape)
-        buf = buffers.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            buf = buffers[name] = torch.empty(numel, dtype=dtype, device=self.device)
-        return buf[:numel].view(shape)
+        by attention, SiLU-mul's by the down projection); ``forward``'s result is a new tensor.
+        The view of each (name, shape, dtype) asked for is kept too (until the buffer grows), so a
+        step of a shape seen before makes no new tensor object at all."""
+        local = self._local.__dict__
+        if "views" not in local:  # this thread's first call
+            local["views"], local["buffers"] = {}, {}
+        views = local["views"]
+        key = (name, shape, dtype)
+        view = views.get(key)
+        if view is None:
+            if len(views) >= SCRATCH_VIEWS:  # many step sizes seen: start the collection again
+                views.clear()
+            buffers = local["buffers"]
+            numel = math.prod(shape)
+            buf = buffers.get(name)
+            if buf is None or buf.numel() < numel or buf.dtype != dtype:
+                buf = buffers[name] = torch.empty(numel, dtype=dtype, device=self.device)
+                for old in [k for k in views if k[0] == name]:  # views of the old buffer: let it go
+                    del views[old]
+            view = views[key] = buf[:numel].view(shape)
+        return view
 
     def layout_report(self) -> str:
         """One line per weight shape: the layout it keeps and the measured times behind it."""
@@ -287,34 +308,33 @@ class FusedFlatModel(FlatModel):
         """input_ids, positions [N] -> final hidden [N, D] in ``linear_dtype``; with ``keep_rows``
         (int64 [M] row numbers) only those rows' [M, D]: every layer writes all N rows' K/V, the
         last one attends and runs its MLP on the M rows alone."""
-        m, cfg = self.model.model, self.cfg
-        work = self.linear_dtype
+        cfg, work = self.cfg, self.linear_dtype
         hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         hidden = self.embed(input_ids)  # [N, D]
         n = hidden.shape[0]
-        cos, sin = rope_cos_sin(positions, dh, cfg.rope_theta, work)  # [N, Dh]
+        cos, sin = self.rope(positions)  # [N, Dh] each: rope_cos_sin(positions, dh, cfg.rope_theta, work)
         residual = None
-        last = len(self.layers) - 1
-        for i, (layer, weights, kv_cache) in enumerate(zip(m.layers, self.layers, kv_caches)):
-            x, residual = self._add_norm(hidden, residual, layer.input_layernorm, into="x")
+        last, window = len(self.layers) - 1, cfg.sliding_window
+        for i, (weights, seam, kv_cache) in enumerate(zip(self.layers, self._seams, kv_caches)):
+            input_norm, post_norm, qk_eps, scale, mlp = seam
+            x, residual = self._add_norm(hidden, residual, input_norm, into="x")
             qkv = weights["qkv"](x)  # [N, (Hq + 2 Hkv) Dh]
-            q, k = self._qk_norm_rope(qkv, weights["qk_norm"], cos, sin, layer.self_attn.q_norm.eps)
+            q, k = self._qk_norm_rope(qkv, weights["qk_norm"], cos, sin, qk_eps)
             q = q.to(kv_cache[0].dtype).contiguous()  # [N, Hq, Dh]
             v = qkv[:, (hq + hkv) * dh:].view(n, hkv, dh)
             backend.write(kv_cache, k, v, meta)
-            scale, window = layer.self_attn.scale, cfg.sliding_window
             if i == last and keep_rows is not None:  # from here on only the kept rows: [M, ...]
                 o = attend_rows(backend, q, kv_cache, meta, keep_rows, scale, window)
                 residual, n = residual.index_select(0, keep_rows), keep_rows.shape[0]
             else:
                 o = backend.forward(q, kv_cache, meta, scale=scale, window=window)
             hidden = weights["o"](o.reshape(n, hq * dh).to(work))  # [N, D]
-            x, residual = self._add_norm(hidden, residual, layer.post_attention_layernorm, into="x")
+            x, residual = self._add_norm(hidden, residual, post_norm, into="x")
             if "gate_up" in weights:
                 hidden = weights["down"](self._silu_mul(weights["gate_up"](x)))  # [N, 2I] -> [N, D]
             else:
-                hidden = layer.mlp(x.to(self.dtype)).to(work)  # MoE: the block itself
-        return self._add_norm(hidden, residual, m.norm)[0]
+                hidden = mlp(x.to(self.dtype)).to(work)  # MoE: the block itself
+        return self._add_norm(hidden, residual, self.model.model.norm)[0]
 
     def _add_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
                   into: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,7 +342,7 @@ class FusedFlatModel(FlatModel):
         ``into``: the kernel writes the norm into that ``_scratch`` buffer (a value used within the
         layer only), else into a new tensor."""
         if self.elementwise:
-            out = self._scratch(into, tuple(hidden.shape), hidden.dtype) if into else None
+            out = self._scratch(into, hidden.shape, hidden.dtype) if into else None
             return cpu_elementwise.add_rms_norm(hidden, residual, self._norm_weight(norm), norm.eps, out=out)
         if residual is not None:
             hidden = hidden + residual

@@ -189,8 +189,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None:
             return self.small(x)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if self.packed is not None:  # the op's one overload for a plain linear, named: no overload resolution per call
+            return torch.ops.mkldnn._linear_pointwise.default(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

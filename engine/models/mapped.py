@@ -29,6 +29,7 @@ once, and ``drop_pages`` hands them back after each read.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import sys
 
@@ -132,5 +133,8 @@ def trim_heap() -> None:
         trim(0)
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
+    """The C library's handle, opened once (``drop_pages`` runs in every step that embeds through
+    the module: opening it there cost more than the ``madvise`` itself)."""
     return ctypes.CDLL(None, use_errno=True)
