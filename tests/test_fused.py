@@ -486,3 +486,23 @@ def test_scratch_buffers_grow_and_their_views_follow():
     again = model._scratch("x", (2, 4), torch.float32)
     assert again is not small and again.data_ptr() == large.data_ptr() and again.shape == (2, 4)
     assert model._scratch("q", (2, 4), torch.float32).data_ptr() != large.data_ptr()
+
+
+def test_the_embeddings_pages_are_handed_back_every_2048_rows_looked_up(monkeypatch):
+    """A file-backed embedding read by lookups (no tied head holds its rows): its pages are dropped
+    once EMBED_DROP_ROWS rows have been looked up since the last drop, not after every decode step,
+    and the lookups return the embedding's rows either way."""
+    from engine.fast import fused as fused_module
+
+    model = tiny_model(seed=3, dtype=torch.float32, tie_word_embeddings=False)
+    flat = FusedFlatModel(model)
+    drops = []
+    monkeypatch.setattr(fused_module, "drop_pages", lambda span: drops.append(span) or True)
+    flat._embedding_pages = (4096, 4096)  # as if memory-mapped from a checkpoint
+    ids = torch.arange(16) % model.cfg.vocab_size
+    for step in range(1, 200):
+        rows = flat.embed(ids[:1] if step > 1 else ids)  # a 16-row prefill, then one-row decodes
+        assert len(drops) == (16 + step - 1) // fused_module.EMBED_DROP_ROWS
+    assert torch.equal(rows, model.model.embed_tokens(ids[:1]).to(flat.linear_dtype))
+    flat.embed(torch.zeros(fused_module.EMBED_DROP_ROWS, dtype=torch.int64))
+    assert len(drops) == 1 and flat._rows_since_drop == 0, "a 2,048-row step hands the pages back at once"

@@ -65,6 +65,8 @@ from engine.serve.batch import Batch, BatchMeta
 from engine.serve.flat import FlatModel
 from engine.serve.sampler import greedy_tokens
 
+EMBED_DROP_ROWS = 2048  # embedding rows looked up between two hand-backs of its pages (``embed``)
+
 SCRATCH_VIEWS = 1024  # views of the scratch buffers kept for reuse (one per output name and step shape)
 
 
@@ -225,9 +227,12 @@ class FusedFlatModel(FlatModel):
         else:
             self.lm_head = linear([head])
         # Lookups through the embedding module (no tied head holds its rows): its file-backed
-        # pages are handed back after each one (``embed``), not left to accumulate.
+        # pages are handed back once EMBED_DROP_ROWS rows have been looked up since the last time
+        # (``embed``), not left to accumulate: at most that many rows' pages stay resident (8 MiB at
+        # Qwen3-0.6B's shape), as after one full prefill step, without a madvise per decode step.
         own_rows = self.tied and self.lm_head.layout != "packed"
         self._embedding_pages = None if own_rows else releasable(model.model.embed_tokens.weight.detach())
+        self._rows_since_drop = 0
         self._norm_weights: dict[int, torch.Tensor] = {}
         # What ``forward`` reads of each layer besides its weights, looked up once here instead of
         # through nn.Module attribute lookups in every layer of every step: (input norm, post-
@@ -245,7 +250,10 @@ class FusedFlatModel(FlatModel):
             return self.lm_head.rows(input_ids).to(self.linear_dtype)
         rows = self.model.model.embed_tokens(input_ids).to(self.linear_dtype)  # a new tensor
         if self._embedding_pages is not None:
-            drop_pages(self._embedding_pages)
+            self._rows_since_drop += input_ids.shape[0]
+            if self._rows_since_drop >= EMBED_DROP_ROWS:
+                drop_pages(self._embedding_pages)
+                self._rows_since_drop = 0
         return rows
 
     def _scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
