@@ -280,7 +280,7 @@ def test_elementwise_kernels_match_torch(threads, isa, monkeypatch):
     from engine.fast import cpu_elementwise as ew
 
     use_isa(isa, monkeypatch)
-    monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", 1)  # share even these small calls
+    monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", dict.fromkeys(ew.MIN_ELEMENTS_PER_THREAD, 1))  # share even these small calls
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen = torch.Generator().manual_seed(1)
     n, d, hq, hkv, dh, inter = 37, 100, 3, 1, 18, 75
@@ -335,7 +335,7 @@ def test_bfloat16_elementwise_kernels_round_as_torch_does(threads, isa, dh, monk
     from engine.fast import cpu_elementwise as ew
 
     use_isa(isa, monkeypatch)
-    monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", dict.fromkeys(ew.MIN_ELEMENTS_PER_THREAD, 1))
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen, bf = torch.Generator().manual_seed(1), torch.bfloat16
     n, d, hq, hkv, inter = 37, 100, 3, 1, 75
