@@ -305,32 +305,58 @@ def test_cpu_backend_dtypes():
         CPUBackend().allocate((2, 4, 2, 8), torch.float16, "cpu")
 
 
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_cpu_backend_write_matches_write_kv(pool_dtype):
+@pytest.mark.parametrize("pool_dtype,source", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16), (torch.float64, torch.float64)])
+def test_cpu_backend_write_matches_write_kv(pool_dtype, source, monkeypatch):
     """CPUBackend.write (one kernel call) stores what the reference's write_kv stores: k and v read
-    as strided views of a merged projection, padding rows (slot -1) into the last slot, bfloat16
-    pools rounded as torch rounds; a slot outside the pool is a ValueError that writes nothing."""
+    as strided views of a merged projection, padding rows (slot -1) into the last slot, float32
+    rows into bfloat16 pools rounded as torch rounds, bfloat16 rows into bfloat16 pools bit for bit
+    (NaNs with payloads, subnormals and -0 among them); a slot outside the pool is a ValueError
+    that writes nothing. The kernel serves every case here: the reference's path is not taken."""
     from engine.serve.attention import write_kv
     from engine.fast.cpu_attention import CPUBackend
+    from engine.fast.torch_attention import TorchBackend
 
     _, cache, meta = random_paged_batch(13, 4, 4, 2, head_dim=8)
     n = meta.slot_mapping.shape[0]
     assert int((meta.slot_mapping < 0).sum()) > 0, "the batch must have padding rows"
-    source = torch.float32 if pool_dtype == torch.bfloat16 else pool_dtype
     qkv = torch.randn(n, (4 + 2 + 2) * 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(source)
+    if source == torch.bfloat16:  # odd bit patterns: a quiet NaN with a payload, a signalling one, subnormals, -0
+        bits = qkv.view(torch.int16)
+        bits[0, 32:38] = torch.tensor([0x7FC1, 0x7F81, 0x0001, -0x7FFF, -0x8000, 0x0080], dtype=torch.int16)
     k, v = qkv[:, 32:48].view(n, 2, 8), qkv[:, 48:].view(n, 2, 8)  # views, row stride 64
     want = tuple(p.to(pool_dtype).clone() for p in cache)
     write_kv(*want, k.to(pool_dtype), v.to(pool_dtype), meta.slot_mapping)
     got = tuple(p.to(pool_dtype).clone() for p in cache)
+    monkeypatch.setattr(TorchBackend, "write", lambda *a: pytest.fail("the reference's write path was taken"))
     CPUBackend().write(got, k, v, meta)
     for name, g, w in zip("kv", got, want):
-        assert torch.equal(g, w), f"CPUBackend.write stored different {name} than write_kv ({pool_dtype})"
+        same = torch.equal(g.view(torch.int16), w.view(torch.int16)) if pool_dtype == torch.bfloat16 else torch.equal(g, w)
+        assert same, f"CPUBackend.write stored different {name} than write_kv ({source} rows, {pool_dtype} pool)"
     bad = meta.slot_mapping.clone()
     bad[0] = got[0].shape[0] * got[0].shape[1]  # one past the last slot
     before = tuple(p.clone() for p in got)
     with pytest.raises(ValueError, match="outside the pool"):
         CPUBackend().write(got, k, v, dataclasses.replace(meta, slot_mapping=bad))
-    assert all(torch.equal(g, b) for g, b in zip(got, before)), "a refused write must store nothing"
+    assert all(torch.equal(g.view(torch.int8), b.view(torch.int8)) for g, b in zip(got, before)), \
+        "a refused write must store nothing"
+
+
+def test_cpu_backend_write_of_odd_bfloat16_rows_takes_the_reference_path():
+    """bfloat16 rows whose width or stride is odd cannot be read as float32 pairs: the reference's
+    path stores them, and what it stores is write_kv's."""
+    from engine.serve.attention import write_kv
+    from engine.fast.cpu_attention import CPUBackend
+
+    _, cache, meta = random_paged_batch(13, 4, 4, 1, head_dim=7)
+    n = meta.slot_mapping.shape[0]
+    qkv = torch.randn(n, 6 * 7 + 1, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)  # odd row stride
+    k, v = qkv[:, 28:35].view(n, 1, 7), qkv[:, 35:42].view(n, 1, 7)
+    want = tuple(p.to(torch.bfloat16).clone() for p in cache)
+    write_kv(*want, k, v, meta.slot_mapping)
+    got = tuple(p.to(torch.bfloat16).clone() for p in cache)
+    CPUBackend().write(got, k, v, meta)
+    assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want))
 
 
 def test_cpu_kernel_cache_key_names_the_cpu(monkeypatch):
