@@ -544,7 +544,8 @@ def test_thread_scaling_ratios_are_taken_per_round():
 
 def test_thread_scaling_runs_each_count_in_its_own_process_under_the_policy(tmp_path, capsys):
     """One round on the test preset: a run.py bench process per thread count, the spin policy in its
-    environment (its machine line says so), CPU seconds beside wall, the load printed."""
+    environment (its machine line says so), CPU seconds beside wall, the load and the other processes'
+    CPU printed."""
     from course.tuning.threads import main
 
     out = tmp_path / "threads.json"
@@ -554,7 +555,8 @@ def test_thread_scaling_runs_each_count_in_its_own_process_under_the_policy(tmp_
     assert sorted(r["threads"] for r in report["runs"]) == [1, 2]
     assert all("GOMP_SPINCOUNT=300000 (set in the environment)" in r["openmp"] for r in report["runs"])
     assert all(r["cpu"] > 0 and r["wall"] > 0 for r in report["runs"])
+    assert all(r["others"] is None or r["others"] >= 0 for r in report["runs"]), "the other processes' CPU, in cores"
     (row,) = report["summary"]
     assert row["x_wall"] > 0 and row["x_cpu"] > 0 and row["tok_cpu_s_1"] > 0
     text = capsys.readouterr().out
-    assert "load average" in text and "x CPU" in text
+    assert "load average" in text and "x CPU" in text and "other processes" in text

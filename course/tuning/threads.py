@@ -7,7 +7,8 @@ process per run, because the spin policy is read once, when torch loads its Open
 (``engine/fast/openmp.py``): ``probe`` leaves the choice to ``run.py``'s probe of the load; any
 other policy is ``VAR=VALUE[,VAR=VALUE]`` set in the run's environment (``GOMP_SPINCOUNT=300000``
 is libgomp's default). Printed per run: wall and CPU seconds, the load average before and after,
-the policy the run had; then per dtype and policy the medians, tokens per wall-second and per
+the CPU the machine's other processes used just before it (``openmp.others_busy``, in cores: the
+load average also counts this tool's own previous run), the policy the run had; then per dtype and policy the medians, tokens per wall-second and per
 CPU-second, and the two-thread ratios as the median of each round's pair (ratios taken side by
 side, the figure that survives a shared machine best). Issue 40's target: two threads at least
 1.7x one thread's tokens per wall-second on the random workload, on a machine with both cores free.
@@ -24,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from course.bench.machine import machine_line
+from engine.fast import openmp
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,6 +49,7 @@ def one_run(workload: str, preset: str, dtype: str, threads: int, policy: str, s
     env.update(policy_env(policy))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
+        others = openmp.others_busy()  # before the run, this process asleep: the other processes' CPU
         load0 = os.getloadavg()[0]
         proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "bench", "--workloads", workload, "--engines", "fast",
                                "--scaling", "", "--no-roofline", "--preset", preset, "--dtype", dtype, "--threads",
@@ -57,7 +60,7 @@ def one_run(workload: str, preset: str, dtype: str, threads: int, policy: str, s
         report = json.loads(out.read_text())
     (row,) = report["workloads"][workload]
     return {"wall": row["seconds"], "cpu": row["cpu_seconds"], "tokens": row["output_tokens"],
-            "load": (load0 + os.getloadavg()[0]) / 2, "openmp": report["machine"].get("openmp")}
+            "load": (load0 + os.getloadavg()[0]) / 2, "others": others, "openmp": report["machine"].get("openmp")}
 
 
 def summarize(runs: dict[tuple[str, str, int], list[dict]]) -> list[dict]:
@@ -71,6 +74,8 @@ def summarize(runs: dict[tuple[str, str, int], list[dict]]) -> list[dict]:
             row[f"tok_s_{t}"] = round(tokens / statistics.median(r["wall"] for r in rs), 1)
             row[f"tok_cpu_s_{t}"] = round(tokens / statistics.median(r["cpu"] for r in rs), 1)
             row[f"load_{t}"] = round(statistics.median(r["load"] for r in rs), 2)
+            seen = [r["others"] for r in rs if r.get("others") is not None]
+            row[f"others_{t}"] = round(statistics.median(seen), 2) if seen else None
         row["x_wall"] = round(statistics.median(a["wall"] / b["wall"] for a, b in zip(one, two)), 3)
         row["x_cpu"] = round(statistics.median(a["cpu"] / b["cpu"] for a, b in zip(one, two)), 3)
         rows.append(row)
@@ -79,14 +84,17 @@ def summarize(runs: dict[tuple[str, str, int], list[dict]]) -> list[dict]:
 
 def print_summary(rows: list[dict], workload: str) -> None:
     print(f"\n{workload}: two threads against one (medians; x = median of the rounds' 2-thread / 1-thread ratios; "
-          "per CPU-s: 1.00x means the second thread cost no extra CPU time)")
-    head = (f"{'dtype':9s} {'spin policy':22s} {'1t tok/s':>9s} {'tok/CPU-s':>9s} {'load':>5s} {'2t tok/s':>9s} "
-            f"{'tok/CPU-s':>9s} {'load':>5s} {'x wall':>7s} {'x CPU':>6s}")
+          "per CPU-s: 1.00x means the second thread cost no extra CPU time; other: cores the other processes used "
+          "just before a run)")
+    head = (f"{'dtype':9s} {'spin policy':22s} {'1t tok/s':>9s} {'tok/CPU-s':>9s} {'load':>5s} {'other':>5s} "
+            f"{'2t tok/s':>9s} {'tok/CPU-s':>9s} {'load':>5s} {'other':>5s} {'x wall':>7s} {'x CPU':>6s}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['dtype']:9s} {r['policy']:22s} {r['tok_s_1']:9.1f} {r['tok_cpu_s_1']:9.1f} {r['load_1']:5.2f} "
-              f"{r['tok_s_2']:9.1f} {r['tok_cpu_s_2']:9.1f} {r['load_2']:5.2f} {r['x_wall']:6.2f}x {r['x_cpu']:5.2f}x")
+        other = {t: "    ?" if r.get(f"others_{t}") is None else f"{r[f'others_{t}']:5.2f}" for t in (1, 2)}
+        print(f"{r['dtype']:9s} {r['policy']:22s} {r['tok_s_1']:9.1f} {r['tok_cpu_s_1']:9.1f} {r['load_1']:5.2f} {other[1]} "
+              f"{r['tok_s_2']:9.1f} {r['tok_cpu_s_2']:9.1f} {r['load_2']:5.2f} {other[2]} {r['x_wall']:6.2f}x "
+              f"{r['x_cpu']:5.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                     r = one_run(args.workload, args.preset, dtype, threads, policy, args.scale)
                     runs.setdefault((dtype, policy, threads), []).append(r)
                     print(f"round {k} {dtype:9s} {policy:22s} {threads}t: wall {r['wall']:.2f} s, CPU {r['cpu']:.2f} s, "
-                          f"load {r['load']:.2f} [{r['openmp']}]", flush=True)
+                          f"load {r['load']:.2f}, other processes {r['others'] if r['others'] is None else round(r['others'], 2)} "
+                          f"core(s) [{r['openmp']}]", flush=True)
     rows = summarize(runs)
     print_summary(rows, args.workload)
     print(f"machine at the end: {machine_line()}")
