@@ -527,7 +527,8 @@ def test_bench_dtype_option_builds_the_preset_in_that_dtype(tmp_path):
 
 # ----- two threads against one: course.tuning.threads -----------------------------------------------
 def test_thread_scaling_ratios_are_taken_per_round():
-    """The summary's ratios are medians of each round's side-by-side pair, not ratios of medians."""
+    """The summary's ratios are medians of each round's side-by-side pair, not ratios of medians; the
+    quiet ratio counts only rounds whose two runs both had the cores to themselves."""
     from course.tuning.threads import policy_env, summarize
 
     run = lambda wall, cpu: {"wall": wall, "cpu": cpu, "tokens": 100, "load": 1.0, "openmp": "x"}  # noqa: E731
@@ -535,6 +536,11 @@ def test_thread_scaling_ratios_are_taken_per_round():
             ("float32", "probe", 2): [run(1.0, 2.0), run(4.0, 8.0), run(2.0, 3.0)]}
     (row,) = summarize(runs)
     assert (row["x_wall"], row["x_cpu"]) == (1.5, 1.0)  # pairs 2.0, 1.0, 1.5 and 1.0, 0.5, 1.0
+    assert (row["quiet_pairs"], row["x_wall_quiet"]) == (0, None), "no run said it was quiet"
+    for r, during in zip(runs[("float32", "probe", 1)] + runs[("float32", "probe", 2)], (0.0, 0.1, 1.0, 0.1, 0.5, 0.1)):
+        r["others_during"] = during
+    (row,) = summarize(runs)
+    assert (row["quiet_pairs"], row["x_wall_quiet"]) == (1, 2.0), "only round 0 had both runs quiet"
     assert (row["tok_s_1"], row["tok_s_2"], row["tok_cpu_s_2"]) == (33.3, 50.0, 33.3)
     assert policy_env("probe") == {} and policy_env("GOMP_SPINCOUNT=5,OMP_WAIT_POLICY=PASSIVE") == {
         "GOMP_SPINCOUNT": "5", "OMP_WAIT_POLICY": "PASSIVE"}

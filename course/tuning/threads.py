@@ -101,8 +101,15 @@ def _cores(x: float | None) -> str:
     return "?" if x is None else f"{x:.2f}"
 
 
+def _quiet(run: dict) -> bool:
+    """Whether the other processes used under ``QUIET_CORES`` during the run (unknown: not quiet)."""
+    return run.get("others_during") is not None and run["others_during"] < QUIET_CORES
+
+
 def summarize(runs: dict[tuple[str, str, int], list[dict]]) -> list[dict]:
-    """Per (dtype, policy): medians at each thread count and the two-thread ratios (median of per-round pairs)."""
+    """Per (dtype, policy): medians at each thread count and the two-thread ratios (median of per-round
+    pairs); ``x_wall_quiet``: the wall ratio over the rounds whose two runs both ran on a quiet machine
+    (``quiet_pairs`` of them; None when none did)."""
     rows = []
     for dtype, policy in dict.fromkeys((d, p) for d, p, _ in runs):
         one, two = runs[(dtype, policy, 1)], runs[(dtype, policy, 2)]
@@ -117,6 +124,9 @@ def summarize(runs: dict[tuple[str, str, int], list[dict]]) -> list[dict]:
                 row[f"{key}_{t}"] = round(statistics.median(seen), 2) if seen else None
         row["x_wall"] = round(statistics.median(a["wall"] / b["wall"] for a, b in zip(one, two)), 3)
         row["x_cpu"] = round(statistics.median(a["cpu"] / b["cpu"] for a, b in zip(one, two)), 3)
+        quiet = [a["wall"] / b["wall"] for a, b in zip(one, two) if _quiet(a) and _quiet(b)]
+        row["quiet_pairs"] = len(quiet)  # rounds whose two runs both had the cores to themselves
+        row["x_wall_quiet"] = round(statistics.median(quiet), 3) if quiet else None
         rows.append(row)
     return rows
 
@@ -124,17 +134,19 @@ def summarize(runs: dict[tuple[str, str, int], list[dict]]) -> list[dict]:
 def print_summary(rows: list[dict], workload: str) -> None:
     print(f"\n{workload}: two threads against one (medians; x = median of the rounds' 2-thread / 1-thread ratios; "
           "per CPU-s: 1.00x means the second thread cost no extra CPU time; other: cores the other processes used "
-          "just before / during a run)")
+          "just before / during a run; x quiet: the wall ratio over the rounds whose runs both had under "
+          f"{QUIET_CORES} core of other processes during them)")
     head = (f"{'dtype':9s} {'spin policy':22s} {'1t tok/s':>9s} {'tok/CPU-s':>9s} {'load':>5s} {'other':>9s} "
-            f"{'2t tok/s':>9s} {'tok/CPU-s':>9s} {'load':>5s} {'other':>9s} {'x wall':>7s} {'x CPU':>6s}")
+            f"{'2t tok/s':>9s} {'tok/CPU-s':>9s} {'load':>5s} {'other':>9s} {'x wall':>7s} {'x CPU':>6s} {'x quiet (pairs)':>15s}")
     print(head)
     print("-" * len(head))
     for r in rows:
+        quiet = "-" if r.get("x_wall_quiet") is None else f"{r['x_wall_quiet']:.2f}x ({r['quiet_pairs']})"
         other = {t: "/".join("?" if r.get(f"{k}_{t}") is None else f"{r[f'{k}_{t}']:.2f}" for k in ("others", "others_during"))
                  for t in (1, 2)}
         print(f"{r['dtype']:9s} {r['policy']:22s} {r['tok_s_1']:9.1f} {r['tok_cpu_s_1']:9.1f} {r['load_1']:5.2f} {other[1]:>9s} "
               f"{r['tok_s_2']:9.1f} {r['tok_cpu_s_2']:9.1f} {r['load_2']:5.2f} {other[2]:>9s} {r['x_wall']:6.2f}x "
-              f"{r['x_cpu']:5.2f}x")
+              f"{r['x_cpu']:5.2f}x {quiet:>15s}")
 
 
 def main(argv: list[str] | None = None) -> int:
