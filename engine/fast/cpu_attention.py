@@ -85,13 +85,6 @@ def load_kernel(variant: str = "native") -> ctypes.CDLL:
     return lib
 
 
-def _pairs(*tensors: torch.Tensor) -> bool:
-    """Whether 16-bit tensors [..., D] can be read as float32 ones [..., D / 2] (pairs of values):
-    D even, the last dimension contiguous, every other stride even, 4-byte aligned."""
-    return all(t.shape[-1] % 2 == 0 and t.stride(-1) == 1 and all(s % 2 == 0 for s in t.stride()[:-1])
-               and t.data_ptr() % 4 == 0 for t in tensors)
-
-
 class CPUBackend(TorchBackend):
     """TorchBackend whose rows read the pool in place through a C++ kernel (name "cpu"); same
     contract and results as the reference. Cascade attention is off: with no per-request copy
@@ -139,29 +132,30 @@ class CPUBackend(TorchBackend):
         """The reference's ``write_kv`` (padding rows into the last slot) in one kernel call, k and v
         read where they lie (e.g. views of a merged qkv projection). Float32 rows into a bfloat16
         pool are rounded on the way; bfloat16 rows into a bfloat16 pool (a bfloat16 model's own
-        projections) are copied bit for bit as pairs of 16-bit values, through the float32 kernel on
-        float32 views of rows and pools (a copy moves bits; it computes nothing). Rows of any other
-        dtype or layout take the reference's path."""
+        projections) are copied bit for bit as pairs of 16-bit values, through the float32 kernel
+        reading rows and pools as float32 words (a copy moves bits; it computes nothing). Rows of any
+        other dtype or layout take the reference's path."""
         k_pool, v_pool, slots = *cache, meta.slot_mapping
         n, hkv, d = k.shape
         if v.shape != k.shape or k_pool.shape[2:] != (hkv, d) or v_pool.shape != k_pool.shape:
             raise ValueError(f"write: rows k {tuple(k.shape)}, v {tuple(v.shape)} do not fit pools "
                              f"{tuple(k_pool.shape)}, {tuple(v_pool.shape)} ([blocks, bs, Hkv, D] each)")
-        rows, pools, pool_dtype = (k, v), (k_pool, v_pool), k_pool.dtype
-        if pool_dtype == torch.bfloat16 and k.dtype == v.dtype == torch.bfloat16 and _pairs(k, v, k_pool, v_pool):
-            rows, pools = tuple(t.view(torch.float32) for t in rows), tuple(t.view(torch.float32) for t in pools)
-            pool_dtype, d = torch.float32, d // 2  # [N, Hkv, D / 2] pairs into [blocks, bs, Hkv, D / 2]
-        source = torch.float32 if pool_dtype == torch.bfloat16 else pool_dtype
-        rows_ok = all(t.dtype == source and t.stride(2) == 1 and t.stride(1) == d for t in rows)
+        rows_ok = all(t.stride(2) == 1 and t.stride(1) == d for t in (k, v))
         slots_ok = slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == n
         if not (rows_ok and slots_ok and k_pool.is_contiguous() and v_pool.is_contiguous()):
+            return super().write(cache, k, v, meta)
+        pool_dtype, width, ldk, ldv = k_pool.dtype, hkv * d, k.stride(0), v.stride(0)
+        if k.dtype == v.dtype == pool_dtype == torch.bfloat16:  # pairs of 16-bit values as float32 words
+            if width % 2 or ldk % 2 or ldv % 2 or any(t.data_ptr() % 4 for t in (k, v, k_pool, v_pool)):
+                return super().write(cache, k, v, meta)
+            pool_dtype, width, ldk, ldv = torch.float32, width // 2, ldk // 2, ldv // 2
+        elif k.dtype != v.dtype or k.dtype != (torch.float32 if pool_dtype == torch.bfloat16 else pool_dtype):
             return super().write(cache, k, v, meta)
         fn = getattr(self._lib, f"write_kv_{DTYPES[pool_dtype]}")
         num_slots = k_pool.shape[0] * k_pool.shape[1]
         threads = max(1, min(torch.get_num_threads(), n // MIN_WRITE_ROWS_PER_THREAD))
-        (k, v), (k_pool, v_pool) = rows, pools
-        bad = fn(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), n, hkv * d,
-                 k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
+        bad = fn(k.data_ptr(), ldk, v.data_ptr(), ldv, slots.data_ptr(), n, width, k_pool.data_ptr(),
+                 v_pool.data_ptr(), num_slots, threads)
         if bad:
             raise ValueError(f"write: {bad} slot(s) of the slot mapping lie outside the pool's {num_slots} slots")
 
