@@ -311,6 +311,7 @@ def test_cpu_backend_decode_row_plan_is_the_general_plan(pad):
     position seq_len - 1, a padding request's row at -1) equals the general plan's tables and
     positions, and attention through it equals the reference's."""
     from engine.fast.cpu_attention import CPUBackend
+    from engine.fast.torch_attention import TorchBackend
 
     q, cache, meta = random_paged_batch(40 + pad, 4, 4, 2, num_reqs=6, pad=pad, decode_only=True)
     n = q.shape[0]
@@ -343,19 +344,42 @@ def test_cpu_backend_write_matches_write_kv(pool_dtype, source, monkeypatch):
     n = meta.slot_mapping.shape[0]
     assert int((meta.slot_mapping < 0).sum()) > 0, "the batch must have padding rows"
     qkv = torch.randn(n, (4 + 2 + 2) * 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(source)
+    if source == torch.bfloat16:  # odd bit patterns: a quiet NaN with a payload, a signalling one, subnormals, -0
+        bits = qkv.view(torch.int16)
+        bits[0, 32:38] = torch.tensor([0x7FC1, 0x7F81, 0x0001, -0x7FFF, -0x8000, 0x0080], dtype=torch.int16)
     k, v = qkv[:, 32:48].view(n, 2, 8), qkv[:, 48:].view(n, 2, 8)  # views, row stride 64
     want = tuple(p.to(pool_dtype).clone() for p in cache)
     write_kv(*want, k.to(pool_dtype), v.to(pool_dtype), meta.slot_mapping)
     got = tuple(p.to(pool_dtype).clone() for p in cache)
+    monkeypatch.setattr(TorchBackend, "write", lambda *a: pytest.fail("the reference's write path was taken"))
     CPUBackend().write(got, k, v, meta)
     for name, g, w in zip("kv", got, want):
-        assert torch.equal(g, w), f"CPUBackend.write stored different {name} than write_kv ({pool_dtype})"
+        same = torch.equal(g.view(torch.int16), w.view(torch.int16)) if pool_dtype == torch.bfloat16 else torch.equal(g, w)
+        assert same, f"CPUBackend.write stored different {name} than write_kv ({source} rows, {pool_dtype} pool)"
     bad = meta.slot_mapping.clone()
     bad[0] = got[0].shape[0] * got[0].shape[1]  # one past the last slot
     before = tuple(p.clone() for p in got)
     with pytest.raises(ValueError, match="outside the pool"):
         CPUBackend().write(got, k, v, dataclasses.replace(meta, slot_mapping=bad))
-    assert all(torch.equal(g, b) for g, b in zip(got, before)), "a refused write must store nothing"
+    assert all(torch.equal(g.view(torch.int8), b.view(torch.int8)) for g, b in zip(got, before)), \
+        "a refused write must store nothing"
+
+
+def test_cpu_backend_write_of_odd_bfloat16_rows():
+    """bfloat16 rows of an odd width (7) at an odd row stride: stored bit for bit as write_kv stores
+    them (the copy kernel moves bytes, whatever the width)."""
+    from engine.serve.attention import write_kv
+    from engine.fast.cpu_attention import CPUBackend
+
+    _, cache, meta = random_paged_batch(13, 4, 4, 1, head_dim=7)
+    n = meta.slot_mapping.shape[0]
+    qkv = torch.randn(n, 6 * 7 + 1, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)  # odd row stride
+    k, v = qkv[:, 28:35].view(n, 1, 7), qkv[:, 35:42].view(n, 1, 7)
+    want = tuple(p.to(torch.bfloat16).clone() for p in cache)
+    write_kv(*want, k, v, meta.slot_mapping)
+    got = tuple(p.to(torch.bfloat16).clone() for p in cache)
+    CPUBackend().write(got, k, v, meta)
+    assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want))
 
 
 def test_cpu_kernel_cache_key_names_the_cpu(monkeypatch):

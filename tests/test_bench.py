@@ -527,7 +527,8 @@ def test_bench_dtype_option_builds_the_preset_in_that_dtype(tmp_path):
 
 # ----- two threads against one: course.tuning.threads -----------------------------------------------
 def test_thread_scaling_ratios_are_taken_per_round():
-    """The summary's ratios are medians of each round's side-by-side pair, not ratios of medians."""
+    """The summary's ratios are medians of each round's side-by-side pair, not ratios of medians; the
+    quiet ratio counts only rounds whose two runs both had the cores to themselves."""
     from course.tuning.threads import policy_env, summarize
 
     run = lambda wall, cpu: {"wall": wall, "cpu": cpu, "tokens": 100, "load": 1.0, "openmp": "x"}  # noqa: E731
@@ -535,6 +536,11 @@ def test_thread_scaling_ratios_are_taken_per_round():
             ("float32", "probe", 2): [run(1.0, 2.0), run(4.0, 8.0), run(2.0, 3.0)]}
     (row,) = summarize(runs)
     assert (row["x_wall"], row["x_cpu"]) == (1.5, 1.0)  # pairs 2.0, 1.0, 1.5 and 1.0, 0.5, 1.0
+    assert (row["quiet_pairs"], row["x_wall_quiet"]) == (0, None), "no run said it was quiet"
+    for r, during in zip(runs[("float32", "probe", 1)] + runs[("float32", "probe", 2)], (0.0, 0.1, 1.0, 0.1, 0.5, 0.1)):
+        r["others_during"] = during
+    (row,) = summarize(runs)
+    assert (row["quiet_pairs"], row["x_wall_quiet"]) == (1, 2.0), "only round 0 had both runs quiet"
     assert (row["tok_s_1"], row["tok_s_2"], row["tok_cpu_s_2"]) == (33.3, 50.0, 33.3)
     assert policy_env("probe") == {} and policy_env("GOMP_SPINCOUNT=5,OMP_WAIT_POLICY=PASSIVE") == {
         "GOMP_SPINCOUNT": "5", "OMP_WAIT_POLICY": "PASSIVE"}
@@ -544,17 +550,20 @@ def test_thread_scaling_ratios_are_taken_per_round():
 
 def test_thread_scaling_runs_each_count_in_its_own_process_under_the_policy(tmp_path, capsys):
     """One round on the test preset: a run.py bench process per thread count, the spin policy in its
-    environment (its machine line says so), CPU seconds beside wall, the load printed."""
+    environment (its machine line says so), CPU seconds beside wall, the load and the other processes'
+    CPU printed."""
     from course.tuning.threads import main
 
     out = tmp_path / "threads.json"
-    assert main(["--rounds", "1", "--dtypes", "float32", "--preset", "test", "--scale", "0.1",
+    assert main(["--rounds", "1", "--dtypes", "float32", "--preset", "test", "--scale", "0.1", "--quiet-wait", "1",
                  "--spin", "GOMP_SPINCOUNT=300000", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert sorted(r["threads"] for r in report["runs"]) == [1, 2]
     assert all("GOMP_SPINCOUNT=300000 (set in the environment)" in r["openmp"] for r in report["runs"])
     assert all(r["cpu"] > 0 and r["wall"] > 0 for r in report["runs"])
+    for key in ("others", "others_during"):
+        assert all(r[key] is None or r[key] >= 0 for r in report["runs"]), f"the other processes' CPU ({key}), in cores"
     (row,) = report["summary"]
     assert row["x_wall"] > 0 and row["x_cpu"] > 0 and row["tok_cpu_s_1"] > 0
     text = capsys.readouterr().out
-    assert "load average" in text and "x CPU" in text
+    assert "load average" in text and "x CPU" in text and "other processes" in text

@@ -280,7 +280,7 @@ def test_elementwise_kernels_match_torch(threads, isa, monkeypatch):
     from engine.fast import cpu_elementwise as ew
 
     use_isa(isa, monkeypatch)
-    monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", 1)  # share even these small calls
+    monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", dict.fromkeys(ew.MIN_ELEMENTS_PER_THREAD, 1))  # share even these small calls
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen = torch.Generator().manual_seed(1)
     n, d, hq, hkv, dh, inter = 37, 100, 3, 1, 18, 75
@@ -335,7 +335,7 @@ def test_bfloat16_elementwise_kernels_round_as_torch_does(threads, isa, dh, monk
     from engine.fast import cpu_elementwise as ew
 
     use_isa(isa, monkeypatch)
-    monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", dict.fromkeys(ew.MIN_ELEMENTS_PER_THREAD, 1))
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen, bf = torch.Generator().manual_seed(1), torch.bfloat16
     n, d, hq, hkv, inter = 37, 100, 3, 1, 75
@@ -506,3 +506,45 @@ def test_the_embeddings_pages_are_handed_back_every_2048_rows_looked_up(monkeypa
     assert torch.equal(rows, model.model.embed_tokens(ids[:1]).to(flat.linear_dtype))
     flat.embed(torch.zeros(fused_module.EMBED_DROP_ROWS, dtype=torch.int64))
     assert len(drops) == 1 and flat._rows_since_drop == 0, "a 2,048-row step hands the pages back at once"
+
+
+
+
+@pytest.mark.parametrize("shared", ["every call", "as shipped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cpu_engine_on_two_real_threads(dtype, shared, monkeypatch):
+    """On two real torch threads (one OpenMP team: oneDNN's matmuls and every C++ kernel) the fused
+    CPU engine serves generate()'s greedy tokens in float32 and bfloat16, under chunked prefill:
+    with every kernel call shared over both threads (each per-call threshold at 1: elementwise,
+    attention rows, K/V writes, greedy rows) and with the thresholds as shipped. Where a 16-bit
+    model's matmuls run in float32 (no bf16 units) the oracle is the same engine on one thread."""
+    from engine.fast import cpu_attention, cpu_elementwise as ew, cpu_greedy
+
+    if shared == "every call":
+        monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", dict.fromkeys(ew.MIN_ELEMENTS_PER_THREAD, 1))
+        monkeypatch.setattr(cpu_greedy, "MIN_ELEMENTS_PER_THREAD", 1)
+        monkeypatch.setattr(cpu_attention, "MIN_ROWS_PER_THREAD", 1)
+        monkeypatch.setattr(cpu_attention, "MIN_WRITE_ROWS_PER_THREAD", 1)
+    model = tiny_model(seed=3, dtype=dtype)
+
+    def engine() -> EngineCore:
+        return EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused",
+                                              max_num_batched_tokens=16, long_prefill_token_threshold=8))
+    before = torch.get_num_threads()
+    want = None
+    try:
+        if engine().flat.numerics is not None:
+            want = engine()
+            for i, (p, m) in enumerate(zip(prompts_for(model), MAX_TOKENS)):
+                want.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
+            want = want.run_until_done()
+        torch.set_num_threads(2)
+        core = engine()
+        if want is None:
+            assert_serves_generate(core, model, f"{dtype} on two threads ({shared})")
+            return
+        for i, (p, m) in enumerate(zip(prompts_for(model), MAX_TOKENS)):
+            core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
+        assert core.run_until_done() == want, f"{dtype} on two threads ({shared}) differs from one thread"
+    finally:
+        torch.set_num_threads(before)

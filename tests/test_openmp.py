@@ -128,19 +128,36 @@ def test_runtimes_reads_every_openmp_runtime_once(tmp_path):
 
 
 def test_the_spin_probe_shortens_spins_on_a_busy_machine_only():
-    """Load above half the cores: GOMP_SPINCOUNT=BUSY_SPIN_COUNT; cores to spare: libgomp's default;
-    a policy already in the environment stands either way."""
+    """Other processes using more than BUSY_SHARE of the cores: GOMP_SPINCOUNT=BUSY_SPIN_COUNT;
+    cores to spare: libgomp's default; a policy already in the environment stands either way."""
     env: dict[str, str] = {}
     assert openmp.prefer_short_spins(env, load=1.5, cores=2).startswith(f"GOMP_SPINCOUNT={openmp.BUSY_SPIN_COUNT}")
     assert env == {"GOMP_SPINCOUNT": str(openmp.BUSY_SPIN_COUNT)}
     env = {}
-    assert "libgomp's default spin" in openmp.prefer_short_spins(env, load=0.9, cores=2) and env == {}
-    assert "libgomp's default spin" in openmp.prefer_short_spins(env, load=7.0, cores=16) and env == {}
+    assert openmp.prefer_short_spins(env, load=0.6, cores=2).startswith("GOMP_SPINCOUNT="), "0.6 of 2 cores: busy"
+    env = {}
+    assert "libgomp's default spin" in openmp.prefer_short_spins(env, load=0.3, cores=2) and env == {}
+    assert "libgomp's default spin" in openmp.prefer_short_spins(env, load=3.0, cores=16) and env == {}
     assert not openmp.busy(None, 2) and not openmp.busy(3.0, None)
     for given in ({"GOMP_SPINCOUNT": "300000"}, {"OMP_WAIT_POLICY": "PASSIVE"}):
         env = dict(given)
         assert openmp.prefer_short_spins(env, load=9.0, cores=2).startswith("{}={}".format(*next(iter(given.items()))))
         assert env == given, "a policy the user set was changed"
+
+
+def test_the_probe_reads_the_other_processes_cpu_time(tmp_path):
+    """cpu_ticks reads /proc/stat's first line (busy = all but idle and iowait); others_busy is the
+    cores' worth of non-idle time over its window, within [0, cores] on this machine (Linux), and
+    None where the file cannot be read (then the load average decides)."""
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 20 30 400 50 6 7 8 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    assert openmp.cpu_ticks(str(stat)) == (100 + 20 + 30 + 6 + 7 + 8, 621)
+    assert openmp.others_busy(0.01, str(stat), cores=2) is None, "no tick passed: unknown, not idle"
+    assert openmp.cpu_ticks(str(tmp_path / "absent")) is None
+    assert openmp.others_busy(0.01, str(tmp_path / "absent")) is None
+    if LINUX:
+        seen = openmp.others_busy(0.05, cores=os.cpu_count())
+        assert seen is not None and 0.0 <= seen <= (os.cpu_count() or 1) + 1e-9, seen
 
 
 PROBE = """

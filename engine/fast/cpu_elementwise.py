@@ -25,7 +25,17 @@ import torch
 from engine.fast.cpu_build import OptionalKernels
 
 SOURCE = Path(__file__).with_name("cpu_elementwise_kernel.cpp")
-MIN_ELEMENTS_PER_THREAD = 32768  # less work than this per thread: one thread does it all
+# Less work than this per thread (elements of the call's output, per kernel and dtype): one thread
+# does it all. A second thread pays once a call takes ~8 us on one (waking it and joining it cost
+# ~2-4 us), and the kernels' costs per element differ ~4x: at 64 rows, ctypes calls on the AMX
+# Xeon of issue 40 (median us, one thread / two): bfloat16 add_rms_norm [64, 512] 11.5 / 9.8,
+# qk_norm_rope [64, 12 heads of 64] 41 / 25, silu_mul [64, 1536] 46 / 26; float32 6.6 / 9.9,
+# 15 / 13, 29 / 19. Two threads first paid at (rows) bfloat16 64 / 16 / 8, float32 256 / 32 / 16.
+MIN_ELEMENTS_PER_THREAD = {
+    ("add_rms_norm", torch.bfloat16): 16384, ("add_rms_norm", torch.float32): 65536,
+    ("qk_norm_rope", torch.bfloat16): 6144, ("qk_norm_rope", torch.float32): 12288,
+    ("silu_mul", torch.bfloat16): 6144, ("silu_mul", torch.float32): 12288,
+}
 MAX_HEAD_DIM = 1024  # the kernel's per-head scratch buffer
 
 
@@ -109,10 +119,12 @@ def takes_head_dim(dh: int) -> bool:
     return dh % 2 == 0 and 0 < dh <= MAX_HEAD_DIM
 
 
-def _threads(elements: int) -> int:
-    if elements < 2 * MIN_ELEMENTS_PER_THREAD:  # one thread whatever torch's count (not asked for)
+def _threads(kernel: str, dtype: torch.dtype, elements: int) -> int:
+    """The threads a ``kernel`` call in ``dtype`` writing ``elements`` shares its rows over."""
+    least = MIN_ELEMENTS_PER_THREAD[(kernel, dtype)]
+    if elements < 2 * least:  # one thread whatever torch's count (not asked for)
         return 1
-    return max(1, min(torch.get_num_threads(), elements // MIN_ELEMENTS_PER_THREAD))
+    return max(1, min(torch.get_num_threads(), elements // least))
 
 
 _functions: dict[tuple[str, torch.dtype, str], ctypes._CFuncPtr] = {}  # (kernel, dtype, width) -> the C function
@@ -163,7 +175,7 @@ def add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor | None, weight: to
     n, d = residual.shape
     out = _out(out, residual, (n, d))
     kernel(hidden.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                   n, d, eps, add, _threads(n * d))
+                                   n, d, eps, add, _threads("add_rms_norm", out.dtype, n * d))
     return out, residual
 
 
@@ -183,7 +195,7 @@ def qk_norm_rope(qkv: torch.Tensor, hq: int, hkv: int, dh: int, weight: torch.Te
                          f"{tuple(cos.shape)}, {tuple(sin.shape)}")
     q = _out(out, qkv, (n, hq, dh))
     kernel(qkv.data_ptr(), qkv.shape[1], n, hq, hkv, dh, weight.data_ptr(), cos.data_ptr(),
-                                   sin.data_ptr(), q.data_ptr(), eps, _threads(n * (hq + hkv) * dh))
+                                   sin.data_ptr(), q.data_ptr(), eps, _threads("qk_norm_rope", q.dtype, n * (hq + hkv) * dh))
     return q
 
 
@@ -194,5 +206,5 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
         raise ValueError(f"silu_mul takes gate_up [N, 2I], got {tuple(gate_up.shape)}")
     n, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = _out(out, gate_up, (n, width))
-    kernel(gate_up.data_ptr(), out.data_ptr(), n, width, _threads(n * width))
+    kernel(gate_up.data_ptr(), out.data_ptr(), n, width, _threads("silu_mul", out.dtype, n * width))
     return out

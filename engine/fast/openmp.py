@@ -25,12 +25,19 @@ OMP_WAIT_POLICY=PASSIVE: 0.93x, 0.94x). No spin count makes two threads pay on a
 second core free, but a short one keeps them from costing ten times.
 
 So the policy is chosen by a probe at a process's entry point (``prefer_short_spins()``; ``run.py``
-calls it): the load average against the cores. Load above half the cores (``BUSY_SHARE``): a busy
-machine, ``GOMP_SPINCOUNT=BUSY_SPIN_COUNT``; otherwise libgomp's default stands. The choice is
-printed in every benchmark's machine line (``describe()``). libgomp reads these variables once, when
-it is loaded (by ``import torch``), so the probe must run before torch is imported; a
-``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` already in the environment wins (the way to force either
-choice), and child processes inherit it, so ``bench-peers``' vLLM worker runs under the core's policy.
+calls it): how much CPU the machine's OTHER processes use now. The probe sleeps ``PROBE_SECONDS``
+and reads the non-idle time of all cores from ``/proc/stat`` before and after (``others_busy``): what
+ran meanwhile was not this process. Other processes holding more than ``BUSY_SHARE`` of the cores (on
+2 cores: half a core): a busy machine, ``GOMP_SPINCOUNT=BUSY_SPIN_COUNT``; otherwise libgomp's default
+stands. (The 1-minute load average the probe read before counted this process's own recent work: a
+benchmark that starts a process per run, as ``course.tuning.threads`` does, saw its previous run as
+load 1 and chose short spins on a quiet machine, where two threads then ran 1.04x one thread in
+bfloat16 instead of ~1.5x. Where ``/proc/stat`` cannot be read, the load average still decides.)
+The choice is printed in every benchmark's machine line (``describe()``). libgomp reads these
+variables once, when it is loaded (by ``import torch``), so the probe must run before torch is
+imported; a ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` already in the environment wins (the way to
+force either choice), and child processes inherit it, so ``bench-peers``' vLLM worker runs under the
+core's policy.
 """
 from __future__ import annotations
 
@@ -42,7 +49,8 @@ import sys
 
 BUSY_SPIN_COUNT = 1_000  # libgomp spin iterations before an idle worker sleeps, on a busy machine (~11 us here)
 DEFAULT_SPIN_COUNT = 300_000  # libgomp's own, with OMP_WAIT_POLICY unset (~3.3 ms here)
-BUSY_SHARE = 0.5  # a 1-minute load average above this share of the cores: a busy machine
+BUSY_SHARE = 0.25  # other processes using more than this share of the cores: a busy machine
+PROBE_SECONDS = 0.2  # how long the probe watches the other processes' CPU use (/proc/stat counts in 10 ms ticks)
 SPIN_VARS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")  # either one set by the user: their policy stands
 # The OpenMP runtimes a process may map: GNU (libgomp, or a wheel's renamed libgomp-<hash>),
 # Intel (libiomp5) and LLVM (libomp).
@@ -68,32 +76,70 @@ def runtimes(maps: str = "/proc/self/maps") -> list[str]:
     return seen
 
 
+def cpu_ticks(stat: str = "/proc/stat") -> tuple[int, int] | None:
+    """(busy, all) clock ticks of all cores since boot, from ``stat``'s ``cpu`` line (idle and
+    iowait are not busy); None where it cannot be read (not Linux)."""
+    try:
+        with open(stat) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 5:
+        return None
+    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    idle = ticks[3] + ticks[4]
+    return sum(ticks) - idle, sum(ticks)
+
+
+def others_busy(seconds: float = PROBE_SECONDS, stat: str = "/proc/stat", cores: int | None = None) -> float | None:
+    """The cores' worth of CPU time the machine's other processes used over the next ``seconds``
+    (this one sleeps meanwhile, so all of it is theirs): 0.0 idle .. ``cores``. None where
+    ``/proc/stat`` cannot be read."""
+    import time
+
+    before = cpu_ticks(stat)
+    if before is None:
+        return None
+    time.sleep(seconds)
+    after = cpu_ticks(stat)
+    if after is None or after[1] <= before[1]:
+        return None
+    cores = cores or os.cpu_count() or 1
+    return cores * (after[0] - before[0]) / (after[1] - before[1])
+
+
 def busy(load: float | None, cores: int | None) -> bool:
-    """The probe: a machine whose 1-minute load average is above ``BUSY_SHARE`` of its cores is busy
-    (other jobs hold the cores two threads would need). Unknown load or cores: not busy."""
+    """The probe's rule: a machine whose other processes use more than ``BUSY_SHARE`` of its cores
+    (``load``: in cores, ``others_busy``'s figure, or the load average where that is unknown) is
+    busy: they hold the cores two threads would need. Unknown load or cores: not busy."""
     return load is not None and bool(cores) and load > BUSY_SHARE * cores
 
 
 def prefer_short_spins(environ: dict | None = None, load: float | None = None, cores: int | None = None) -> str:
-    """On a busy machine (``busy``: the load average now, unless ``load`` is given) set
+    """On a busy machine (``busy``: the other processes' CPU use now, ``others_busy``, unless
+    ``load`` is given; the load average where /proc/stat is unreadable) set
     ``GOMP_SPINCOUNT=BUSY_SPIN_COUNT`` in ``environ`` (``os.environ``), unless a spin policy is set
     there already; returns what is now in effect and why. Call it before torch is imported: libgomp
     reads the variable once, when it is loaded, so with ``os.environ`` and an OpenMP runtime already
-    in the process this changes nothing and says so."""
+    in the process this changes nothing and says so (and does not measure)."""
     global _why
     env = os.environ if environ is None else environ
-    if load is None and hasattr(os, "getloadavg"):
-        load = os.getloadavg()[0]
     cores = cores if cores is not None else os.cpu_count()
+    what = "other processes' CPU"
     if any(v in env for v in SPIN_VARS):
         why = "set in the environment"
     elif environ is None and runtimes():
         why = "not chosen: the OpenMP runtime was loaded before the probe"
-    elif busy(load, cores):
-        env["GOMP_SPINCOUNT"] = str(BUSY_SPIN_COUNT)
-        why = f"busy machine: load {load:.1f} on {cores} cores"
     else:
-        why = f"cores to spare: load {load:.1f} on {cores} cores" if load is not None else "load unknown"
+        if load is None:
+            load = others_busy(cores=cores)
+        if load is None and hasattr(os, "getloadavg"):
+            load, what = os.getloadavg()[0], "load average"
+        if busy(load, cores):
+            env["GOMP_SPINCOUNT"] = str(BUSY_SPIN_COUNT)
+            why = f"busy machine: {what} {load:.1f} on {cores} cores"
+        else:
+            why = f"cores to spare: {what} {load:.1f} on {cores} cores" if load is not None else "load unknown"
     if environ is None:
         _why = why
     return f"{spin_policy(env)} ({why})"
