@@ -318,6 +318,20 @@ def test_the_amx_kernel_leaves_the_matrix_units_as_it_found_them():
     assert torch.equal(torch.nn.functional.linear(x, w), before)
 
 
+# ----- the engine on each path: greedy tokens equal generate() ------------------------------------
+def assert_serves_generate(core: EngineCore, model, what: str) -> None:
+    """Prompts that share a cached prefix (two blocks of 8) served greedily: generate()'s tokens."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (37, 5, 21, 50, 12)]
+    prompts[4] = prompts[0][:16] + prompts[4]
+    lens = (12, 15, 9, 5, 13)
+    for i, (p, m) in enumerate(zip(prompts, lens)):
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
+    out = core.run_until_done()
+    for i, (p, m) in enumerate(zip(prompts, lens)):
+        assert out[f"r{i}"] == generate(model, p, m), f"request r{i} on {what} differs from generate()"
+
+
 @pytest.mark.parametrize("path", ["amx", "blocked"])
 def test_bfloat16_engine_on_the_matrix_kernels_matches_generate(path, monkeypatch):
     """A bfloat16 model (the fused flat model: bf16 matmuls where the CPU has bf16 units) with every
@@ -327,10 +341,6 @@ def test_bfloat16_engine_on_the_matrix_kernels_matches_generate(path, monkeypatc
 
     monkeypatch.setenv(cpu_prefill.ENV, path)
     model = tiny_model(seed=3, dtype=torch.bfloat16)
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (37, 5, 21, 50, 12)]
-    prompts[4] = prompts[0][:16] + prompts[4]
-    lens = (12, 15, 9, 5, 13)
     core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused",
                                           max_num_batched_tokens=16, long_prefill_token_threshold=8))
     cfg = model.cfg
@@ -338,14 +348,9 @@ def test_bfloat16_engine_on_the_matrix_kernels_matches_generate(path, monkeypatc
     want = path if path != "amx" or cpu_prefill.amx_serves(torch.bfloat16, cfg.num_attention_heads,
                                                            cfg.num_key_value_heads, cfg.head_dim) else "blocked"
     assert core.runner.backend.prefill_choice(torch.bfloat16, cfg.num_attention_heads, pool).path == want
-    for i, (p, m) in enumerate(zip(prompts, lens)):
-        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
-    out = core.run_until_done()
-    for i, (p, m) in enumerate(zip(prompts, lens)):
-        assert out[f"r{i}"] == generate(model, p, m), f"request r{i} on prefill path {path!r} (bfloat16) differs from generate()"
+    assert_serves_generate(core, model, f"prefill path {path!r} (bfloat16)")
 
 
-# ----- the engine on each path: greedy tokens equal generate() ------------------------------------
 @pytest.mark.parametrize("path", ["kernel", "sdpa", "blocked"])
 @pytest.mark.parametrize("config", [dict(), dict(max_num_batched_tokens=16, long_prefill_token_threshold=8)])
 def test_engine_on_each_prefill_path_matches_generate(path, config, monkeypatch):
@@ -355,17 +360,9 @@ def test_engine_on_each_prefill_path_matches_generate(path, config, monkeypatch)
 
     monkeypatch.setenv(cpu_prefill.ENV, path)
     model = tiny_model(seed=3, dtype=torch.float64)
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (37, 5, 21, 50, 12)]
-    prompts[4] = prompts[0][:16] + prompts[4]
-    lens = (12, 15, 9, 5, 13)
     core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", **config))
     assert core.runner.backend.prefill_choice(torch.float64, 4, (torch.zeros(1, 8, 2, 32),) * 2).path == path
-    for i, (p, m) in enumerate(zip(prompts, lens)):
-        core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
-    out = core.run_until_done()
-    for i, (p, m) in enumerate(zip(prompts, lens)):
-        assert out[f"r{i}"] == generate(model, p, m), f"request r{i} on prefill path {path!r} differs from generate()"
+    assert_serves_generate(core, model, f"prefill path {path!r}")
 
 
 # ----- the decode kernel's builds: AVX-512 (+ AVX512-BF16 dot products) where the CPU has them, AVX2 ----
