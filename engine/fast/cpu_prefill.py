@@ -21,7 +21,7 @@ is most of a 64-row request's time). The mask stays exact, and is made only wher
 - a sliding window w: the keys from the first row's window on, with an additive mask
   (0 visible / -inf hidden) of row i seeing p when c + i - w < p <= c + i.
 
-``attend_blocked`` is the other matrix path: ``cpu_prefill_kernel.cpp``, tiles of 32 query rows
+``attend_packed("blocked", ...)`` is the other matrix path: ``cpu_prefill_kernel.cpp``, tiles of 32 query rows
 (every query head of a kv head's group) against chunks of keys packed once per tile, scores and
 values as register-blocked products with an online softmax, all of a step's requests in one
 call, no Python per request; float32 K is transposed by AVX-512 gathers. Heads of a multiple of
@@ -164,12 +164,17 @@ def attend_requests(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return o.transpose(1, 2).to(q.dtype)  # [B, t, Hq, D]
 
 
+# The C++ matrix kernels' one signature: (q, k, v, out, tables, table stride, row0, rows, context,
+# requests, Hq, Hkv, D, block size, scale, window, threads) -> status (0: computed; else nothing was).
+PACKED_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 \
+    + [ctypes.c_double, ctypes.c_int64, ctypes.c_int64]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     for name in DTYPE_NAMES.values():
         fn = getattr(lib, f"prefill_blocked_{name}")
         fn.restype = ctypes.c_int64  # -1: this head size is not served (nothing computed)
-        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 \
-            + [ctypes.c_double, ctypes.c_int64, ctypes.c_int64]
+        fn.argtypes = PACKED_ARGTYPES
 
 
 _blocked = OptionalKernels(BLOCKED_SOURCE, _declare)  # cpu_prefill_kernel.cpp, built on first use
@@ -188,8 +193,7 @@ def blocked_serves(dtype: torch.dtype, d: int) -> bool:
 
 def _declare_amx(lib: ctypes.CDLL) -> None:
     lib.prefill_amx_bfloat16.restype = ctypes.c_int64  # 0; -1 not served here; -2 tiles refused (nothing computed)
-    lib.prefill_amx_bfloat16.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 \
-        + [ctypes.c_int64] * 5 + [ctypes.c_double, ctypes.c_int64, ctypes.c_int64]
+    lib.prefill_amx_bfloat16.argtypes = PACKED_ARGTYPES
     lib.prefill_amx_available.restype = ctypes.c_int64
     lib.prefill_amx_available.argtypes = []
     lib.prefill_amx_tile_config.restype = ctypes.c_int64  # the calling thread's 64-byte tile setup (tests)
@@ -259,13 +263,6 @@ def attend_packed(path: str, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
         raise ValueError(f"the {path} prefill kernel does not serve {hq} query / {hkv} kv heads of {d} here "
                          f"(status {status}); force another path with {ENV}")
     return out
-
-
-def attend_blocked(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                   row0: torch.Tensor, rows: torch.Tensor, context: torch.Tensor, scale: float, window: int,
-                   out: torch.Tensor) -> torch.Tensor:
-    """``attend_packed`` through the blocked kernel (cpu_prefill_kernel.cpp)."""
-    return attend_packed("blocked", q, k_pool, v_pool, tables, row0, rows, context, scale, window, out)
 
 
 def measure(kernel: Callable[[torch.Tensor, tuple, torch.Tensor, int], torch.Tensor], dtype: torch.dtype,

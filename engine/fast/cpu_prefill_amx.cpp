@@ -79,19 +79,6 @@ struct Request {
 };
 
 inline uint16_t bits(BF16 x) { return x.bits; }
-inline uint16_t to_bf16(float x) {  // round to nearest even (no NaN reaches here: weights are finite)
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  u += 0x7FFF + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
-inline float from_bf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 // Scratch of one thread, grown to the largest item it meets.
 struct Scratch {
   std::vector<uint32_t> kt, vp;  // packed K (pairs of head values) and V (pairs of keys)
