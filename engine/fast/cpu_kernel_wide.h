@@ -32,22 +32,13 @@ inline float value(uint16_t h) {
   return f;
 }
 
-// The vector types of each width (GCC applies no vector_size that depends on a template argument).
+// The vector types of a width: float / int32 / uint32 lanes, and as many bfloat16 bit patterns.
 template <int Bytes>
-struct WideTypes;
-template <>
-struct WideTypes<32> {
-  typedef float F __attribute__((vector_size(32)));
-  typedef int32_t I __attribute__((vector_size(32)));
-  typedef uint32_t U __attribute__((vector_size(32)));
-  typedef uint16_t H __attribute__((vector_size(16)));  // 8 bfloat16 bit patterns
-};
-template <>
-struct WideTypes<64> {
-  typedef float F __attribute__((vector_size(64)));
-  typedef int32_t I __attribute__((vector_size(64)));
-  typedef uint32_t U __attribute__((vector_size(64)));
-  typedef uint16_t H __attribute__((vector_size(32)));  // 16 bfloat16 bit patterns
+struct WideTypes {
+  typedef float F __attribute__((vector_size(Bytes)));
+  typedef int32_t I __attribute__((vector_size(Bytes)));
+  typedef uint32_t U __attribute__((vector_size(Bytes)));
+  typedef uint16_t H __attribute__((vector_size(Bytes / 2)));
 };
 
 template <int Bytes>
