@@ -27,21 +27,19 @@ memory is the same on ordinary pages. This module imports torch only when a func
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
 import sys
 
 MADV_HUGEPAGE = 14  # Linux's advice number (asm-generic/mman-common.h)
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 with 4 KiB base pages
 TORCH_VAR = "THP_MEM_ALLOC_ENABLE"  # read by PyTorch's CPU allocator once, at its first allocation
-_libc_handle: list[ctypes.CDLL | None] = []
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
-    if not _libc_handle:
-        name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
-        _libc_handle.append(ctypes.CDLL(name, use_errno=True) if name else None)
-    return _libc_handle[0]
+    """The C library's handle, opened once (Linux only: MADV_HUGEPAGE's number is Linux's)."""
+    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def advise(t) -> bool:
