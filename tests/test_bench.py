@@ -80,6 +80,35 @@ def test_scaling_point_keeps_every_request_running():
     assert set(MODEL_PRESETS) == {"test", "small", "qwen3-0.6b"} and MODEL_PRESETS["test"] == {}
 
 
+def test_a_kept_core_engine_starts_each_run_fresh():
+    """The race keeps one warm core engine, as vLLM's worker keeps its own: ``fresh()`` empties its
+    prefix cache and restarts its counts, so a second run is the first one again (same tokens,
+    steps and hit rate), where serving again without it hits the first run's blocks."""
+    from course.bench.compare import CoreRunner
+    from course.bench.workloads import WorkItem, shared_prefix_workload
+    from engine.models import tiny_model
+    from engine.serve import SamplingParams
+
+    model = tiny_model(seed=0)
+    items = shared_prefix_workload(4, seed=1, system_len=48, question_len=(8, 8), output_len=(3, 3))
+    renamed = lambda tag: [WorkItem(i.request_id + tag, i.prompt_token_ids, i.max_tokens) for i in items]  # noqa: E731
+    runner = CoreRunner(model, "torch", max_num_seqs=8)
+    first = runner.serve(renamed("a"))
+    first_stats = runner.stats()
+    assert 0 < first_stats["hit_rate"] < 1 and first_stats["steps"] > 0
+    assert runner.fresh() is runner
+    second = runner.serve(renamed("b"))
+    assert runner.stats() == first_stats
+    assert [second[i.request_id + "b"] for i in items] == [first[i.request_id + "a"] for i in items]
+    runner.fresh()
+    runner.serve(renamed("c"))
+    again = runner.serve(renamed("d"))  # no fresh(): the cache still holds run c's blocks
+    assert runner.stats()["hit_rate"] > first_stats["hit_rate"] and again
+    runner.core.add_request("left", items[0].prompt_token_ids, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="still has requests"):
+        runner.fresh()
+
+
 def test_peer_runner_time_and_agreement(capsys):
     """A peer engine (another process) reports its own serve time, which the bench uses; the
     agreement column falls back to the fast core when core/reference does not run."""

@@ -150,6 +150,19 @@ class CoreRunner:
             config.setdefault("gpu_memory_utilization", 0.5)  # leave room for the other engines' runs
         self.core = EngineCore(model, EngineConfig(attention_backend=backend, **config))
         wait_compiled(self.core)
+        self._since = (0, 0, 0, 0)  # steps, preemptions, prefix-cache queries, hits at the last fresh()
+
+    def fresh(self) -> CoreRunner:
+        """This engine, kept warm, made to start the next ``serve`` as a new one would: an empty
+        prefix cache (``reset_prefix_cache``) and ``stats`` counted from here. What a new engine
+        would pay again (its K/V pool's and buffers' first page faults, the allocator's warm-up)
+        is not paid: vLLM's engine, kept alive across runs, does not pay it either."""
+        core = self.core
+        if core.has_unfinished():
+            raise ValueError("fresh(): the engine still has requests (a serve that did not finish)")
+        core.blocks.reset_prefix_cache()
+        self._since = (core.steps, core.preemptions, core.blocks.num_queries, core.blocks.num_hits)
+        return self
 
     def serve(self, items: list[WorkItem]) -> dict[str, list[int]]:
         for item in items:
@@ -158,9 +171,12 @@ class CoreRunner:
         return self.core.run_until_done()
 
     def stats(self) -> dict:
-        blocks = self.core.blocks
-        return {"steps": self.core.steps, "hit_rate": round(blocks.hit_rate, 3),
-                "preemptions": self.core.preemptions, "kv_slots": blocks.num_blocks * blocks.block_size}
+        """Counts since this runner was built, or since its last ``fresh()``."""
+        core, blocks = self.core, self.core.blocks
+        steps, preemptions, queries, hits = self._since
+        queries, hits = blocks.num_queries - queries, blocks.num_hits - hits
+        return {"steps": core.steps - steps, "hit_rate": round(hits / queries if queries else 0.0, 3),
+                "preemptions": core.preemptions - preemptions, "kv_slots": blocks.num_blocks * blocks.block_size}
 
 
 class SlotRunner:
@@ -303,8 +319,8 @@ def longest_request(workload: Workload) -> int:
 def compare_engines(model, workload: Workload, fast_backend: str, engines: list[str], hf=None,
                     hf_batch: int = 64, repeat: int = 1, log: Callable[[str], None] = print,
                     peers: dict[str, Callable[[], object]] | None = None) -> list[RunResult]:
-    """Run ``workload`` through each engine: a fresh engine per run, after a small warm-up of its
-    own; with ``repeat`` > 1 each engine keeps its fastest run (timing noise only ever slows down).
+    """Run ``workload`` through each engine: a new engine per run from its factory (the race's
+    factories hand out their kept engine, ``fresh()``), after a small warm-up of its own; with ``repeat`` > 1 each engine keeps its fastest run (timing noise only ever slows down).
     Repeats go round-robin (every engine once, then every engine again), so a slow spell of a
     shared machine lands on one run of each engine rather than on all runs of one. ``peers`` adds
     engines by name (``course.peers.race``: vLLM in its own process, the core's configurations).

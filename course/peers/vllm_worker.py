@@ -13,7 +13,7 @@ original stdout (everything vLLM prints goes to stderr):
 
 Every request is greedy (temperature 0) and decodes exactly ``max_tokens`` (``ignore_eos``). The
 prefix cache is emptied before a ``serve`` whose ``reset`` is true (the bench sends it at the start
-of each timed run, as the course's engines start each run on a fresh engine) and kept otherwise
+of each timed run, as the race empties the core's kept engine's with ``CoreRunner.fresh``) and kept otherwise
 (the later rounds of a run, e.g. a chat's next turns, hit the earlier rounds' blocks, as in the
 course's engine). On start it prints its configuration as the ready line, so the bench can state it.
 """
