@@ -12,6 +12,7 @@
     python -m course.tuning.levers pages --requests 64 --dtype bfloat16          decode attention: K/V pools on 4 KiB vs huge pages
     python -m course.tuning.levers linear-pages --requests 1 --rounds 5         0.6B-shape weights streamed: torch's allocator on huge pages or not
     python -m course.tuning.levers ew-step [--preset qwen3-0.6b] [--rows 2048]   one step's elementwise kernels: torch ops / avx2 / avx512
+    python -m course.tuning.levers linear-amx [--preset qwen3-0.6b] [--rows 1,16,64,256]   bf16 linears: oneDNN packed vs the AMX kernel
 
 ``attention`` times one layer's decode attention on the bench's small-model shapes (8 query / 4
 kv heads of 64, blocks of 16): TorchBackend (gather, then bmm), CPUBackend (the C++ kernel reading
@@ -667,10 +668,47 @@ def linear_pages(args) -> None:
           f"{args.rounds} fresh processes each: {res} (huge pages {res['4 KiB pages'] / res['huge pages']:.2f}x)")
 
 
+def linear_amx(args) -> None:
+    """A preset's layer weights in bfloat16 (the small preset's 4 layers, 25 MB; Qwen3-0.6B's 28,
+    880 MB: out of every cache), a pass of one matmul per weight at each of ``--rows``: oneDNN's
+    prepacked matmul and the AMX kernel's own packing (``cpu_linear_amx``), interleaved rounds, median ms."""
+    from course.bench.compare import MODEL_PRESETS
+    from course.bench.machine import machine_line
+    from engine.fast import cpu_linear_amx
+    from engine.fast.linear_layout import PACK_BATCH
+
+    print(machine_line(torch.get_num_threads()))
+    if not cpu_linear_amx.available():
+        print("the AMX linear does not run here (no AMX-BF16, or the OS refused the tiles): nothing to compare")
+        return
+    cfg = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 32, **MODEL_PRESETS[args.preset]}
+    d, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    qkv = (heads + 2 * cfg["num_key_value_heads"]) * cfg["head_dim"]
+    layers = args.layers or cfg["num_hidden_layers"]
+    shapes = [(d, qkv), (heads * cfg["head_dim"], d), (d, 2 * inter), (inter, d)] * layers  # (in, out)
+    gen = torch.Generator().manual_seed(0)
+    packed, tiles = [], []
+    for k, n in shapes:
+        w = torch.randn(n, k, generator=gen).bfloat16()
+        packed.append(torch.ops.mkldnn._reorder_linear_weight(w, batch_size=PACK_BATCH))
+        tiles.append(cpu_linear_amx.AmxLinear(w))
+    size = sum(k * n * 2 for k, n in shapes)
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k, _ in shapes}
+        fns = {"oneDNN packed": lambda: [torch.ops.mkldnn._linear_pointwise.default(xs[k], w, None, "none", [], "")
+                                         for w, (k, _) in zip(packed, shapes)],
+               "amx": lambda: [t(xs[k]) for t, (k, _) in zip(tiles, shapes)]}
+        res = interleaved(fns, args.rounds)
+        print(f"{args.preset}, {layers} layers' bf16 linears ({size / 1e6:.0f} MB), {rows} row(s), "
+              f"{torch.get_num_threads()} thread(s), median ms of a pass: {res} "
+              f"(amx {res['oneDNN packed'] / res['amx']:.2f}x; {size / res['amx'] / 1e6:.1f} GB/s)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("attention", "prefill-attention", "step", "parts", "linear", "elementwise",
-                                     "ew-step", "argmax", "pages", "linear-pages"))
+                                     "ew-step", "argmax", "pages", "linear-pages", "linear-amx"))
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--dtype", default="float32")
@@ -696,7 +734,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     {"attention": attention, "prefill-attention": prefill_attention, "step": step, "parts": parts, "linear": linear,
      "elementwise": elementwise, "ew-step": ew_step, "argmax": argmax, "pages": pages,
-     "linear-pages": linear_pages}[args.what](args)
+     "linear-pages": linear_pages, "linear-amx": linear_amx}[args.what](args)
     return 0
 
 

@@ -11,7 +11,8 @@ and, on a CPU, a few microseconds of dispatch. This class serves the same comput
 - SiLU and the gate product done in place on the merged output;
 - on a CPU, each weight shape in the layout measured fastest for it at load time
   (``linear_layout.choose``): prepacked for oneDNN's matmul (float32, or bfloat16 with bf16 units)
-  or, in float32, in ``cpu_linear``'s small-batch kernel's panels;
+  or, in float32, in ``cpu_linear``'s small-batch kernel's panels, or, in bfloat16 on a CPU with
+  AMX, in ``cpu_linear_amx``'s tiles;
 - ONE resident copy of every weight: each linear keeps only the layout its kernel reads
   (``Linear``), built once here, and every row count goes through it. The merged q/k/v and
   gate/up tensors are temporaries on the way to that layout (or, where the layout is the plain
@@ -19,7 +20,7 @@ and, on a CPU, a few microseconds of dispatch. This class serves the same comput
   memory-mapped from the checkpoint by ``load_model``, hand their resident pages back once read
   (``engine.models.mapped``) and stay valid for ``generate()``. A tied LM head keeps the
   embedding's own plain tensor or, measured faster, a layout of its own (``embed`` then reads the
-  lookups from its panels, or from the embedding's pages of the tokens looked up);
+  lookups from its panels or tiles, or from the embedding's pages of the tokens looked up);
 - on a CPU in float32 or bfloat16, each seam's elementwise work (residual add + norm, q/k norm +
   RoPE, SiLU-mul) as one call of ``cpu_elementwise``'s kernels instead of ~25 PyTorch operations a
   layer (in bfloat16 rounding where those operations round; AVX-512 wide where the CPU has it),
@@ -59,7 +60,7 @@ from engine.models.mapped import drop_pages, releasable, release_pages, trim_hea
 from engine.precision import work_dtype
 from engine.rope import RopeTable
 from engine.serve.attention import AttentionBackend, KVCache
-from engine.fast import cpu_elementwise, cpu_greedy, cpu_linear, linear_layout
+from engine.fast import cpu_elementwise, cpu_greedy, cpu_linear, cpu_linear_amx, linear_layout
 from engine.fast.linear_layout import Linear
 from engine.serve.batch import Batch, BatchMeta
 from engine.serve.flat import FlatModel
@@ -168,8 +169,12 @@ class FusedFlatModel(FlatModel):
         # The small-batch kernel's panels: float32 arithmetic on CPU, where the kernel builds (a
         # bfloat16 model's panels keep its 16-bit values: linear_layout.held_dtype).
         small = linear_dtype == torch.float32 and device.type == "cpu" and cpu_linear.library() is not None
-        # Each linear's candidate layouts, the reference (kept on a near-tie) first.
-        candidates = (("packed",) if self.pack else ()) + (("small",) if small else ()) or ("plain",)
+        # The AMX kernel's tiles: bfloat16 arithmetic on a CPU with AMX-BF16 (cpu_linear_amx).
+        amx = linear_dtype == torch.bfloat16 and device.type == "cpu" and cpu_linear_amx.available()
+        # Each linear's candidate layouts, the reference (kept on a near-tie) first; a shape the
+        # AMX kernel does not take (out features not a multiple of 16, in features of 32) goes without.
+        candidates = ((("packed",) if self.pack else ()) + (("small",) if small else ()) + (("amx",) if amx else ())
+                      or ("plain",))
         if elementwise is None:  # float32 or bfloat16 on a CPU where the elementwise kernels build
             elementwise = (linear_dtype in cpu_elementwise.DTYPES and device.type == "cpu"
                            and cpu_elementwise.library() is not None)
@@ -191,6 +196,8 @@ class FusedFlatModel(FlatModel):
             tensor; otherwise the merged tensor is a temporary, and the model's file-backed
             originals hand their pages back."""
             n, k = sum(p.shape[0] for p in params), params[0].shape[1]
+            if not cpu_linear_amx.takes(n, k):
+                among = tuple(c for c in among if c != "amx") or ("plain",)
             choice = choose(n, k, among)
             with torch.no_grad():
                 whole = merged([p.detach() for p in params]) if len(params) > 1 else params[0].detach()

@@ -2,7 +2,8 @@
 
 A float32 weight on a CPU can be served by two kernels, each reading its own layout of the weight:
 oneDNN's matmul on its prepacked (blocked) copy, or ``cpu_linear``'s small-batch kernel on its
-16-column panels. Which is faster depends on the shape, the row count, the CPU and its caches:
+16-column panels. A bfloat16 weight on a CPU with AMX likewise: oneDNN's, or ``cpu_linear_amx``'s
+tile products on its own packing (``amx``), which streams a decode step's weights ~1.8x faster. Which is faster depends on the shape, the row count, the CPU and its caches:
 on one machine the small kernel won at 16 rows and lost at 64 and 256 (issue 27's Intel CPU); on
 another (an AMD EPYC without AMX) oneDNN won almost everywhere on a weight in cache, and lost at
 16 rows on weights streamed from memory. So it is measured, not assumed.
@@ -21,7 +22,7 @@ machine only ever adds time); at 16 rows through copies as large as the last-lev
 reference (the first candidate: oneDNN's, or the plain tensor a tied head shares with the
 embedding) must win by ``MARGIN``, so that a near-tie does not flip from one start to the next.
 Results are cached per (shape, dtype, threads, candidates) for the process. The choice is
-deterministic given the measurement; ``ENGINE_LINEAR_LAYOUT=small|packed|plain`` (or the flat
+deterministic given the measurement; ``ENGINE_LINEAR_LAYOUT=small|packed|plain|amx`` (or the flat
 model's ``layout=`` argument) forces one where it is available (elsewhere the reference), for
 tests and A/B runs.
 """
@@ -35,9 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.fast import cpu_linear, probe
+from engine.fast import cpu_linear, cpu_linear_amx, probe
 
-LAYOUTS = ("packed", "small", "plain")  # oneDNN-prepacked, cpu_linear panels, the plain tensor
+LAYOUTS = ("packed", "small", "plain", "amx")  # oneDNN-prepacked, cpu_linear panels, the plain tensor, AMX tiles
 PROBE_ROWS = (16, 64, 256)  # the row counts each layout is timed at
 PROBE_BYTES = 32 << 20  # the probe's copies of a weight together (fewest rows): as much as the last-level cache
 PROBE_MAX_COPIES = 8
@@ -167,8 +168,9 @@ class Linear:
     """A weight [out, in] held in ONE layout, the one its kernel reads, and applied through it:
     oneDNN's prepacked matmul (``packed``: the weight reordered once into the blocked layout the
     matmul kernel reads, instead of on every call), or ``cpu_linear.SmallLinear``'s panels
-    (``small``), or the plain tensor through ``F.linear`` (``weight``). Exactly one of the three is
-    set; the others are None. ``layout`` names it; ``choice`` says how it was chosen
+    (``small``), or ``cpu_linear_amx.AmxLinear``'s tiles (``amx``: bfloat16 on a CPU with AMX), or
+    the plain tensor through ``F.linear`` (``weight``). Exactly one of the four is set; the others
+    are None. ``layout`` names it; ``choice`` says how it was chosen
     (``linear_layout.choose``: measured per shape at load time, or forced).
     """
 
@@ -176,9 +178,11 @@ class Linear:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
         self.n, self.k = weight.shape
-        self.weight = self.packed = self.small = None
+        self.weight = self.packed = self.small = self.amx = None
         if layout == "small":
             self.small = cpu_linear.SmallLinear(weight)
+        elif layout == "amx":
+            self.amx = cpu_linear_amx.AmxLinear(weight)
         elif layout == "packed":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=PACK_BATCH)
         else:
@@ -189,15 +193,19 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None:
             return self.small(x)
+        if self.amx is not None:
+            return self.amx(x)
         if self.packed is not None:  # the op's one overload for a plain linear, named: no overload resolution per call
             return torch.ops.mkldnn._linear_pointwise.default(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [N] of the weight, [N, in] (an embedding lookup in a tied head's layout);
-        plain or panels only (oneDNN's packed layout is opaque)."""
+        plain, panels or AMX tiles (oneDNN's packed layout is opaque)."""
         if self.small is not None:
             return self.small.rows(ids)
+        if self.amx is not None:
+            return self.amx.rows(ids)
         if self.weight is None:
             raise ValueError("a packed linear cannot look up rows")
         return F.embedding(ids, self.weight)
@@ -205,7 +213,11 @@ class Linear:
     @property
     def held(self) -> torch.Tensor:
         """The one tensor this linear holds (panels, oneDNN's packed weight or the plain one)."""
-        return self.small.panels if self.small is not None else self.packed if self.packed is not None else self.weight
+        if self.small is not None:
+            return self.small.panels
+        if self.amx is not None:
+            return self.amx.packed
+        return self.packed if self.packed is not None else self.weight
 
     @property
     def dtype(self) -> torch.dtype:
@@ -215,6 +227,8 @@ class Linear:
         """Bytes this linear holds of its own (0 for a plain weight shared with the model)."""
         if self.small is not None:
             return self.small.panels.numel() * self.small.panels.element_size()
+        if self.amx is not None:
+            return self.amx.packed.numel() * self.amx.packed.element_size()
         if self.packed is not None:  # an opaque oneDNN tensor: at least the weight's own size
             return self.n * self.k * self.packed.element_size()
         return 0

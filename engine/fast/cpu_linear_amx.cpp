@@ -1,0 +1,275 @@
+// A bfloat16 linear on the CPU's matrix units (AMX): out [M, N] = x [M, K] W^T, for the few rows
+// of a decode step, where a step's time is the weights' trip from memory.
+//
+// Built at first use by engine/fast/cpu_linear_amx.py (the host's C++ compiler, -O3 -march=native)
+// and called through ctypes. Where the build does not target AMX-BF16 or Linux refuses this
+// process the tile state, the entries return -1 / -2 and compute nothing; the Python side then
+// never offers the layout.
+//
+// The weight is packed once (`linear_amx_pack`) into the order the kernel reads it, so that a call
+// streams it front to back, one pass, whatever the row count up to a chunk:
+//   - columns in blocks of 16 (one tile's width), blocks in groups of kGroup (the tiles one pass
+//     over a row block keeps: kGroup float accumulators);
+//   - within a group, for each 32-deep slice of K, the group's B tiles side by side: tile (block,
+//     slice) holds 16 rows of pairs, row p = for each of the block's 16 columns c, the weight
+//     values W[c][2p], W[c][2p + 1] of the slice (the matrix units' pair layout), 1 KiB.
+// So a group's tiles are one contiguous run of K / 32 x kGroup KiB, and groups follow each other.
+//
+// A call: the rows in chunks of kChunkRows (a chunk's input stays in the L2 cache); per chunk the
+// column groups are shared by torch's OpenMP workers (`share`, cpu_kernel_share.h); per group,
+// for each 16-row block of the chunk: the group's accumulators zeroed, then for each slice one A
+// tile (16 rows x 32 of x, read in place; a last block of fewer rows from a zero-padded copy) and
+// the group's B tiles, one tile product each; the float tiles out through a small buffer, each
+// element rounded once to the output's dtype (bfloat16: to nearest even, as PyTorch rounds).
+// Products of bfloat16 values are exact in float and the sums are float: oneDNN's arithmetic on
+// the same values, in another summation order.
+//
+// The tile configuration belongs to the thread: each work loop saves the one in force (oneDNN's,
+// or none), loads its own, and puts the saved one back (or releases the tiles) before returning.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_kernel_share.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#define LINEAR_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define LINEAR_AMX 0
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 16;       // columns of a block (one tile's width in floats)
+constexpr int64_t kDepth = 32;      // K of a slice (one tile product's depth in bf16)
+constexpr int64_t kGroup = 4;       // column blocks a pass keeps accumulators for
+constexpr int64_t kRows = 16;       // rows of a block (a tile's rows)
+constexpr int64_t kChunkRows = 256;  // rows whose input is kept in cache across the groups
+constexpr int64_t kTile = kRows * kDepth;  // bf16 elements of a B tile (16 pair rows x 16 columns x 2)
+
+// Where tile (block nb, slice kb) starts in the packed weight, in elements.
+inline int64_t tile_offset(int64_t nb, int64_t kb, int64_t blocks, int64_t slices) {
+  const int64_t g0 = nb / kGroup * kGroup, width = std::min(kGroup, blocks - g0);
+  return (g0 * slices + kb * width + (nb - g0)) * kTile;
+}
+
+#if LINEAR_AMX
+struct TileConfig {  // the LDTILECFG memory layout, palette 1
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
+
+bool tiles_permitted() {  // Linux hands a process the tile data state only when asked
+  static const bool ok = [] {
+    constexpr long kReqPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+// 16 floats -> 16 bfloat16, to_bf16's rounding on every lane (NaN lanes quieted, not rounded).
+inline void round_16(const float* src, uint16_t* dst) {
+  const __m512i u = _mm512_loadu_si512(src);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet)));
+}
+
+// Rows [r0, r0 + 16) of a chunk against one group of `width` column blocks starting at block nb0:
+// tiles 0-3 accumulate, tile 4 is A, tiles 5-7 B. `a` points at the block's first row (stride lda
+// elements); `acc` receives the 16 x (width x 16) floats.
+template <int W>
+inline void group_block(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t slices, float* acc) {
+  if (W > 0) _tile_zero(0);
+  if (W > 1) _tile_zero(1);
+  if (W > 2) _tile_zero(2);
+  if (W > 3) _tile_zero(3);
+  for (int64_t kb = 0; kb < slices; ++kb) {
+    _tile_loadd(4, a + kb * kDepth, lda * 2);
+    const uint16_t* t = b + kb * W * kTile;
+    // B tiles in registers 5, 6, 7 in turn: a load need not wait for the product reading the last
+    if (W > 0) { _tile_loadd(5, t, 64); _tile_dpbf16ps(0, 4, 5); }
+    if (W > 1) { _tile_loadd(6, t + kTile, 64); _tile_dpbf16ps(1, 4, 6); }
+    if (W > 2) { _tile_loadd(7, t + 2 * kTile, 64); _tile_dpbf16ps(2, 4, 7); }
+    if (W > 3) { _tile_loadd(5, t + 3 * kTile, 64); _tile_dpbf16ps(3, 4, 5); }
+  }
+  const int64_t ld = kGroup * kCols * 4;  // bytes per row of acc
+  if (W > 0) _tile_stored(0, acc, ld);
+  if (W > 1) _tile_stored(1, acc + kCols, ld);
+  if (W > 2) _tile_stored(2, acc + 2 * kCols, ld);
+  if (W > 3) _tile_stored(3, acc + 3 * kCols, ld);
+}
+
+// Two row blocks (A tiles 4, 5: `a0`, `a1`, each of stride lda; R = 1: `a0` only) against C column
+// blocks of one group (B tiles at `b`, `stride` elements apart per slice, in registers 6 and 7):
+// accumulators 0-3 = (row block i, column block j) at 2i + j; out to acc0 / acc1 (16 x C x 16 each).
+template <int R, int C>
+inline void pair_block(const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint16_t* b, int64_t stride,
+                       int64_t slices, float* acc0, float* acc1) {
+  _tile_zero(0);
+  if (C > 1) _tile_zero(1);
+  if (R > 1) _tile_zero(2);
+  if (R > 1 && C > 1) _tile_zero(3);
+  for (int64_t kb = 0; kb < slices; ++kb) {
+    _tile_loadd(4, a0 + kb * kDepth, lda * 2);
+    if (R > 1) _tile_loadd(5, a1 + kb * kDepth, lda * 2);
+    const uint16_t* t = b + kb * stride;
+    _tile_loadd(6, t, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (R > 1) _tile_dpbf16ps(2, 5, 6);
+    if (C > 1) {  // the second column block's B in register 7: its load need not wait for register 6's readers
+      _tile_loadd(7, t + kTile, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      if (R > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  const int64_t ld = kGroup * kCols * 4;
+  _tile_stored(0, acc0, ld);
+  if (C > 1) _tile_stored(1, acc0 + kCols, ld);
+  if (R > 1) _tile_stored(2, acc1, ld);
+  if (R > 1 && C > 1) _tile_stored(3, acc1 + kCols, ld);
+}
+
+// acc (rows x cols floats, row stride kGroup x 16) -> out rows r0.. at column c0, rounded once.
+inline void emit(const float* acc, int64_t rows, int64_t cols, void* out, int64_t out_f32, int64_t n, int64_t r0,
+                 int64_t c0) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* src = acc + i * kGroup * kCols;
+    if (out_f32) {
+      std::memcpy(static_cast<float*>(out) + (r0 + i) * n + c0, src, cols * sizeof(float));
+    } else {
+      uint16_t* dst = static_cast<uint16_t*>(out) + (r0 + i) * n + c0;
+      for (int64_t j = 0; j < cols; j += kCols) round_16(src + j, dst + j);
+    }
+  }
+}
+
+int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n, void* out, int64_t out_f32,
+            int64_t threads) {
+  if (!tiles_permitted()) return -2;
+  const int64_t blocks = n / kCols, slices = k / kDepth, groups = (blocks + kGroup - 1) / kGroup;
+  const int64_t full = m / kRows * kRows;  // rows served in place; the rest from a padded copy
+  std::vector<uint16_t> tail;
+  if (full < m) {
+    tail.assign(kRows * k, 0);
+    std::memcpy(tail.data(), x + full * k, (m - full) * k * sizeof(uint16_t));
+  }
+  for (int64_t c0 = 0; c0 < m; c0 += kChunkRows) {
+    const int64_t c1 = std::min(m, c0 + kChunkRows);
+    share(groups, threads, [&](int64_t begin, int64_t end) {
+      TileConfig saved, mine{};
+      _tile_storeconfig(&saved);
+      mine.palette_id = 1;
+      for (int t = 0; t < 8; ++t) {
+        mine.rows[t] = kRows;
+        mine.colsb[t] = 64;
+      }
+      _tile_loadconfig(&mine);
+      alignas(64) float acc[2][kRows * kGroup * kCols];
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t nb0 = g * kGroup, width = std::min(kGroup, blocks - nb0);
+        const uint16_t* b = w + tile_offset(nb0, 0, blocks, slices);
+        if (c1 - c0 > kRows) {  // several row blocks: two at a time against two column blocks, each B tile used twice
+          for (int64_t j = 0; j < width; j += 2) {
+            const int64_t cols = std::min<int64_t>(2, width - j);
+            for (int64_t r0 = c0; r0 < c1; r0 += 2 * kRows) {
+              const int64_t r1 = r0 + kRows;
+              const uint16_t* a0 = r0 < full ? x + r0 * k : tail.data();
+              const uint16_t* a1 = r1 < full ? x + r1 * k : tail.data();
+              const uint16_t* bj = b + j * kTile;
+              const int64_t stride = width * kTile;
+              if (r1 < c1) {
+                if (cols == 2) pair_block<2, 2>(a0, a1, k, bj, stride, slices, acc[0], acc[1]);
+                else pair_block<2, 1>(a0, a1, k, bj, stride, slices, acc[0], acc[1]);
+              } else {
+                if (cols == 2) pair_block<1, 2>(a0, a1, k, bj, stride, slices, acc[0], acc[1]);
+                else pair_block<1, 1>(a0, a1, k, bj, stride, slices, acc[0], acc[1]);
+              }
+              emit(acc[0], std::min(kRows, m - r0), cols * kCols, out, out_f32, n, r0, (nb0 + j) * kCols);
+              if (r1 < c1) emit(acc[1], std::min(kRows, m - r1), cols * kCols, out, out_f32, n, r1, (nb0 + j) * kCols);
+            }
+          }
+          continue;
+        }
+        for (int64_t r0 = c0; r0 < c1; r0 += kRows) {
+          const uint16_t* a = r0 < full ? x + r0 * k : tail.data();
+          switch (width) {
+            case 4: group_block<4>(a, k, b, slices, acc[0]); break;
+            case 3: group_block<3>(a, k, b, slices, acc[0]); break;
+            case 2: group_block<2>(a, k, b, slices, acc[0]); break;
+            default: group_block<1>(a, k, b, slices, acc[0]); break;
+          }
+          emit(acc[0], std::min(kRows, m - r0), width * kCols, out, out_f32, n, r0, nb0 * kCols);
+        }
+      }
+      if (saved.palette_id) {
+        _tile_loadconfig(&saved);
+      } else {
+        _tile_release();
+      }
+    });
+  }
+  return 0;
+}
+#endif
+
+}  // namespace
+
+// Whether this build runs the kernel (AMX-BF16 targeted); the OS may still refuse the tiles (-2).
+extern "C" int64_t linear_amx_available() { return LINEAR_AMX; }
+
+// w [N, K] bfloat16 (row-major) -> packed [N * K] in the kernel's order (see the top). N must be a
+// multiple of 16 and K of 32 (the caller checks).
+extern "C" void linear_amx_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* packed) {
+  const int64_t blocks = n / kCols, slices = k / kDepth;
+  for (int64_t nb = 0; nb < blocks; ++nb)
+    for (int64_t kb = 0; kb < slices; ++kb) {
+      uint16_t* t = packed + tile_offset(nb, kb, blocks, slices);
+      for (int64_t p = 0; p < kRows; ++p)
+        for (int64_t c = 0; c < kCols; ++c) {
+          const uint16_t* src = w + (nb * kCols + c) * k + kb * kDepth + 2 * p;
+          t[p * 2 * kCols + 2 * c] = src[0];
+          t[p * 2 * kCols + 2 * c + 1] = src[1];
+        }
+    }
+}
+
+// The inverse, for rows `ids` [count] of the weight: out [count, K] bfloat16 (an embedding lookup
+// in a tied head's layout).
+extern "C" void linear_amx_rows(const uint16_t* packed, int64_t n, int64_t k, const int64_t* ids, int64_t count,
+                                uint16_t* out) {
+  const int64_t blocks = n / kCols, slices = k / kDepth;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t row = ids[i], nb = row / kCols, c = row % kCols;
+    for (int64_t kb = 0; kb < slices; ++kb) {
+      const uint16_t* t = packed + tile_offset(nb, kb, blocks, slices);
+      for (int64_t p = 0; p < kRows; ++p) {
+        out[i * k + kb * kDepth + 2 * p] = t[p * 2 * kCols + 2 * c];
+        out[i * k + kb * kDepth + 2 * p + 1] = t[p * 2 * kCols + 2 * c + 1];
+      }
+    }
+  }
+}
+
+// out [M, N] (bfloat16, or float32 when out_f32) = x [M, K] bfloat16 times the packed weight's
+// transpose. Returns 0; -1 where this build has no AMX; -2 where Linux refused the tile state.
+extern "C" int64_t linear_amx_bfloat16(const void* x, int64_t m, int64_t k, const void* packed, int64_t n,
+                                       void* out, int64_t out_f32, int64_t threads) {
+#if LINEAR_AMX
+  return run(static_cast<const uint16_t*>(x), m, k, static_cast<const uint16_t*>(packed), n, out, out_f32, threads);
+#else
+  (void)x, (void)m, (void)k, (void)packed, (void)n, (void)out, (void)out_f32, (void)threads;
+  return -1;
+#endif
+}

@@ -1,0 +1,119 @@
+"""A bfloat16 linear on the CPU's matrix units (``cpu_linear_amx.cpp``): ``AmxLinear``.
+
+On a CPU with AMX a decode step's linears are the weights' trip from memory: a few rows meet each
+weight once. oneDNN's prepacked matmul is laid out for many rows; streaming its blocked weight at
+16 rows it reached ~12 GB/s on the bench's Sapphire Rapids (one thread), where this kernel, which
+reads its own packing of the weight front to back in one pass (tile products of 16 rows x 32 x 16
+columns, float accumulators), reached ~24 GB/s on the small preset's 24 MB of weights and ~15 GB/s
+on Qwen3-0.6B's 880 MB (``python -m course.tuning.levers linear-amx``). Results are oneDNN's
+arithmetic on the same bfloat16 values (exact products, float sums, one rounding to bfloat16 at
+the output) in another summation order.
+
+Which layout a weight shape keeps is measured at load time (``linear_layout.choose``: this one
+competes as ``amx`` where ``available()``); ``ENGINE_LINEAR_LAYOUT=amx`` forces it where it is
+available. Shapes it takes: out features a multiple of 16, in features a multiple of 32
+(``takes``), as every Qwen3 linear's are.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from engine.fast.cpu_build import OptionalKernels
+
+SOURCE = Path(__file__).with_name("cpu_linear_amx.cpp")
+COLS, DEPTH = 16, 32  # the packing's column block and slice depth (out features, in features)
+MIN_GROUPS_PER_THREAD = 4  # fewer 64-column groups than this per thread: one thread does them all
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.linear_amx_available.restype = ctypes.c_int64
+    lib.linear_amx_available.argtypes = []
+    lib.linear_amx_pack.restype = None
+    lib.linear_amx_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.linear_amx_rows.restype = None
+    lib.linear_amx_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                    ctypes.c_void_p]
+    lib.linear_amx_bfloat16.restype = ctypes.c_int64  # 0; -1 no AMX in this build; -2 tiles refused
+    lib.linear_amx_bfloat16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+
+
+_kernels = OptionalKernels(SOURCE, _declare)
+_usable: list[bool] = []  # [whether a first call ran], once per process
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernel where it runs here: built for a CPU with AMX-BF16 and granted the tile state by
+    the OS (tried once, on one row); else None."""
+    lib = _kernels.get()
+    if lib is None or not lib.linear_amx_available():
+        return None
+    if not _usable:
+        w = torch.zeros(COLS, DEPTH, dtype=torch.bfloat16)
+        x, out = torch.zeros(1, DEPTH, dtype=torch.bfloat16), torch.empty(1, COLS, dtype=torch.bfloat16)
+        _usable.append(lib.linear_amx_bfloat16(x.data_ptr(), 1, DEPTH, w.data_ptr(), COLS, out.data_ptr(), 0, 1) == 0)
+    return lib if _usable[0] else None
+
+
+def available() -> bool:
+    """Whether ``AmxLinear`` runs here (the CPU has AMX-BF16, the OS grants the tiles, it builds)."""
+    return library() is not None
+
+
+def takes(n: int, k: int) -> bool:
+    """Whether a weight [n, k] can be packed: n a multiple of 16, k of 32."""
+    return n > 0 and k > 0 and n % COLS == 0 and k % DEPTH == 0
+
+
+class AmxLinear:
+    """A bfloat16 weight [N, K] packed once into the kernel's tile order (``packed``, [N * K]
+    bfloat16: the weight's own bytes, no padding); ``__call__`` x [M, K] bfloat16 -> [M, N]
+    bfloat16 (or float32 with ``out_dtype``)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        lib = library()
+        if lib is None:
+            raise ValueError("AmxLinear needs a CPU with AMX-BF16 (and the OS's tile permission); "
+                             "cpu_linear_amx.available() is False here")
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(f"AmxLinear packs a 2-D bfloat16 CPU weight, not {weight.dtype} {tuple(weight.shape)} "
+                             f"on {weight.device}")
+        self.n, self.k = weight.shape
+        if not takes(self.n, self.k):
+            raise ValueError(f"AmxLinear takes out features a multiple of {COLS} and in features a multiple of "
+                             f"{DEPTH}, not [{self.n}, {self.k}]")
+        w = weight.contiguous()
+        self.packed = torch.empty(self.n * self.k, dtype=torch.bfloat16)
+        lib.linear_amx_pack(w.data_ptr(), self.n, self.k, self.packed.data_ptr())
+        self._call = lib.linear_amx_bfloat16
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or not x.is_cpu:
+            raise ValueError(f"AmxLinear [{self.n}, {self.k}] takes a bfloat16 CPU input [M, {self.k}], "
+                             f"not {x.dtype} {tuple(x.shape)}")
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"out_dtype must be bfloat16 or float32, not {out_dtype}")
+        x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty(m, self.n, dtype=out_dtype)
+        if m:
+            groups = -(-self.n // (4 * COLS))
+            threads = max(1, min(torch.get_num_threads(), groups // MIN_GROUPS_PER_THREAD))
+            status = self._call(x.data_ptr(), m, self.k, self.packed.data_ptr(), self.n, out.data_ptr(),
+                                int(out_dtype == torch.float32), threads)
+            if status:
+                raise ValueError(f"the AMX linear kernel refused to run (status {status}: the tile state was refused)")
+        return out
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [M] (int64) of the weight, [M, K] bfloat16: an embedding lookup in a tied
+        head's layout."""
+        ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
+            raise ValueError(f"row ids must lie in [0, {self.n}), got {int(ids.min())}..{int(ids.max())}")
+        out = torch.empty(ids.numel(), self.k, dtype=torch.bfloat16)
+        library().linear_amx_rows(self.packed.data_ptr(), self.n, self.k, ids.data_ptr(), ids.numel(), out.data_ptr())
+        return out.view(*ids.shape, self.k)

@@ -1,0 +1,103 @@
+"""The bfloat16 linear on the CPU's matrix units (engine/fast/cpu_linear_amx.py): float64 matmul
+of the same values as the oracle, one rounding to bfloat16, the rows a tied head looks up, the
+thread's tile setup left as found, and the engine with every linear in it = generate(). On a CPU
+without AMX the layout is not offered: a forced one resolves to the reference, and the tests
+check that instead."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.fast import cpu_linear_amx, cpu_prefill, linear_layout
+from engine.models import tiny_model
+from engine.serve import EngineConfig, EngineCore
+from tests.test_fused import assert_serves_generate
+
+# (out, in) features: one block; a group of four; groups with a tail of 1, 2 and 3 blocks; deep K
+SHAPES = [(16, 32), (64, 96), (80, 64), (96, 128), (112, 1536)]
+ROWS = [1, 5, 16, 17, 31, 32, 33, 64, 257, 300]  # tile rows, pairs of row blocks, the 256-row chunks
+
+
+def test_without_amx_the_layout_is_not_offered(monkeypatch):
+    """Where the kernel does not run (no AMX-BF16 in this build, or the OS refuses the tiles) the
+    layout is never a candidate and a forced ``amx`` gives the reference layout."""
+    if cpu_linear_amx.available():
+        assert cpu_linear_amx.library() is not None
+        return
+    with pytest.raises(ValueError, match="needs a CPU with AMX-BF16"):
+        cpu_linear_amx.AmxLinear(torch.zeros(16, 32, dtype=torch.bfloat16))
+    monkeypatch.setenv(linear_layout.ENV, "amx")
+    core = EngineCore(tiny_model(seed=3, dtype=torch.bfloat16), EngineConfig(attention_backend="cpu", flat_model="fused"))
+    assert all(entry[k].layout != "amx" for entry in core.flat.layers for k in ("qkv", "o", "gate_up", "down"))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_linear_matches_float64_matmul(threads, monkeypatch):
+    """x @ W^T for bf16 values: the float64 product up to float summation (~1e-6 relative), the
+    bf16 output exactly the float32 output rounded to nearest even, and ``rows`` the weight's rows."""
+    if not cpu_linear_amx.available():
+        assert not cpu_linear_amx.takes(8, 32) and not cpu_linear_amx.takes(16, 40)  # the shape rule holds anyway
+        return
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(0)
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=gen).bfloat16()
+        lin = cpu_linear_amx.AmxLinear(w)
+        assert lin.packed.numel() == n * k, "the packing holds the weight's own bytes, no more"
+        for m in ROWS:
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            want = x.double() @ w.double().T  # [m, n]
+            got32 = lin(x, out_dtype=torch.float32)
+            err = ((got32.double() - want).abs().max() / want.abs().max()).item()
+            assert err < 1e-5, f"[{n}, {k}] at {m} rows, {threads} thread(s): relative error {err:.2e}"
+            assert torch.equal(lin(x), got32.bfloat16()), f"[{n}, {k}] at {m} rows: not one rounding of the float result"
+        ids = torch.tensor([0, n - 1, n // 2, 17 % n])
+        assert torch.equal(lin.rows(ids), w[ids]), f"[{n}, {k}]: rows() differ from the weight's rows"
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_linear_amx.AmxLinear(torch.zeros(24, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16 CPU input"):
+        lin(torch.zeros(2, 1536))
+    with pytest.raises(ValueError, match=r"row ids must lie in \[0, 112\)"):
+        lin.rows(torch.tensor([112]))
+
+
+def test_amx_linear_leaves_the_matrix_units_as_it_found_them():
+    """The tile configuration is the thread's: after a call it is what it was before (none, or one
+    that oneDNN's bf16 matmul set up), and oneDNN's next matmul is unchanged."""
+    if not cpu_linear_amx.available():
+        assert linear_layout.forced_layout("amx") == "amx", "the name is valid everywhere"
+        return
+    lib = cpu_prefill.amx_library()
+    assert lib is not None, "the prefill kernel's AMX build reports the thread's tile setup"
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(24, 96, generator=gen).bfloat16(), torch.randn(80, 96, generator=gen).bfloat16()
+    before = torch.nn.functional.linear(x, w)
+    lin = cpu_linear_amx.AmxLinear(w)
+    config = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
+    for setup in ("none", "custom"):
+        if setup == "custom":
+            torch.nn.functional.linear(x, w)
+        assert lib.prefill_amx_tile_config(config[0].data_ptr()) == 0
+        lin(x)
+        assert lib.prefill_amx_tile_config(config[1].data_ptr()) == 0
+        assert torch.equal(config[0], config[1]), f"the AMX linear changed the thread's tile setup ({setup} before it)"
+    assert torch.equal(torch.nn.functional.linear(x, w), before)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_bfloat16_engine_with_amx_linears_matches_generate(tied, monkeypatch):
+    """Every linear of a bfloat16 model in the AMX layout (forced; on a CPU without AMX the
+    reference layout), chunked prefill beside decodes: generate()'s greedy tokens in bfloat16.
+    Tied: the embedding's lookups read the head's tiles."""
+    monkeypatch.setenv(linear_layout.ENV, "amx")
+    model = tiny_model(seed=3, dtype=torch.bfloat16, tie_word_embeddings=tied)
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused",
+                                          max_num_batched_tokens=16, long_prefill_token_threshold=8))
+    want = "amx" if cpu_linear_amx.available() else core.flat.layers[0]["o"].choice.layout
+    layouts = {entry[k].layout for entry in core.flat.layers for k in ("qkv", "o", "gate_up", "down")}
+    assert layouts == {want} and (core.flat.lm_head.layout == want or tied)
+    if tied and want == "amx":
+        assert core.flat.lm_head.layout == "amx"
+        ids = torch.tensor([0, 15, 16, 17, model.cfg.vocab_size - 1])
+        assert torch.equal(core.flat.embed(ids), model.model.embed_tokens(ids)), "lookups from the head's tiles"
+    assert_serves_generate(core, model, f"amx linears (tied={tied})")
