@@ -16,11 +16,14 @@
 // So a group's tiles are one contiguous run of K / 32 x kGroup KiB, and groups follow each other.
 //
 // A call: the rows in chunks of kChunkRows (a chunk's input stays in the L2 cache); per chunk the
-// column groups are shared by torch's OpenMP workers (`share`, cpu_kernel_share.h); per group,
-// for each 16-row block of the chunk: the group's accumulators zeroed, then for each slice one A
-// tile (16 rows x 32 of x, read in place; a last block of fewer rows from a zero-padded copy) and
-// the group's B tiles, one tile product each; the float tiles out through a small buffer, each
-// element rounded once to the output's dtype (bfloat16: to nearest even, as PyTorch rounds).
+// column groups are shared by torch's OpenMP workers (`share`, cpu_kernel_share.h). A chunk of
+// one row block (a decode step of up to 16 requests): per group, the group's accumulators zeroed,
+// then for each slice one A tile (16 rows x 32 of x, read in place; fewer rows from a zero-padded
+// copy) and the group's B tiles, one tile product each. A chunk of several row blocks: its rows
+// first copied into A tiles of 1 KiB each (zero-padded), then per group, two column blocks at a
+// time, two row blocks at a time: each B tile loaded once for two products. The float tiles go out
+// through a small buffer, each element rounded once to the output's dtype (bfloat16: to nearest
+// even, as PyTorch rounds).
 // Products of bfloat16 values are exact in float and the sums are float: oneDNN's arithmetic on
 // the same values, in another summation order.
 //
@@ -111,19 +114,20 @@ inline void group_block(const uint16_t* a, int64_t lda, const uint16_t* b, int64
   if (W > 3) _tile_stored(3, acc + 3 * kCols, ld);
 }
 
-// Two row blocks (A tiles 4, 5: `a0`, `a1`, each of stride lda; R = 1: `a0` only) against C column
+// Two row blocks (A tiles 4, 5 from `a0`, `a1`: a row block's A tiles packed one after the other,
+// 1 KiB each; R = 1: `a0` only) against C column
 // blocks of one group (B tiles at `b`, `stride` elements apart per slice, in registers 6 and 7):
 // accumulators 0-3 = (row block i, column block j) at 2i + j; out to acc0 / acc1 (16 x C x 16 each).
 template <int R, int C>
-inline void pair_block(const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint16_t* b, int64_t stride,
+inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b, int64_t stride,
                        int64_t slices, float* acc0, float* acc1) {
   _tile_zero(0);
   if (C > 1) _tile_zero(1);
   if (R > 1) _tile_zero(2);
   if (R > 1 && C > 1) _tile_zero(3);
   for (int64_t kb = 0; kb < slices; ++kb) {
-    _tile_loadd(4, a0 + kb * kDepth, lda * 2);
-    if (R > 1) _tile_loadd(5, a1 + kb * kDepth, lda * 2);
+    _tile_loadd(4, a0 + kb * kTile, 64);
+    if (R > 1) _tile_loadd(5, a1 + kb * kTile, 64);
     const uint16_t* t = b + kb * stride;
     _tile_loadd(6, t, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -167,6 +171,16 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
   }
   for (int64_t c0 = 0; c0 < m; c0 += kChunkRows) {
     const int64_t c1 = std::min(m, c0 + kChunkRows);
+    std::vector<uint16_t> apack;  // several row blocks: the chunk's rows as A tiles, each 1 KiB contiguous
+    if (c1 - c0 > kRows) {
+      const int64_t rbs = (c1 - c0 + kRows - 1) / kRows;
+      apack.assign(rbs * kRows * k, 0);
+      for (int64_t rb = 0; rb < rbs; ++rb)
+        for (int64_t kb = 0; kb < slices; ++kb)
+          for (int64_t i = 0; i < kRows && c0 + rb * kRows + i < c1; ++i)
+            std::memcpy(apack.data() + (rb * slices + kb) * kTile + i * kDepth, x + (c0 + rb * kRows + i) * k + kb * kDepth,
+                        kDepth * sizeof(uint16_t));
+    }
     share(groups, threads, [&](int64_t begin, int64_t end) {
       TileConfig saved, mine{};
       _tile_storeconfig(&saved);
@@ -185,16 +199,16 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
             const int64_t cols = std::min<int64_t>(2, width - j);
             for (int64_t r0 = c0; r0 < c1; r0 += 2 * kRows) {
               const int64_t r1 = r0 + kRows;
-              const uint16_t* a0 = r0 < full ? x + r0 * k : tail.data();
-              const uint16_t* a1 = r1 < full ? x + r1 * k : tail.data();
+              const uint16_t* a0 = apack.data() + ((r0 - c0) / kRows) * slices * kTile;
+              const uint16_t* a1 = apack.data() + ((r1 - c0) / kRows) * slices * kTile;
               const uint16_t* bj = b + j * kTile;
               const int64_t stride = width * kTile;
               if (r1 < c1) {
-                if (cols == 2) pair_block<2, 2>(a0, a1, k, bj, stride, slices, acc[0], acc[1]);
-                else pair_block<2, 1>(a0, a1, k, bj, stride, slices, acc[0], acc[1]);
+                if (cols == 2) pair_block<2, 2>(a0, a1, bj, stride, slices, acc[0], acc[1]);
+                else pair_block<2, 1>(a0, a1, bj, stride, slices, acc[0], acc[1]);
               } else {
-                if (cols == 2) pair_block<1, 2>(a0, a1, k, bj, stride, slices, acc[0], acc[1]);
-                else pair_block<1, 1>(a0, a1, k, bj, stride, slices, acc[0], acc[1]);
+                if (cols == 2) pair_block<1, 2>(a0, a1, bj, stride, slices, acc[0], acc[1]);
+                else pair_block<1, 1>(a0, a1, bj, stride, slices, acc[0], acc[1]);
               }
               emit(acc[0], std::min(kRows, m - r0), cols * kCols, out, out_f32, n, r0, (nb0 + j) * kCols);
               if (r1 < c1) emit(acc[1], std::min(kRows, m - r1), cols * kCols, out, out_f32, n, r1, (nb0 + j) * kCols);
