@@ -202,8 +202,8 @@ def test_layout_choice_is_measured_and_decided_by_rule(monkeypatch):
     monkeypatch.delenv("ENGINE_LINEAR_LAYOUT", raising=False)
     monkeypatch.setattr(ll, "_chosen", {})
     calls = []
-    monkeypatch.setattr(ll, "measure", lambda n, k, dtype, among, weight_dtype=None: calls.append((n, k)) or
-                        {"packed": (2.0, 2.0, 2.0), "small": (1.0, 1.0, 1.0)})
+    monkeypatch.setattr(ll, "measure", lambda n, k, dtype, among, weight_dtype=None, rows=ll.PROBE_ROWS:
+                        calls.append((n, k)) or {"packed": (2.0, 2.0, 2.0), "small": (1.0, 1.0, 1.0)})
     first = ll.choose(96, 40, torch.float32, ("packed", "small"))
     again = ll.choose(96, 40, torch.float32, ("packed", "small"))
     assert first.layout == again.layout == "small" and calls == [(96, 40)], "measured once per shape"

@@ -185,12 +185,13 @@ class FusedFlatModel(FlatModel):
         cast = linear_dtype != dtype
         self.choices: dict[tuple[int, int], linear_layout.Choice] = {}  # per weight shape [out, in]
 
-        def choose(n: int, k: int, among: tuple[str, ...]) -> linear_layout.Choice:
-            choice = linear_layout.choose(n, k, linear_dtype, among, layout, weight_dtype=dtype)
+        def choose(n: int, k: int, among: tuple[str, ...], rows: tuple[int, ...]) -> linear_layout.Choice:
+            choice = linear_layout.choose(n, k, linear_dtype, among, layout, weight_dtype=dtype, rows=rows)
             self.choices[(n, k)] = choice
             return choice
 
-        def linear(params: list[nn.Parameter], among: tuple[str, ...] = candidates) -> Linear:
+        def linear(params: list[nn.Parameter], among: tuple[str, ...] = candidates,
+                   rows: tuple[int, ...] = linear_layout.PROBE_ROWS) -> Linear:
             """One Linear over ``params``' rows in the layout chosen for its shape, made without
             keeping a second copy: plain, the model's parameters become views of the merged
             tensor; otherwise the merged tensor is a temporary, and the model's file-backed
@@ -198,7 +199,7 @@ class FusedFlatModel(FlatModel):
             n, k = sum(p.shape[0] for p in params), params[0].shape[1]
             if not cpu_linear_amx.takes(n, k):
                 among = tuple(c for c in among if c != "amx") or ("plain",)
-            choice = choose(n, k, among)
+            choice = choose(n, k, among, rows)
             with torch.no_grad():
                 whole = merged([p.detach() for p in params]) if len(params) > 1 else params[0].detach()
                 if choice.layout == "plain" and not cast:
@@ -229,10 +230,12 @@ class FusedFlatModel(FlatModel):
         # back like any linear's. Lookups (``embed``) read the panels, or the embedding's pages
         # beside a packed head (those of the tokens looked up come back: 2 KiB a token in bf16).
         self.tied = head is model.model.embed_tokens.weight
+        # The head runs on the sampling rows alone (``logits``): its layout is timed at decode-sized counts.
         if self.tied:
-            self.lm_head = linear([head], ("plain",) + tuple(c for c in candidates if c != "plain"))
+            self.lm_head = linear([head], ("plain",) + tuple(c for c in candidates if c != "plain"),
+                                  rows=linear_layout.HEAD_PROBE_ROWS)
         else:
-            self.lm_head = linear([head])
+            self.lm_head = linear([head], rows=linear_layout.HEAD_PROBE_ROWS)
         # Lookups through the embedding module (no tied head holds its rows): its file-backed
         # pages are handed back once EMBED_DROP_ROWS rows have been looked up since the last time
         # (``embed``), not left to accumulate: at most that many rows' pages stay resident (8 MiB at

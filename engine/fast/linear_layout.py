@@ -11,7 +11,8 @@ another (an AMD EPYC without AMX) oneDNN won almost everywhere on a weight in ca
 Holding both layouts would route each row count to its winner but doubles the weights' memory;
 the engine keeps ONE resident copy of each weight (issue 28), so a shape keeps the layout that is
 faster over the row counts a step sees (``PROBE_ROWS``: decode steps of 16 to 256 requests; longer
-prefill steps behave like 256), and every row count goes through it. Neither layout costs more
+prefill steps behave like 256; an LM head, which runs on the sampling rows alone, ``HEAD_PROBE_ROWS``),
+and every row count goes through it. Neither layout costs more
 than the weight's own bytes (panels pad the out features to a multiple of 16).
 
 The measurement (``choose``, a fraction of a second per shape): random weights of the shape (at
@@ -40,6 +41,9 @@ from engine.fast import cpu_linear, cpu_linear_amx, probe
 
 LAYOUTS = ("packed", "small", "plain", "amx")  # oneDNN-prepacked, cpu_linear panels, the plain tensor, AMX tiles
 PROBE_ROWS = (16, 64, 256)  # the row counts each layout is timed at
+# An LM head runs on the rows that sample (one per request in a step, never a prompt's other
+# rows: ``logits_indices``), so it is timed at decode-sized counts.
+HEAD_PROBE_ROWS = (1, 16, 64)
 PROBE_BYTES = 32 << 20  # the probe's copies of a weight together (fewest rows): as much as the last-level cache
 PROBE_MAX_COPIES = 8
 PROBE_MAX_OUT = 2048  # wider weights (an LM head) are timed on this many of their rows: time is linear in them
@@ -57,12 +61,13 @@ class Choice:
     layout: str
     ms: dict[str, tuple[float, ...]]
     forced: bool = False
+    rows: tuple[int, ...] = PROBE_ROWS  # the row counts ``ms`` were timed at
 
     def describe(self, n: int, k: int) -> str:
         if not self.ms:
             return f"[{n}, {k}] {self.layout}" + (" (forced)" if self.forced else "")
         times = "; ".join(f"{name} " + "/".join(f"{t:.2f}" for t in ms) for name, ms in self.ms.items())
-        return f"[{n}, {k}] {self.layout} (ms at {'/'.join(map(str, PROBE_ROWS))} rows: {times})"
+        return f"[{n}, {k}] {self.layout} (ms at {'/'.join(map(str, self.rows))} rows: {times})"
 
 
 _chosen: dict[tuple, Choice] = {}  # measured choices, reused for the process
@@ -86,8 +91,8 @@ def held_dtype(layout: str, dtype: torch.dtype, weight_dtype: torch.dtype | None
 
 
 def measure(n: int, k: int, dtype: torch.dtype, candidates: tuple[str, ...],
-            weight_dtype: torch.dtype | None = None) -> dict[str, tuple[float, ...]]:
-    """Ms of each candidate layout at each of ``PROBE_ROWS`` rows (its fastest round), on seeded
+            weight_dtype: torch.dtype | None = None, rows: tuple[int, ...] = PROBE_ROWS) -> dict[str, tuple[float, ...]]:
+    """Ms of each candidate layout at each of ``rows`` row counts (its fastest round), on seeded
     random [n, k] weights (at most ``PROBE_MAX_OUT`` rows of them), each held as it would be
     (``held_dtype``), inputs in ``dtype``. At the fewest rows, where a
     step's time is the weight's trip from memory, the probe cycles through copies that do not fit
@@ -101,9 +106,9 @@ def measure(n: int, k: int, dtype: torch.dtype, candidates: tuple[str, ...],
                for name in candidates}
     out: dict[str, list[float]] = {name: [] for name in candidates}
     with torch.inference_mode():
-        for rows in PROBE_ROWS:
-            x = torch.randn(rows, k, generator=gen).to(dtype)
-            used = copies if rows == PROBE_ROWS[0] else 1
+        for count in rows:
+            x = torch.randn(count, k, generator=gen).to(dtype)
+            used = copies if count == rows[0] else 1
             times: dict[str, list[float]] = {name: [] for name in candidates}
             for round_ in range(PROBE_ROUNDS + 1):  # round 0 warms up
                 for name, fns in layouts.items():
@@ -127,13 +132,14 @@ def decide(ms: dict[str, tuple[float, ...]]) -> str:
 
 
 def choose(n: int, k: int, dtype: torch.dtype, candidates: tuple[str, ...], layout: str | None = None,
-           weight_dtype: torch.dtype | None = None) -> Choice:
+           weight_dtype: torch.dtype | None = None, rows: tuple[int, ...] = PROBE_ROWS) -> Choice:
     """The layout an [n, k] weight computing in ``dtype`` keeps among ``candidates`` (available
     here, the reference first), for a model whose weights are ``weight_dtype`` (default ``dtype``):
     when one is forced, that one (the reference if it is not a candidate); else the only one,
-    else measured (cached per shape, dtypes, thread count and candidates)."""
+    else measured at ``rows`` (the row counts its steps see, fewest first: ``PROBE_ROWS``, or an LM
+    head's, ``HEAD_PROBE_ROWS``; cached per shape, dtypes, thread count, candidates and rows)."""
     forced = forced_layout(layout)
-    key = (n, k, dtype, weight_dtype, torch.get_num_threads(), candidates)
+    key = (n, k, dtype, weight_dtype, torch.get_num_threads(), candidates, rows)
     if forced is not None:  # where it is not a candidate: the reference
         choice = Choice(forced if forced in candidates else candidates[0], {}, forced=True)
     elif len(candidates) == 1:
@@ -141,8 +147,8 @@ def choose(n: int, k: int, dtype: torch.dtype, candidates: tuple[str, ...], layo
     else:
         probe_key = (min(n, PROBE_MAX_OUT),) + key[1:]
         if probe_key not in _chosen:
-            ms = measure(n, k, dtype, candidates, weight_dtype)
-            _chosen[probe_key] = Choice(decide(ms), ms)
+            ms = measure(n, k, dtype, candidates, weight_dtype, rows)
+            _chosen[probe_key] = Choice(decide(ms), ms, rows=rows)
         choice = _chosen[probe_key]
     _made[key] = choice
     return choice
@@ -155,7 +161,7 @@ def chosen_report() -> list[str]:
     measured choice can differ between thread counts or between starts on a busy machine (never
     the tokens, only the speed); ``ENGINE_LINEAR_LAYOUT`` makes it the same everywhere."""
     lines = []
-    for (n, k, dtype, weight_dtype, threads, _), choice in _made.items():
+    for (n, k, dtype, weight_dtype, threads, _, _), choice in _made.items():
         held = "" if weight_dtype in (None, dtype) else f", {str(weight_dtype).removeprefix('torch.')} weights"
         context = f"{str(dtype).removeprefix('torch.')}{held}, {threads} thread(s)"
         how = "measured" if choice.ms else "forced" if choice.forced else "the only candidate"
