@@ -21,7 +21,9 @@
 // then for each slice one A tile (16 rows x 32 of x, read in place; fewer rows from a zero-padded
 // copy) and the group's B tiles, one tile product each. A chunk of several row blocks: its rows
 // first copied into A tiles of 1 KiB each (zero-padded), then per group, two column blocks at a
-// time, two row blocks at a time: each B tile loaded once for two products. The float tiles go out
+// time, K in blocks of kBlockSlices, two row blocks at a time: each B tile loaded once for two
+// products, a column pair's B block read from L1 by every row pair, the float partial sums kept
+// in a buffer between K blocks. The float tiles go out
 // through a small buffer, each element rounded once to the output's dtype (bfloat16: to nearest
 // even, as PyTorch rounds).
 // Products of bfloat16 values are exact in float and the sums are float: oneDNN's arithmetic on
@@ -52,6 +54,7 @@ constexpr int64_t kDepth = 32;      // K of a slice (one tile product's depth in
 constexpr int64_t kGroup = 4;       // column blocks a pass keeps accumulators for
 constexpr int64_t kRows = 16;       // rows of a block (a tile's rows)
 constexpr int64_t kChunkRows = 256;  // rows whose input is kept in cache across the groups
+constexpr int64_t kBlockSlices = 8;  // K slices per pass of a column pair (its B: 16 KiB, kept in L1 across row pairs)
 constexpr int64_t kTile = kRows * kDepth;  // bf16 elements of a B tile (16 pair rows x 16 columns x 2)
 
 // Where tile (block nb, slice kb) starts in the packed weight, in elements.
@@ -120,25 +123,32 @@ inline void group_block(const uint16_t* a, int64_t lda, const uint16_t* b, int64
 // accumulators 0-3 = (row block i, column block j) at 2i + j; out to acc0 / acc1 (16 x C x 16 each).
 template <int R, int C>
 inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b, int64_t stride,
-                       int64_t slices, float* acc0, float* acc1) {
-  _tile_zero(0);
-  if (C > 1) _tile_zero(1);
-  if (R > 1) _tile_zero(2);
-  if (R > 1 && C > 1) _tile_zero(3);
-  for (int64_t kb = 0; kb < slices; ++kb) {
+                       int64_t s0, int64_t s1, bool load, float* acc0, float* acc1) {
+  const int64_t ld = kGroup * kCols * 4;
+  if (load) {
+    _tile_loadd(0, acc0, ld);
+    if (C > 1) _tile_loadd(1, acc0 + kCols, ld);
+    if (R > 1) _tile_loadd(2, acc1, ld);
+    if (R > 1 && C > 1) _tile_loadd(3, acc1 + kCols, ld);
+  } else {
+    _tile_zero(0);
+    if (C > 1) _tile_zero(1);
+    if (R > 1) _tile_zero(2);
+    if (R > 1 && C > 1) _tile_zero(3);
+  }
+  for (int64_t kb = s0; kb < s1; ++kb) {
     _tile_loadd(4, a0 + kb * kTile, 64);
     if (R > 1) _tile_loadd(5, a1 + kb * kTile, 64);
     const uint16_t* t = b + kb * stride;
     _tile_loadd(6, t, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (R > 1) _tile_dpbf16ps(2, 5, 6);
-    if (C > 1) {  // the second column block's B in register 7: its load need not wait for register 6's readers
+    if (C > 1) {
       _tile_loadd(7, t + kTile, 64);
       _tile_dpbf16ps(1, 4, 7);
       if (R > 1) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  const int64_t ld = kGroup * kCols * 4;
   _tile_stored(0, acc0, ld);
   if (C > 1) _tile_stored(1, acc0 + kCols, ld);
   if (R > 1) _tile_stored(2, acc1, ld);
@@ -191,27 +201,36 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
       }
       _tile_loadconfig(&mine);
       alignas(64) float acc[2][kRows * kGroup * kCols];
+      std::vector<float> partial(c1 - c0 > kRows ? (kChunkRows / kRows + 1) * kRows * kGroup * kCols : 0);
       for (int64_t g = begin; g < end; ++g) {
         const int64_t nb0 = g * kGroup, width = std::min(kGroup, blocks - nb0);
         const uint16_t* b = w + tile_offset(nb0, 0, blocks, slices);
-        if (c1 - c0 > kRows) {  // several row blocks: two at a time against two column blocks, each B tile used twice
+        if (c1 - c0 > kRows) {  // several row blocks: K in blocks, a column pair's B block reused by every row pair
           for (int64_t j = 0; j < width; j += 2) {
             const int64_t cols = std::min<int64_t>(2, width - j);
-            for (int64_t r0 = c0; r0 < c1; r0 += 2 * kRows) {
-              const int64_t r1 = r0 + kRows;
-              const uint16_t* a0 = apack.data() + ((r0 - c0) / kRows) * slices * kTile;
-              const uint16_t* a1 = apack.data() + ((r1 - c0) / kRows) * slices * kTile;
-              const uint16_t* bj = b + j * kTile;
-              const int64_t stride = width * kTile;
-              if (r1 < c1) {
-                if (cols == 2) pair_block<2, 2>(a0, a1, bj, stride, slices, acc[0], acc[1]);
-                else pair_block<2, 1>(a0, a1, bj, stride, slices, acc[0], acc[1]);
-              } else {
-                if (cols == 2) pair_block<1, 2>(a0, a1, bj, stride, slices, acc[0], acc[1]);
-                else pair_block<1, 1>(a0, a1, bj, stride, slices, acc[0], acc[1]);
+            const uint16_t* bj = b + j * kTile;
+            const int64_t stride = width * kTile;
+            for (int64_t s0 = 0; s0 < slices; s0 += kBlockSlices) {
+              const int64_t s1 = std::min(slices, s0 + kBlockSlices);
+              for (int64_t r0 = c0; r0 < c1; r0 += 2 * kRows) {
+                const int64_t r1 = r0 + kRows, pr = (r0 - c0) / (2 * kRows);
+                const uint16_t* a0 = apack.data() + ((r0 - c0) / kRows) * slices * kTile;
+                const uint16_t* a1 = apack.data() + ((r1 - c0) / kRows) * slices * kTile;
+                float* p0 = partial.data() + pr * 2 * kRows * kGroup * kCols;
+                float* p1 = p0 + kRows * kGroup * kCols;
+                const bool load = s0 > 0;
+                if (r1 < c1) {
+                  if (cols == 2) pair_block<2, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1);
+                  else pair_block<2, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1);
+                } else {
+                  if (cols == 2) pair_block<1, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1);
+                  else pair_block<1, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1);
+                }
+                if (s1 == slices) {
+                  emit(p0, std::min(kRows, m - r0), cols * kCols, out, out_f32, n, r0, (nb0 + j) * kCols);
+                  if (r1 < c1) emit(p1, std::min(kRows, m - r1), cols * kCols, out, out_f32, n, r1, (nb0 + j) * kCols);
+                }
               }
-              emit(acc[0], std::min(kRows, m - r0), cols * kCols, out, out_f32, n, r0, (nb0 + j) * kCols);
-              if (r1 < c1) emit(acc[1], std::min(kRows, m - r1), cols * kCols, out, out_f32, n, r1, (nb0 + j) * kCols);
             }
           }
           continue;
