@@ -29,8 +29,8 @@
 // Products of bfloat16 values are exact in float and the sums are float: oneDNN's arithmetic on
 // the same values, in another summation order.
 //
-// The tile configuration belongs to the thread: each work loop saves the one in force (oneDNN's,
-// or none), loads its own, and puts the saved one back (or releases the tiles) before returning.
+// The tile configuration belongs to the thread: each work loop holds its own for its duration
+// (`OwnTiles`, cpu_amx_tiles.h), then the one in force before it (oneDNN's, or none) is back.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -40,9 +40,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #define LINEAR_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu_amx_tiles.h"
 #else
 #define LINEAR_AMX 0
 #endif
@@ -64,23 +62,6 @@ inline int64_t tile_offset(int64_t nb, int64_t kb, int64_t blocks, int64_t slice
 }
 
 #if LINEAR_AMX
-struct TileConfig {  // the LDTILECFG memory layout, palette 1
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
-
-bool tiles_permitted() {  // Linux hands a process the tile data state only when asked
-  static const bool ok = [] {
-    constexpr long kReqPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
-
 // 16 floats -> 16 bfloat16, to_bf16's rounding on every lane (NaN lanes quieted, not rounded).
 inline void round_16(const float* src, uint16_t* dst) {
   const __m512i u = _mm512_loadu_si512(src);
@@ -192,14 +173,7 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
                         kDepth * sizeof(uint16_t));
     }
     share(groups, threads, [&](int64_t begin, int64_t end) {
-      TileConfig saved, mine{};
-      _tile_storeconfig(&saved);
-      mine.palette_id = 1;
-      for (int t = 0; t < 8; ++t) {
-        mine.rows[t] = kRows;
-        mine.colsb[t] = 64;
-      }
-      _tile_loadconfig(&mine);
+      OwnTiles tiles(8);
       alignas(64) float acc[2][kRows * kGroup * kCols];
       std::vector<float> partial(c1 - c0 > kRows ? (kChunkRows / kRows + 1) * kRows * kGroup * kCols : 0);
       for (int64_t g = begin; g < end; ++g) {
@@ -245,11 +219,6 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
           }
           emit(acc[0], std::min(kRows, m - r0), width * kCols, out, out_f32, n, r0, nb0 * kCols);
         }
-      }
-      if (saved.palette_id) {
-        _tile_loadconfig(&saved);
-      } else {
-        _tile_release();
       }
     });
   }
