@@ -61,6 +61,28 @@ def test_amx_linear_matches_float64_matmul(threads, monkeypatch):
         lin.rows(torch.tensor([112]))
 
 
+def test_gated_amx_linear_is_the_linear_then_silu_mul():
+    """A SwiGLU gate/up weight packed gated: its call returns exactly what the bf16 linear followed
+    by the elementwise SiLU-mul kernel returns (the same roundings, bit for bit), at every row count."""
+    from engine.fast import cpu_elementwise
+
+    if not cpu_linear_amx.available():
+        return  # test_without_amx_the_layout_is_not_offered covers this CPU
+    gen = torch.Generator().manual_seed(2)
+    for inter, k in [(32, 64), (96, 128), (160, 1536)]:
+        w = torch.randn(2 * inter, k, generator=gen).bfloat16()
+        plain, gated = cpu_linear_amx.AmxLinear(w), cpu_linear_amx.AmxLinear(w, gated=True)
+        for m in ROWS:
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            got = gated(x)
+            assert got.shape == (m, inter)
+            assert torch.equal(got, cpu_elementwise.silu_mul(plain(x))), f"I={inter}, K={k}, {m} rows"
+    with pytest.raises(ValueError, match="I a multiple of 32"):
+        cpu_linear_amx.AmxLinear(torch.zeros(48, 32, dtype=torch.bfloat16), gated=True)
+    with pytest.raises(ValueError, match="no rows to look up"):
+        gated.rows(torch.tensor([0]))
+
+
 def test_amx_linear_leaves_the_matrix_units_as_it_found_them():
     """The tile configuration is the thread's: after a call it is what it was before (none, or one
     that oneDNN's bf16 matmul set up), and oneDNN's next matmul is unchanged."""
@@ -96,6 +118,7 @@ def test_bfloat16_engine_with_amx_linears_matches_generate(tied, monkeypatch):
     want = "amx" if cpu_linear_amx.available() else core.flat.layers[0]["o"].choice.layout
     layouts = {entry[k].layout for entry in core.flat.layers for k in ("qkv", "o", "gate_up", "down")}
     assert layouts == {want} and (core.flat.lm_head.layout == want or tied)
+    assert all(entry["gate_up"].gated == (want == "amx") for entry in core.flat.layers), "SiLU-mul in the gate/up pass"
     if tied and want == "amx":
         assert core.flat.lm_head.layout == "amx"
         ids = torch.tensor([0, 15, 16, 17, model.cfg.vocab_size - 1])

@@ -252,7 +252,7 @@ class CompiledFlatModel(FusedFlatModel):
         why = inductor_available()
         if why:
             raise ValueError(f"flat_model='compiled' needs TorchInductor: {why}; use flat_model='fused'")
-        super().__init__(model, layout=layout)
+        super().__init__(model, layout=layout, fuse_silu=False)  # the graph applies SiLU-mul to gate_up's [N, 2I]
         if any(not isinstance(layer.mlp, Qwen3MLP) for layer in model.model.layers):
             raise ValueError("flat_model='compiled' serves dense models only (this one has MoE layers); use 'fused'")
         m, cfg = model.model, self.cfg

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "cpu_kernel_share.h"
+#include "cpu_kernel_wide.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #define LINEAR_AMX 1
@@ -136,12 +137,25 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
   if (R > 1 && C > 1) _tile_stored(3, acc1 + kCols, ld);
 }
 
-// acc (rows x cols floats, row stride kGroup x 16) -> out rows r0.. at column c0, rounded once.
-inline void emit(const float* acc, int64_t rows, int64_t cols, void* out, int64_t out_f32, int64_t n, int64_t r0,
+// acc (rows x cols floats, row stride kGroup x 16) -> out rows r0.. at column c0 (of n), each
+// value rounded once. Gated (`mode` kSiluMul): acc's 16-column blocks are (gate, up) pairs of a
+// SwiGLU projection and out gets, per pair, the 16 values R(R(silu(R(g))) * R(u)) at column c0 / 2:
+// the bf16 linear's outputs, then cpu_elementwise_kernel.cpp's silu_mul on them, in one pass.
+constexpr int64_t kBf16 = 0, kF32 = 1, kSiluMul = 2;  // output modes
+inline void emit(const float* acc, int64_t rows, int64_t cols, void* out, int64_t mode, int64_t n, int64_t r0,
                  int64_t c0) {
+  using W = Wide<64>;
   for (int64_t i = 0; i < rows; ++i) {
     const float* src = acc + i * kGroup * kCols;
-    if (out_f32) {
+    if (mode == kSiluMul) {
+      uint16_t* dst = static_cast<uint16_t*>(out) + (r0 + i) * n + c0 / 2;
+      for (int64_t j = 0; j < cols; j += 2 * kCols) {
+        const W::F g = W::round_bf16(W::load(src + j)), u = W::round_bf16(W::load(src + j + kCols));
+        W::store(dst + j / 2, W::round_bf16(W::silu(g)) * u);  // the store rounds the product
+      }
+      continue;
+    }
+    if (mode == kF32) {
       std::memcpy(static_cast<float*>(out) + (r0 + i) * n + c0, src, cols * sizeof(float));
     } else {
       uint16_t* dst = static_cast<uint16_t*>(out) + (r0 + i) * n + c0;
@@ -150,8 +164,9 @@ inline void emit(const float* acc, int64_t rows, int64_t cols, void* out, int64_
   }
 }
 
-int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n, void* out, int64_t out_f32,
+int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n, void* out, int64_t mode,
             int64_t threads) {
+  const int64_t ldo = mode == kSiluMul ? n / 2 : n;  // out's row length
   if (!tiles_permitted()) return -2;
   const int64_t blocks = n / kCols, slices = k / kDepth, groups = (blocks + kGroup - 1) / kGroup;
   const int64_t full = m / kRows * kRows;  // rows served in place; the rest from a padded copy
@@ -201,8 +216,8 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
                   else pair_block<1, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1);
                 }
                 if (s1 == slices) {
-                  emit(p0, std::min(kRows, m - r0), cols * kCols, out, out_f32, n, r0, (nb0 + j) * kCols);
-                  if (r1 < c1) emit(p1, std::min(kRows, m - r1), cols * kCols, out, out_f32, n, r1, (nb0 + j) * kCols);
+                  emit(p0, std::min(kRows, m - r0), cols * kCols, out, mode, ldo, r0, (nb0 + j) * kCols);
+                  if (r1 < c1) emit(p1, std::min(kRows, m - r1), cols * kCols, out, mode, ldo, r1, (nb0 + j) * kCols);
                 }
               }
             }
@@ -217,7 +232,7 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
             case 2: group_block<2>(a, k, b, slices, acc[0]); break;
             default: group_block<1>(a, k, b, slices, acc[0]); break;
           }
-          emit(acc[0], std::min(kRows, m - r0), width * kCols, out, out_f32, n, r0, nb0 * kCols);
+          emit(acc[0], std::min(kRows, m - r0), width * kCols, out, mode, ldo, r0, nb0 * kCols);
         }
       }
     });
@@ -264,14 +279,17 @@ extern "C" void linear_amx_rows(const uint16_t* packed, int64_t n, int64_t k, co
   }
 }
 
-// out [M, N] (bfloat16, or float32 when out_f32) = x [M, K] bfloat16 times the packed weight's
-// transpose. Returns 0; -1 where this build has no AMX; -2 where Linux refused the tile state.
+// out [M, N] = x [M, K] bfloat16 times the packed weight's transpose: bfloat16 (mode 0) or float32
+// (mode 1); mode 2: the weight's 16-column blocks are (gate, up) pairs (a SwiGLU gate/up weight
+// packed in that order, N a multiple of 64) and out [M, N / 2] bfloat16 is SiLU(gate) * up.
+// Returns 0; -1 where this build has no AMX (or a mode is unknown); -2 where Linux refused the tile state.
 extern "C" int64_t linear_amx_bfloat16(const void* x, int64_t m, int64_t k, const void* packed, int64_t n,
-                                       void* out, int64_t out_f32, int64_t threads) {
+                                       void* out, int64_t mode, int64_t threads) {
 #if LINEAR_AMX
-  return run(static_cast<const uint16_t*>(x), m, k, static_cast<const uint16_t*>(packed), n, out, out_f32, threads);
+  if (mode < kBf16 || mode > kSiluMul || (mode == kSiluMul && n % (kGroup * kCols))) return -1;
+  return run(static_cast<const uint16_t*>(x), m, k, static_cast<const uint16_t*>(packed), n, out, mode, threads);
 #else
-  (void)x, (void)m, (void)k, (void)packed, (void)n, (void)out, (void)out_f32, (void)threads;
+  (void)x, (void)m, (void)k, (void)packed, (void)n, (void)out, (void)mode, (void)threads;
   return -1;
 #endif
 }

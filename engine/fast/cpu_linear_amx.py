@@ -71,9 +71,15 @@ def takes(n: int, k: int) -> bool:
 class AmxLinear:
     """A bfloat16 weight [N, K] packed once into the kernel's tile order (``packed``, [N * K]
     bfloat16: the weight's own bytes, no padding); ``__call__`` x [M, K] bfloat16 -> [M, N]
-    bfloat16 (or float32 with ``out_dtype``)."""
+    bfloat16 (or float32 with ``out_dtype``).
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    ``gated``: the weight is a SwiGLU MLP's merged gate/up [2I, K] (gate rows, then up rows; I a
+    multiple of 32) and a call returns SiLU(gate) * up [M, I] bfloat16, computed as the separate
+    steps would (the linear's bf16 outputs, then ``cpu_elementwise.silu_mul``'s arithmetic on them)
+    as the tiles are written out, without the [M, 2I] intermediate: packed with each 16 gate columns
+    beside their 16 up columns, so that a pass over a column pair holds both."""
+
+    def __init__(self, weight: torch.Tensor, gated: bool = False) -> None:
         lib = library()
         if lib is None:
             raise ValueError("AmxLinear needs a CPU with AMX-BF16 (and the OS's tile permission); "
@@ -85,6 +91,13 @@ class AmxLinear:
         if not takes(self.n, self.k):
             raise ValueError(f"AmxLinear takes out features a multiple of {COLS} and in features a multiple of "
                              f"{DEPTH}, not [{self.n}, {self.k}]")
+        self.gated = gated
+        if gated:
+            if self.n % (4 * COLS):
+                raise ValueError(f"a gated AmxLinear takes a gate/up weight [2I, K] with I a multiple of {2 * COLS}, "
+                                 f"not [{self.n}, {self.k}]")
+            # rows: gate block 0, up block 0, gate block 1, up block 1, ... (blocks of 16)
+            weight = weight.view(2, self.n // (2 * COLS), COLS, self.k).transpose(0, 1).reshape(self.n, self.k)
         w = weight.contiguous()
         self.packed = torch.empty(self.n * self.k, dtype=torch.bfloat16)
         lib.linear_amx_pack(w.data_ptr(), self.n, self.k, self.packed.data_ptr())
@@ -94,23 +107,25 @@ class AmxLinear:
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or not x.is_cpu:
             raise ValueError(f"AmxLinear [{self.n}, {self.k}] takes a bfloat16 CPU input [M, {self.k}], "
                              f"not {x.dtype} {tuple(x.shape)}")
-        if out_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"out_dtype must be bfloat16 or float32, not {out_dtype}")
+        if out_dtype not in (torch.bfloat16, torch.float32) or (self.gated and out_dtype != torch.bfloat16):
+            raise ValueError(f"out_dtype must be bfloat16 or float32 (bfloat16 for a gated one), not {out_dtype}")
         x = x.contiguous()
         m = x.shape[0]
-        out = torch.empty(m, self.n, dtype=out_dtype)
+        out = torch.empty(m, self.n // 2 if self.gated else self.n, dtype=out_dtype)
         if m:
             groups = -(-self.n // (4 * COLS))
             threads = max(1, min(torch.get_num_threads(), groups // MIN_GROUPS_PER_THREAD))
-            status = self._call(x.data_ptr(), m, self.k, self.packed.data_ptr(), self.n, out.data_ptr(),
-                                int(out_dtype == torch.float32), threads)
+            mode = 2 if self.gated else int(out_dtype == torch.float32)
+            status = self._call(x.data_ptr(), m, self.k, self.packed.data_ptr(), self.n, out.data_ptr(), mode, threads)
             if status:
                 raise ValueError(f"the AMX linear kernel refused to run (status {status}: the tile state was refused)")
         return out
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [M] (int64) of the weight, [M, K] bfloat16: an embedding lookup in a tied
-        head's layout."""
+        head's layout (not a gated one's)."""
+        if self.gated:
+            raise ValueError("a gated AmxLinear (a gate/up weight) has no rows to look up")
         ids = ids.to(torch.int64).contiguous()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
             raise ValueError(f"row ids must lie in [0, {self.n}), got {int(ids.min())}..{int(ids.max())}")

@@ -8,7 +8,8 @@ and, on a CPU, a few microseconds of dispatch. This class serves the same comput
   built once at start-up);
 - q and k normalised and rotated together, as one ``[N, Hq + Hkv, Dh]`` tensor, their cos and sin
   rows looked up in a table of ``rope_cos_sin``'s rows (``RopeTable``) rather than computed each step;
-- SiLU and the gate product done in place on the merged output;
+- SiLU and the gate product done in place on the merged output (with a gate/up linear in the amx
+  layout, as its tiles are written out: ``cpu_linear_amx.AmxLinear(gated=True)``, the same roundings);
 - on a CPU, each weight shape in the layout measured fastest for it at load time
   (``linear_layout.choose``): prepacked for oneDNN's matmul (float32, or bfloat16 with bf16 units)
   or, in float32, in ``cpu_linear``'s small-batch kernel's panels, or, in bfloat16 on a CPU with
@@ -157,7 +158,7 @@ class FusedFlatModel(FlatModel):
     """
 
     def __init__(self, model: nn.Module, linear_dtype: torch.dtype | None = None, pack: bool | None = None,
-                 layout: str | None = None, elementwise: bool | None = None) -> None:
+                 layout: str | None = None, elementwise: bool | None = None, fuse_silu: bool = True) -> None:
         super().__init__(model)
         dtype, device = self.dtype, self.device
         if linear_dtype is None:
@@ -191,11 +192,13 @@ class FusedFlatModel(FlatModel):
             return choice
 
         def linear(params: list[nn.Parameter], among: tuple[str, ...] = candidates,
-                   rows: tuple[int, ...] = linear_layout.PROBE_ROWS) -> Linear:
+                   rows: tuple[int, ...] = linear_layout.PROBE_ROWS, gate_up: bool = False) -> Linear:
             """One Linear over ``params``' rows in the layout chosen for its shape, made without
             keeping a second copy: plain, the model's parameters become views of the merged
             tensor; otherwise the merged tensor is a temporary, and the model's file-backed
-            originals hand their pages back."""
+            originals hand their pages back. ``gate_up``: a SwiGLU gate/up pair, which an amx
+            layout computes gated (its call returns SiLU(gate) * up) where ``fuse_silu`` and the
+            elementwise kernels are on, and the width allows it."""
             n, k = sum(p.shape[0] for p in params), params[0].shape[1]
             if not cpu_linear_amx.takes(n, k):
                 among = tuple(c for c in among if c != "amx") or ("plain",)
@@ -205,8 +208,10 @@ class FusedFlatModel(FlatModel):
                 if choice.layout == "plain" and not cast:
                     share_rows(whole, params)
                     return Linear(whole, "plain", choice)
+                gated = (gate_up and fuse_silu and self.elementwise and choice.layout == "amx"
+                         and n % (4 * cpu_linear_amx.COLS) == 0)
                 out = Linear(whole.to(linear_layout.held_dtype(choice.layout, linear_dtype, dtype)), choice.layout,
-                             choice)
+                             choice, gated=gated)
             release_pages([p.detach() for p in params])
             return out
 
@@ -221,7 +226,7 @@ class FusedFlatModel(FlatModel):
                                       a.k_norm.weight.expand(a.num_kv_heads, -1)]).detach().to(linear_dtype),
             }
             if isinstance(mlp, Qwen3MLP):
-                entry["gate_up"] = linear([mlp.gate_proj.weight, mlp.up_proj.weight])
+                entry["gate_up"] = linear([mlp.gate_proj.weight, mlp.up_proj.weight], gate_up=True)
                 entry["down"] = linear([mlp.down_proj.weight])
             self.layers.append(entry)
         head = model.lm_head.weight
@@ -349,7 +354,8 @@ class FusedFlatModel(FlatModel):
             hidden = weights["o"](o.reshape(n, hq * dh).to(work))  # [N, D]
             x, residual = self._add_norm(hidden, residual, post_norm, into="x")
             if "gate_up" in weights:
-                hidden = weights["down"](self._silu_mul(weights["gate_up"](x)))  # [N, 2I] -> [N, D]
+                gate_up = weights["gate_up"]  # gated: SiLU(gate) * up in its own pass, else [N, 2I] then the kernel
+                hidden = weights["down"](gate_up(x) if gate_up.gated else self._silu_mul(gate_up(x)))  # -> [N, D]
             else:
                 hidden = mlp(x.to(self.dtype)).to(work)  # MoE: the block itself
         return self._add_norm(hidden, residual, self.model.model.norm)[0]

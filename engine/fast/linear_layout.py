@@ -180,15 +180,18 @@ class Linear:
     (``linear_layout.choose``: measured per shape at load time, or forced).
     """
 
-    def __init__(self, weight: torch.Tensor, layout: str, choice: Choice | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, layout: str, choice: Choice | None = None, gated: bool = False) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+        if gated and layout != "amx":
+            raise ValueError(f"only the amx layout computes a gated (SiLU-mul) linear, not {layout!r}")
         self.n, self.k = weight.shape
+        self.gated = gated  # a merged gate/up weight whose call returns SiLU(gate) * up [M, n / 2]
         self.weight = self.packed = self.small = self.amx = None
         if layout == "small":
             self.small = cpu_linear.SmallLinear(weight)
         elif layout == "amx":
-            self.amx = cpu_linear_amx.AmxLinear(weight)
+            self.amx = cpu_linear_amx.AmxLinear(weight, gated=gated)
         elif layout == "packed":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=PACK_BATCH)
         else:
