@@ -21,9 +21,8 @@
 // then for each slice one A tile (16 rows x 32 of x, read in place; fewer rows from a zero-padded
 // copy) and the group's B tiles, one tile product each. A chunk of several row blocks: its rows
 // first copied into A tiles of 1 KiB each (zero-padded), then per group, two column blocks at a
-// time, K in blocks of kBlockSlices, two row blocks at a time: each B tile loaded once for two
-// products, a column pair's B block read from L1 by every row pair, the float partial sums kept
-// in a buffer between K blocks. The float tiles go out
+// time, two row blocks at a time: each B tile loaded once for two products (a K deeper than
+// kBlockSlices slices in several passes, the float partial sums kept in a buffer between them). The float tiles go out
 // through a small buffer, each element rounded once to the output's dtype (bfloat16: to nearest
 // even, as PyTorch rounds).
 // Products of bfloat16 values are exact in float and the sums are float: oneDNN's arithmetic on
@@ -53,7 +52,7 @@ constexpr int64_t kDepth = 32;      // K of a slice (one tile product's depth in
 constexpr int64_t kGroup = 4;       // column blocks a pass keeps accumulators for
 constexpr int64_t kRows = 16;       // rows of a block (a tile's rows)
 constexpr int64_t kChunkRows = 256;  // rows whose input is kept in cache across the groups
-constexpr int64_t kBlockSlices = 8;  // K slices per pass of a column pair (its B: 16 KiB, kept in L1 across row pairs)
+constexpr int64_t kBlockSlices = 64;  // K slices per pass of a column pair (a deeper K in several passes; 8 and 16 measured slower)
 constexpr int64_t kTile = kRows * kDepth;  // bf16 elements of a B tile (16 pair rows x 16 columns x 2)
 
 // Where tile (block nb, slice kb) starts in the packed weight, in elements.
