@@ -177,6 +177,9 @@ class FusedFlatModel(FlatModel):
         # The q/k norm and RoPE kernel takes heads up to cpu_elementwise.MAX_HEAD_DIM: larger ones
         # keep the PyTorch code (the other two seams still take their kernels).
         self.qk_elementwise = elementwise and cpu_elementwise.takes_head_dim(self.cfg.head_dim)
+        # With all three seams' kernels: each layer calls them directly (``_forward_kernels``); False
+        # sends the same calls through ``_add_norm`` & co. (tests check the two give the same bits).
+        self.direct_seams = True
         cast = linear_dtype != dtype
         self.choices: dict[tuple[int, int], linear_layout.Choice] = {}  # per weight shape [out, in]
 
@@ -321,7 +324,7 @@ class FusedFlatModel(FlatModel):
         hidden = self.embed(input_ids)  # [N, D]
         n = hidden.shape[0]
         cos, sin = self.rope(positions)  # [N, Dh] each: rope_cos_sin(positions, dh, cfg.rope_theta, work)
-        if (self.qk_elementwise and n > 0 and hidden.is_contiguous() and cos.is_contiguous()
+        if (self.qk_elementwise and self.direct_seams and n > 0 and hidden.is_contiguous() and cos.is_contiguous()
                 and sin.is_contiguous() and len(kv_caches) == len(self.layers)):
             return self._forward_kernels(hidden, cos, sin, kv_caches, meta, backend, keep_rows)
         residual = None
