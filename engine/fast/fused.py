@@ -237,6 +237,7 @@ class FusedFlatModel(FlatModel):
         self._embedding_pages = None if own_rows else releasable(model.model.embed_tokens.weight.detach())
         self._rows_since_drop = 0
         self._norm_weights: dict[int, torch.Tensor] = {}
+        self._kernel_plan: list[tuple] | None = None  # ``_kernel_layers``, made at the first step that takes it
         # What ``forward`` reads of each layer besides its weights, looked up once here instead of
         # through nn.Module attribute lookups in every layer of every step: (input norm, post-
         # attention norm, the q/k norm's eps, attention scale, MLP block).
@@ -356,7 +357,7 @@ class FusedFlatModel(FlatModel):
         norm's weight and eps, the post-attention norm's, the q/k norm's weight and eps, the
         attention scale, the MLP block). The norm weights are ``_norm_weight``'s tensors (kept
         alive by it, so their data_ptrs stay valid)."""
-        plan = getattr(self, "_kernel_plan", None)
+        plan = self._kernel_plan
         if plan is None:
             plan = []
             for weights, (input_norm, post_norm, qk_eps, scale, mlp) in zip(self.layers, self._seams):
