@@ -480,6 +480,46 @@ def test_cpu_backend_refuses_block_tables_outside_the_pool(in_place):
         backend.write(cache, torch.zeros(q.shape[0], 2, 16), torch.zeros(q.shape[0], 2, 16), meta)
 
 
+def test_cpu_backend_later_layers_reuse_only_a_call_that_fits(monkeypatch):
+    """One backend serving a step's layers reuses the first layer's checked kernel call (tables,
+    positions, slot mapping) in the later ones: each layer's output and stored K/V equal a fresh
+    backend's, and a later call that differs from the checked one (a smaller pool the tables
+    overrun, pools of another dtype, another thread count, K/V rows of another layout) is checked
+    and served as a first call would be."""
+    from engine.fast.cpu_attention import CPUBackend
+
+    q, cache, meta = random_paged_batch(15, 4, 4, 2, decode_only=True)
+    backend, gen = CPUBackend(), torch.Generator().manual_seed(4)
+    layers = [tuple(torch.randn(cache[0].shape, generator=gen) for _ in "kv") for _ in range(3)]
+    n = q.shape[0]
+    for layer in layers:  # three layers of one step: the last two reuse the first's call
+        kv = torch.randn(n, 2 * 2 * 8, generator=gen)
+        k, v = kv[:, :16].view(n, 2, 8), kv[:, 16:].view(n, 2, 8)
+        want = tuple(p.clone() for p in layer)
+        CPUBackend().write(want, k, v, meta)
+        backend.write(layer, k, v, meta)
+        assert all(torch.equal(g, w) for g, w in zip(layer, want)), "a later layer's write stored other K/V"
+        assert torch.equal(backend.forward(q, layer, meta), CPUBackend().forward(q, layer, meta))
+    assert backend._call is not None and backend._write_call is not None, "the step's calls are kept"
+    small = tuple(p[:2].contiguous() for p in cache)  # the tables point past its 2 blocks
+    with pytest.raises(ValueError, match="outside the K/V pool"):
+        backend.forward(q, small, meta)
+    wide = tuple(p.double() for p in cache)
+    with pytest.raises(ValueError, match="must share a dtype"):
+        backend.forward(q, wide, meta)
+    assert torch.equal(backend.forward(q.double(), wide, meta), CPUBackend().forward(q.double(), wide, meta))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert torch.equal(backend.forward(q, cache, meta), CPUBackend().forward(q, cache, meta))
+    assert backend._call[7] == 2, "another thread count: the call is made (and kept) again"
+    # K/V rows with another row layout (heads strided apart): the reference's path, the same values.
+    kv = torch.randn(n, 8, 2 * 2, generator=gen)
+    k, v = kv[..., :2].transpose(1, 2), kv[..., 2:].transpose(1, 2)  # [N, 2, 8], element stride 4
+    want, got = tuple(p.clone() for p in cache), tuple(p.clone() for p in cache)
+    CPUBackend().write(want, k, v, meta)
+    backend.write(got, k, v, meta)
+    assert all(torch.equal(g, w) for g, w in zip(got, want)), "rows of another layout were stored wrongly"
+
+
 def test_cpu_kernel_build_with_a_bad_compiler(tmp_path, monkeypatch):
     """A $CXX that is missing, a directory or not a command line is a ValueError (and an optional
     kernel is then None with the reason), never FileNotFoundError/PermissionError; a launcher

@@ -150,6 +150,37 @@ def test_fused_engine_matches_generate_at_each_elementwise_width(dtype, isa, mon
     assert got.run_until_done() == want.run_until_done(), f"{dtype} (float32 linears): kernels at {isa} differ from torch's ops"
 
 
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_direct_seam_calls_give_the_wrappers_bits(dtype, moe):
+    """The layers' direct calls of the elementwise kernels (``_forward_kernels``, the default) give
+    every step's logits bit for bit as the same kernels through ``cpu_elementwise``'s checked
+    functions (``direct_seams=False``): under chunked prefill, with prompt logprobs (the last
+    layer's kept rows), on the CPU backend (whose later layers reuse the first layer's checked
+    call), on a dense model and on Qwen3-MoE (its MLP block between the seams)."""
+    model = tiny_model(seed=3, dtype=dtype, moe=moe)
+    prompts = prompts_for(model)
+    results = []
+    for direct in (True, False):
+        core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused",
+                                              **CONFIGS["chunked"]))
+        assert core.flat.qk_elementwise, "the fused CPU model must take the elementwise kernels here"
+        core.flat.direct_seams = direct
+        calls, logits = [], []
+        forward_kernels, execute = core.flat._forward_kernels, core.runner.execute
+        core.flat._forward_kernels = lambda *a: calls.append(1) or forward_kernels(*a)
+        core.runner.execute = lambda batch: logits.append(execute(batch)) or logits[-1]
+        for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+            core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0,
+                                                        prompt_logprobs=2 if i == 1 else None))
+        results.append((core.run_until_done(), logits))
+        assert bool(calls) == direct, "direct_seams picks the path"
+    (tokens, logits), (want_tokens, want_logits) = results
+    assert tokens == want_tokens and len(logits) == len(want_logits)
+    for step, (got, want) in enumerate(zip(logits, want_logits)):
+        assert torch.equal(got, want), f"step {step}: the direct seam calls changed the logits"
+
+
 def test_an_unknown_flat_model_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="unknown flat model 'fast'.*'compiled', 'flat', 'fused'"):
         EngineConfig(flat_model="fast")

@@ -137,6 +137,8 @@ class CPUBackend(TorchBackend):
         self._matrix: tuple | None = None
         self._checked: tuple | None = None  # (BatchMeta, pool blocks, window) whose matrix requests' tables passed
         self._decode_libs: dict[tuple, ctypes.CDLL] = {}  # _decode_lib's memo
+        self._call: tuple | None = None  # _run's checked call of the last (tables, q_pos): every layer of a step
+        self._write_call: tuple | None = None  # write's checked call of the last slot mapping
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
         if torch.device(device).type != "cpu" or dtype not in DTYPES:
@@ -152,6 +154,20 @@ class CPUBackend(TorchBackend):
         model whose matmuls run in bfloat16) are copied by ``cpu_write_kernel.cpp``. Rows of any
         other dtype, and any kernel that cannot be built here, take the reference's path."""
         k_pool, v_pool, slots = *cache, meta.slot_mapping
+        call = self._write_call
+        if (call is not None and call[0] is slots and k.shape == call[1] and v.shape == call[1] and k.dtype is call[2]
+                and v.dtype is call[2] and k_pool.shape == call[3] and v_pool.shape == call[3]
+                and k_pool.dtype is call[4] and v_pool.dtype is call[4] and k.stride(2) == 1 and v.stride(2) == 1
+                and k.stride(1) == call[5] and v.stride(1) == call[5] and k_pool.is_contiguous()
+                and v_pool.is_contiguous() and torch.get_num_threads() == call[6]):
+            # Another layer of the step whose call was checked (``_write_call``): rows of the same
+            # shape, dtype and row layout into pools of the same shape; only the addresses differ.
+            fn, bytes_, (n, row, num_slots, threads) = call[7], call[8], call[9]
+            bad = fn(k.data_ptr(), bytes_ * k.stride(0), v.data_ptr(), bytes_ * v.stride(0), slots.data_ptr(), n,
+                     row, k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
+            if bad:
+                raise ValueError(f"write: {bad} slot(s) of the slot mapping lie outside the pool's {num_slots} slots")
+            return
         n, hkv, d = k.shape
         if v.shape != k.shape or k_pool.shape[2:] != (hkv, d) or v_pool.shape != k_pool.shape:
             raise ValueError(f"write: rows k {tuple(k.shape)}, v {tuple(v.shape)} do not fit pools "
@@ -166,12 +182,15 @@ class CPUBackend(TorchBackend):
         num_slots = k_pool.shape[0] * k_pool.shape[1]
         threads = max(1, min(torch.get_num_threads(), n // MIN_WRITE_ROWS_PER_THREAD))
         if copy:  # strides in bytes, 2 bytes an element
-            bad = lib.write_kv_copy(k.data_ptr(), 2 * k.stride(0), v.data_ptr(), 2 * v.stride(0), slots.data_ptr(),
-                                    n, 2 * hkv * d, k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
-        else:
-            bad = getattr(lib, f"write_kv_{DTYPES[k_pool.dtype]}")(
-                k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), n, hkv * d,
-                k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
+            fn, bytes_ = lib.write_kv_copy, 2
+        else:  # strides in elements
+            fn, bytes_ = getattr(lib, f"write_kv_{DTYPES[k_pool.dtype]}"), 1
+        # What the step's other layers reuse: (slot mapping, row shape, row dtype, pool shape, pool
+        # dtype, row stride 1, thread count, kernel, bytes an element in its strides, its fixed arguments).
+        self._write_call = (slots, k.shape, k.dtype, k_pool.shape, k_pool.dtype, d, torch.get_num_threads(), fn,
+                            bytes_, (n, bytes_ * hkv * d, num_slots, threads))
+        bad = fn(k.data_ptr(), bytes_ * k.stride(0), v.data_ptr(), bytes_ * v.stride(0), slots.data_ptr(), n,
+                 bytes_ * hkv * d, k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
         if bad:
             raise ValueError(f"write: {bad} slot(s) of the slot mapping lie outside the pool's {num_slots} slots")
 
@@ -341,10 +360,10 @@ class CPUBackend(TorchBackend):
         if meta.max_query_len == 1 and n == meta.num_reqs == meta.query_start_loc_cpu.tolist()[-1]:
             # Pure decode, one row per request (the common step): row r is request r, at position
             # seq_len - 1 (-1: a padding request's row, seq_len 0). The general plan below gives
-            # the same tables and positions with more arithmetic. (A few requests' positions in
-            # Python: in an engine step, where numpy's code has gone cold since the last step,
-            # the general plan's numpy calls took ~60 us.)
-            q_pos = torch.tensor([s - 1 if s > 0 else -1 for s in meta.seq_lens_cpu.tolist()], dtype=torch.int64)
+            # the same tables and positions with more arithmetic. (In an engine step, where numpy's
+            # code has gone cold since the last step, the general plan's numpy calls took ~60 us;
+            # torch.tensor of the positions as a Python list, ~0.5 us a row.)
+            q_pos = (meta.seq_lens_cpu.to(torch.int64) - 1).clamp_min_(-1)  # int64 [N], a new tensor
             tables = meta.block_table[:, :width].to(torch.int32).contiguous()
             self._rows_key, self._rows = (meta, n), (tables, q_pos)
             return self._rows
@@ -387,6 +406,21 @@ class CPUBackend(TorchBackend):
         """The kernel on rows q [G, Hq, D] with their tables [G, W] and positions [G] -> [G, Hq, D]
         (``lib``: that build; default: the one chosen for this shape, ``decode_choice``)."""
         k_pool, v_pool = cache
+        call = self._call
+        if (lib is None and call is not None and call[0] is tables and call[1] is q_pos and q.shape == call[2]
+                and q.dtype is call[3] and k_pool.dtype is call[3] and v_pool.dtype is call[3]
+                and k_pool.shape == call[4] and v_pool.shape == call[4] and scale == call[5] and window == call[6]
+                and q.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous()
+                and torch.get_num_threads() == call[7] and os.environ.get(cpu_decode_variant.ENV) == call[8]):
+            # Another layer of the step whose call was checked (``_call``): rows of the same shape
+            # and dtype, the same tables and positions, pools of the same shape; only the
+            # tensors' addresses differ.
+            out = torch.empty_like(q)
+            bad = call[9](q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), *call[10])
+            if bad:
+                raise ValueError(f"attention: {bad} row(s) would read keys outside the K/V pool's {call[4][0]} "
+                                 f"blocks or past their block table's {tables.shape[1]} columns (a corrupt block table)")
+            return out
         if q.dtype != k_pool.dtype or v_pool.dtype != k_pool.dtype:
             raise ValueError(f"queries ({q.dtype}) and pools ({k_pool.dtype}, {v_pool.dtype}) must share a dtype")
         g, hq, d = q.shape
@@ -405,13 +439,19 @@ class CPUBackend(TorchBackend):
         if q_pos.dtype != torch.int64 or not q_pos.is_contiguous():
             q_pos = q_pos.to(torch.int64).contiguous()  # int64 [G]
         out = torch.empty_like(q)
-        if lib is None:
+        chosen = lib is None
+        if chosen:
             lib = self._decode_lib(q.dtype, hq, cache)
         fn = getattr(lib, f"paged_decode_{DTYPES[q.dtype]}")
-        head = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(),
-                tables.stride(0), tables.shape[1], q_pos.data_ptr(), g)
-        tail = (hq, hkv, d, bs, num_blocks, float(scale), int(window))
-        bad = fn(*head, max(1, min(torch.get_num_threads(), g // MIN_ROWS_PER_THREAD)), *tail)
+        rest = (tables.data_ptr(), tables.stride(0), tables.shape[1], q_pos.data_ptr(), g,
+                max(1, min(torch.get_num_threads(), g // MIN_ROWS_PER_THREAD)),
+                hq, hkv, d, bs, num_blocks, float(scale), int(window))
+        if chosen and tables.is_contiguous() and q_pos.is_contiguous():
+            # What the step's later layers reuse: (tables, positions, q's shape, dtype, pool shape,
+            # scale, window, thread count, $ENGINE_ATTENTION_DECODE, kernel, its arguments after the pointers).
+            self._call = (tables, q_pos, q.shape, q.dtype, k_pool.shape, scale, window, torch.get_num_threads(),
+                          os.environ.get(cpu_decode_variant.ENV), fn, rest)
+        bad = fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), *rest)
         if bad:
             raise ValueError(f"attention: {bad} row(s) would read keys outside the K/V pool's {num_blocks} blocks "
                              f"or past their block table's {tables.shape[1]} columns (a corrupt block table)")

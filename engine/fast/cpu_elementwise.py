@@ -145,6 +145,28 @@ def _kernel(name: str, *tensors: torch.Tensor):
     return fn
 
 
+def functions(dtype: torch.dtype) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, ctypes._CFuncPtr]:
+    """The C functions of (``add_rms_norm``, ``qk_norm_rope``, ``silu_mul``) for ``dtype`` at the
+    width ``isa()`` selects now, for a caller that checks its tensors itself (contiguous CPU
+    tensors of ``dtype``, the shapes the functions below check) and calls them many times a step
+    (``FusedFlatModel``: each layer's three seams, ~5 us of checks a call saved). They take what
+    the functions below pass them, in that order:
+    add_rms_norm(hidden, residual, weight, out, n, d, eps, add, threads);
+    qk_norm_rope(qkv, qkv row stride, n, hq, hkv, dh, weight, cos, sin, q, eps, threads);
+    silu_mul(gate_up, out, n, width, threads): tensors as data_ptr()s, ``threads`` from
+    ``threads_for``."""
+    if dtype not in DTYPES:
+        raise ValueError(f"the elementwise kernels take float32 or bfloat16, not {dtype}")
+    probe = torch.empty(0, dtype=dtype)
+    return tuple(_kernel(name, probe) for name in KERNELS)
+
+
+def threads_for(kernel: str, dtype: torch.dtype, elements: int) -> int:
+    """The thread count the functions below pass ``kernel`` (one of ``KERNELS``) for a call in
+    ``dtype`` writing ``elements`` values (for ``functions``' callers)."""
+    return _threads(kernel, dtype, elements)
+
+
 def _out(out: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """``out`` (checked: contiguous, ``like``'s dtype, on the CPU like ``like``, ``shape``) or a new
     tensor. A caller that passes the same buffer every layer saves the allocation and the page

@@ -183,6 +183,9 @@ class FusedFlatModel(FlatModel):
         # The q/k norm and RoPE kernel takes heads up to cpu_elementwise.MAX_HEAD_DIM: larger ones
         # keep the PyTorch code (the other two seams still take their kernels).
         self.qk_elementwise = elementwise and cpu_elementwise.takes_head_dim(self.cfg.head_dim)
+        # With all three seams' kernels: each layer calls them directly (``_forward_kernels``); False
+        # sends the same calls through ``_add_norm`` & co. (tests check the two give the same bits).
+        self.direct_seams = True
         cast = linear_dtype != dtype
         self.choices: dict[tuple[int, int], linear_layout.Choice] = {}  # per weight shape [out, in]
 
@@ -249,6 +252,7 @@ class FusedFlatModel(FlatModel):
         self._embedding_pages = None if own_rows else releasable(model.model.embed_tokens.weight.detach())
         self._rows_since_drop = 0
         self._norm_weights: dict[int, torch.Tensor] = {}
+        self._kernel_plan: list[tuple] | None = None  # ``_kernel_layers``, made at the first step that takes it
         # What ``forward`` reads of each layer besides its weights, looked up once here instead of
         # through nn.Module attribute lookups in every layer of every step: (input norm, post-
         # attention norm, the q/k norm's eps, attention scale, MLP block).
@@ -336,6 +340,9 @@ class FusedFlatModel(FlatModel):
         hidden = self.embed(input_ids)  # [N, D]
         n = hidden.shape[0]
         cos, sin = self.rope(positions)  # [N, Dh] each: rope_cos_sin(positions, dh, cfg.rope_theta, work)
+        if (self.qk_elementwise and self.direct_seams and n > 0 and hidden.is_contiguous() and cos.is_contiguous()
+                and sin.is_contiguous() and len(kv_caches) == len(self.layers)):
+            return self._forward_kernels(hidden, cos, sin, kv_caches, meta, backend, keep_rows)
         residual = None
         last, window = len(self.layers) - 1, cfg.sliding_window
         for i, (weights, seam, kv_cache) in enumerate(zip(self.layers, self._seams, kv_caches)):
@@ -358,6 +365,93 @@ class FusedFlatModel(FlatModel):
                 hidden = weights["down"](gate_up(x) if gate_up.gated else self._silu_mul(gate_up(x)))  # -> [N, D]
             else:
                 hidden = mlp(x.to(self.dtype)).to(work)  # MoE: the block itself
+        return self._add_norm(hidden, residual, self.model.model.norm)[0]
+
+    def _kernel_layers(self) -> list[tuple]:
+        """Per layer, what ``_forward_kernels`` reads besides the step's tensors, looked up once:
+        (q/k/v, o, gate/up and down linears (the last two None for an MoE layer), the input
+        norm's weight and eps, the post-attention norm's, the q/k norm's weight and eps, the
+        attention scale, the MLP block). The norm weights are ``_norm_weight``'s tensors (kept
+        alive by it, so their data_ptrs stay valid)."""
+        plan = self._kernel_plan
+        if plan is None:
+            plan = []
+            for weights, (input_norm, post_norm, qk_eps, scale, mlp) in zip(self.layers, self._seams):
+                plan.append((weights["qkv"], weights["o"], weights.get("gate_up"), weights.get("down"),
+                             self._norm_weight(input_norm).data_ptr(), input_norm.eps,
+                             self._norm_weight(post_norm).data_ptr(), post_norm.eps,
+                             weights["qk_norm"].data_ptr(), qk_eps, scale, mlp))
+            self._kernel_plan = plan
+        return plan
+
+    def _forward_kernels(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[KVCache],
+                         meta: BatchMeta, backend: AttentionBackend, keep_rows: torch.Tensor | None) -> torch.Tensor:
+        """``forward``'s layers with the three elementwise seams as direct calls of
+        ``cpu_elementwise.functions`` (contiguous [N, D] embeddings, cos and sin in ``linear_dtype``;
+        the q/k kernel takes this head size): the same kernels with the same arguments as
+        ``_add_norm``, ``_qk_norm_rope`` and ``_silu_mul`` (so the same values), their checks
+        done once per step here, the scratch buffers and their pointers looked up once. Every
+        tensor handed to a kernel is a fresh matmul output (contiguous [N, out] in
+        ``linear_dtype``), a scratch buffer, or checked here. The last layer with ``keep_rows``
+        runs its tail (from the kept rows' attention on) through ``_add_norm`` and ``_silu_mul``."""
+        cfg, work = self.cfg, self.linear_dtype
+        hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        n, d = hidden.shape
+        add_rms_norm, qk_norm_rope, silu_mul = cpu_elementwise.functions(work)
+        width = (hq + 2 * hkv) * dh  # qkv's row
+        add_threads = cpu_elementwise.threads_for("add_rms_norm", work, n * d)
+        qk_threads = cpu_elementwise.threads_for("qk_norm_rope", work, n * (hq + hkv) * dh)
+        x = self._scratch("x", (n, d), work)  # [N, D] each norm's output, read by the next matmul
+        q = self._scratch("q", (n, hq, dh), work)  # [N, Hq, Dh]
+        x_ptr, q_ptr, cos_ptr, sin_ptr = x.data_ptr(), q.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        cast_q = kv_caches[0][0].dtype != work  # float32 matmuls, a 16-bit pool: q converted per layer
+        k_at, v_at = hq * dh, (hq + hkv) * dh
+        residual, res_ptr, add = hidden, hidden.data_ptr(), 0  # layer 0: no add, the embeddings become the residual
+        last, window = len(self.layers) - 1, cfg.sliding_window
+        silu, silu_ptr, silu_threads = None, 0, 1
+        for i, (layer, kv_cache) in enumerate(zip(self._kernel_layers(), kv_caches)):
+            qkv_linear, o_linear, gate_up, down, in_w, in_eps, post_w, post_eps, qk_w, qk_eps, scale, mlp = layer
+            if not hidden.is_contiguous() or hidden.dtype != work or hidden.shape != (n, d):
+                raise ValueError(f"layer {i}: hidden {hidden.dtype} {tuple(hidden.shape)} is not a contiguous "
+                                 f"{work} [{n}, {d}]")
+            add_rms_norm(hidden.data_ptr(), res_ptr, in_w, x_ptr, n, d, in_eps, add, add_threads)
+            add = 1
+            qkv = qkv_linear(x)  # [N, (Hq + 2 Hkv) Dh]
+            if not qkv.is_contiguous() or qkv.dtype != work or qkv.shape != (n, width):
+                raise ValueError(f"layer {i}: qkv {qkv.dtype} {tuple(qkv.shape)} is not a contiguous {work} [{n}, {width}]")
+            qk_norm_rope(qkv.data_ptr(), width, n, hq, hkv, dh, qk_w, cos_ptr, sin_ptr, q_ptr, qk_eps, qk_threads)
+            q_attn = q.to(kv_cache[0].dtype) if cast_q else q  # [N, Hq, Dh]
+            backend.write(kv_cache, qkv[:, k_at:v_at].view(n, hkv, dh), qkv[:, v_at:].view(n, hkv, dh), meta)
+            if i == last and keep_rows is not None:  # from here on only the kept rows: [M, ...]
+                o = attend_rows(backend, q_attn, kv_cache, meta, keep_rows, scale, window)
+                residual, m = residual.index_select(0, keep_rows), keep_rows.shape[0]
+                hidden = o_linear(o.reshape(m, hq * dh).to(work))  # [M, D]
+                post_x, residual = self._add_norm(hidden, residual, self._seams[i][1], into="x")
+                if gate_up is not None:
+                    hidden = down(self._silu_mul(gate_up(post_x)))
+                else:
+                    hidden = mlp(post_x.to(self.dtype)).to(work)
+                break
+            o = backend.forward(q_attn, kv_cache, meta, scale=scale, window=window)
+            o = o.reshape(n, hq * dh)  # [N, Hq Dh]
+            hidden = o_linear(o if o.dtype == work else o.to(work))  # [N, D]
+            if not hidden.is_contiguous() or hidden.dtype != work or hidden.shape != (n, d):
+                raise ValueError(f"layer {i}: hidden {hidden.dtype} {tuple(hidden.shape)} is not a contiguous "
+                                 f"{work} [{n}, {d}]")
+            add_rms_norm(hidden.data_ptr(), res_ptr, post_w, x_ptr, n, d, post_eps, 1, add_threads)
+            if gate_up is None:  # MoE: the block itself
+                hidden = mlp(x.to(self.dtype)).to(work)
+                continue
+            gu = gate_up(x)  # [N, 2I]
+            if silu is None:
+                inter = gu.shape[1] // 2
+                silu = self._scratch("silu", (n, inter), work)
+                silu_ptr, silu_threads = silu.data_ptr(), cpu_elementwise.threads_for("silu_mul", work, n * inter)
+            if not gu.is_contiguous() or gu.dtype != work or gu.shape != (n, 2 * silu.shape[1]):
+                raise ValueError(f"layer {i}: gate_up {gu.dtype} {tuple(gu.shape)} is not a contiguous {work} "
+                                 f"[{n}, {2 * silu.shape[1]}]")
+            silu_mul(gu.data_ptr(), silu_ptr, n, silu.shape[1], silu_threads)
+            hidden = down(silu)  # [N, D]
         return self._add_norm(hidden, residual, self.model.model.norm)[0]
 
     def _add_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
