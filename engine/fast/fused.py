@@ -428,7 +428,7 @@ class FusedFlatModel(FlatModel):
                 hidden = o_linear(o.reshape(m, hq * dh).to(work))  # [M, D]
                 post_x, residual = self._add_norm(hidden, residual, self._seams[i][1], into="x")
                 if gate_up is not None:
-                    hidden = down(self._silu_mul(gate_up(post_x)))
+                    hidden = down(gate_up(post_x) if gate_up.gated else self._silu_mul(gate_up(post_x)))
                 else:
                     hidden = mlp(post_x.to(self.dtype)).to(work)
                 break
@@ -441,6 +441,9 @@ class FusedFlatModel(FlatModel):
             add_rms_norm(hidden.data_ptr(), res_ptr, post_w, x_ptr, n, d, post_eps, 1, add_threads)
             if gate_up is None:  # MoE: the block itself
                 hidden = mlp(x.to(self.dtype)).to(work)
+                continue
+            if gate_up.gated:  # SiLU(gate) * up as the gate/up linear's tiles are written out: [N, I]
+                hidden = down(gate_up(x))
                 continue
             gu = gate_up(x)  # [N, 2I]
             if silu is None:
