@@ -23,8 +23,8 @@
 // bfloat16 row as 32-bit words, shift and mask, its even and odd elements in two instructions per
 // 32 values, q's values reordered to match once per row; the "dpbf16" build instead takes
 // vdpbf16ps on q's and k's own bf16 bits, where the CPU has AVX512-BF16: on the Xeon below one
-// vdpbf16ps ran at about 1 per 3.5 cycles against 2 FMAs a cycle, and bf16 scores ~1.3x slower
-// than widening), folded by a shuffle-and-add network into one vector of the 16 scores: about 3
+// vdpbf16ps ran at about 1 per 3.5 cycles against 2 FMAs a cycle (independent ones in a loop),
+// and with K/V in cache its pass 1 took ~1.15x as long as widening's, the call ~1.07x), folded by a shuffle-and-add network into one vector of the 16 scores: about 3
 // instructions a score where a horizontal sum per score took about 10. The softmax runs a vector
 // at a time, the row's last chunk masked (the maximum, then exp by a polynomial within 2 ulp of
 // std::exp). Pass 2, per kv head: each V row widened once for all its query heads (as the keys:
@@ -253,9 +253,9 @@ inline __m512 fold34(__m512 x, __m512 y) {
 //     values, then one FMA per 16 products as for float;
 //   bf16 pools, the "dpbf16" build (-DATTN_SCORES_DPBF16, where the CPU has AVX512-BF16): q's own
 //     bf16 bits and vdpbf16ps on the key row's (kRaw: the products exact, summed in float, then
-//     scaled). On the Sapphire Rapids-class Xeon of issue 40 one vdpbf16ps was measured at about
-//     1 per 3.5 cycles against 2 FMAs per cycle, and this path's scores ran ~1.4x slower than the
-//     split one; cpu_decode_variant's probe measures both builds on the machine at hand.
+//     scaled). On the Sapphire Rapids-class Xeon of issue 40 vdpbf16ps ran at about a seventh of
+//     the FMAs' rate (see the file's head); cpu_decode_variant's probe measures both builds on
+//     the machine at hand.
 template <typename T, int NV> struct HeldQ {
   static constexpr bool kRaw = false;  // q is read scaled, in float
   static constexpr bool kSplit = !std::is_same<T, float>::value;  // q's 32-value blocks as [16 even, 16 odd]
