@@ -260,15 +260,14 @@ template <typename T, int NV> struct HeldQ {
   static constexpr bool kRaw = false;  // q is read scaled, in float
   static constexpr bool kSplit = !std::is_same<T, float>::value;  // q's 32-value blocks as [16 even, 16 odd]
   struct Key {
-    __m512 v[NV];
+    __m512 v[kSplit ? NV : 1];  // bf16: the widened row
+    const float* row = nullptr;  // float: the row where it lies (the FMAs read it from memory)
   };
   __m512 r[NV];
   void load(const float* q, const T*) {
     for (int c = 0; c < NV; ++c) r[c] = _mm512_loadu_ps(q + 16 * c);
   }
-  static void take(const float* k, Key& key) {
-    for (int c = 0; c < NV; ++c) key.v[c] = _mm512_loadu_ps(k + 16 * c);
-  }
+  static void take(const float* k, Key& key) { key.row = k; }
   static void take(const BF16* k, Key& key) {  // as v_row: [16 even, 16 odd] per 32 values
     const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     for (int c = 0; c < NV / 2; ++c) {
@@ -278,9 +277,15 @@ template <typename T, int NV> struct HeldQ {
     }
   }
   __m512 part(const Key& key) const {
-    __m512 a = _mm512_mul_ps(r[0], key.v[0]);
-    for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(r[c], key.v[c], a);
-    return a;
+    if constexpr (kSplit) {
+      __m512 a = _mm512_mul_ps(r[0], key.v[0]);
+      for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(r[c], key.v[c], a);
+      return a;
+    } else {
+      __m512 a = _mm512_mul_ps(r[0], _mm512_loadu_ps(key.row));
+      for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(r[c], _mm512_loadu_ps(key.row + 16 * c), a);
+      return a;
+    }
   }
 };
 #if ATTN_DPBF16 && defined(ATTN_SCORES_DPBF16)
