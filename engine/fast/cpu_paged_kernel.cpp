@@ -38,10 +38,14 @@
 // Xeon, one thread: with a row's K/V in L2, bf16 rows ~1.9x (8 query / 4 kv heads of 64) and
 // ~1.6x (16 / 8 of 128) as fast as one score at a time, float32 ~1.4x / ~1.0x; a decode step's
 // rows come from L3 or memory, whose load time neither path hides, and there the whole call ran
-// 1.1-1.4x as fast. Since (the widened bf16 scores, the masked softmax tail, the prefetch by
-// rows and across passes): 16 rows of ~220 keys at 8 / 4 heads of 64, most keys shared (in
-// cache), bf16 ~1.2x and float32 ~1.25x; K/V out of L2, 1.02-1.05x; at 16 / 8 heads of 128 the
-// call streams its K/V at about the machine's one-thread bandwidth, and gains ~0-10%.
+// 1.1-1.4x as fast. Since (the widened bf16 scores, the masked softmax tail, the prefetch by rows
+// and across passes and rows, two kv heads per pass-2 loop at d <= 64), one thread, interleaved
+// against 665590f: 16 rows of ~220 keys at 8 / 4 heads of 64 with most keys shared (in cache)
+// bf16 ~1.28x, float32 ~1.4x the call; in an engine step (pools on huge pages) the shared-prefix
+// workload's attention 1.15x (bf16) / 1.10x (float32), distinct contexts 0.96-1.02x, Qwen3-0.6B's
+// shape 1.02-1.10x; `levers prefill-attention` (pools on 4 KiB pages, out of cache) 0.98-1.08x,
+// except small float32 0.92-0.96x (there the unrolled row prefetch loses to the loop form that
+// the L2 case keeps, which in turn costs ~13% with K/V in cache: not taken).
 // Tried and not kept: the scores on AMX tiles, twice. First (16 keys' rows x q's pairs: +-8%);
 // then as C [16 keys, hq] = K [16 keys, d] . Q^T with K's tile loaded straight from the pool,
 // every kv head into one C through a block-diagonal Q^T, two C tiles in turn, the softmax and
