@@ -133,15 +133,18 @@ def test_other_head_sizes_take_the_older_loops(head_dim):
         check(lib, dtype, 16, 4, 2, head_dim, POSITIONS, window=11, what="native")
 
 
-@pytest.mark.parametrize("variant", ["avx2", "avx512 without bf16 dot products", "native, blocked path off"])
+@pytest.mark.parametrize("variant", ["avx2", "dpbf16", "avx512 without bf16 dot products", "native, blocked path off",
+                                     "native, prefetch off"])
 def test_other_builds_and_the_older_loops(variant):
     """The builds other CPUs run, forced here: ``avx2`` (32-byte vectors, no bf16 dot products:
-    the older loops), the AVX-512 build without AVX512-BF16 (the blocked path widening bf16 keys
-    instead), and the native build with its blocked path switched off (``paged_set_blocked(0)``)."""
+    the older loops), ``dpbf16`` (the blocked path's bf16 scores as vdpbf16ps dot products, where
+    the CPU has AVX512-BF16; elsewhere the native code), the AVX-512 build without AVX512-BF16 (the
+    older loops' bf16 keys widened, not dot products), the native build with its blocked path switched off (``paged_set_blocked(0)``), and
+    with its prefetch off (``paged_set_prefetch(0)``: no row asks for the next one's keys)."""
     from engine.fast import cpu_attention, cpu_build
 
-    if variant == "avx2":
-        lib = cpu_attention.load_kernel("avx2")
+    if variant in ("avx2", "dpbf16"):
+        lib = cpu_attention.load_kernel(variant)
     elif variant.startswith("avx512"):
         if "avx512f" not in cpu_build.cpu_signature().split():
             pytest.skip("this CPU has no AVX-512 F: the build cannot run here")
@@ -149,8 +152,10 @@ def test_other_builds_and_the_older_loops(variant):
         assert lib is not None, "the AVX-512 build without bf16 dot products did not build"
     else:
         lib = cpu_attention.load_kernel("native")
-    if variant.endswith("off"):
+    if variant.endswith("blocked path off"):
         lib.paged_set_blocked(0)
+    if variant.endswith("prefetch off"):
+        lib.paged_set_prefetch(0)
     try:
         for dtype in (torch.bfloat16, torch.float32):
             for d, bs, hq, hkv in ((64, 16, 8, 4), (128, 8, 8, 1), (96, 32, 4, 4)):
@@ -158,6 +163,7 @@ def test_other_builds_and_the_older_loops(variant):
                 check(lib, dtype, bs, hq, hkv, d, POSITIONS, window=13, prefill_chunk=6, what=variant)
     finally:
         lib.paged_set_blocked(1)
+        lib.paged_set_prefetch(1)
 
 
 def test_blocked_rows_on_two_threads():

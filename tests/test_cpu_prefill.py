@@ -366,7 +366,7 @@ def test_engine_on_each_prefill_path_matches_generate(path, config, monkeypatch)
 
 
 # ----- the decode kernel's builds: AVX-512 (+ AVX512-BF16 dot products) where the CPU has them, AVX2 ----
-@pytest.mark.parametrize("variant", ["native", "avx2"])
+@pytest.mark.parametrize("variant", ["native", "dpbf16", "avx2"])
 @pytest.mark.parametrize("head_dim", [8, 32, 64, 128])
 def test_every_decode_build_matches_float64_attention(variant, head_dim):
     """Each kernel build, every row through it (decodes and prefill rows), on head sizes that take
@@ -399,8 +399,15 @@ def test_the_decode_build_is_forced_by_option_or_environment(monkeypatch):
     monkeypatch.setattr(cpu_decode_variant, "_chosen", {})
     choice = backend(None).decode_choice(torch.float32, 4, cache)
     assert not choice.forced and set(choice.ms) == {"native", "avx2"}, "without a forced build, both are measured"
+    choice = backend(None).decode_choice(torch.bfloat16, 4, tuple(c.to(torch.bfloat16) for c in cache))
+    assert not choice.forced and set(choice.ms) == {"native", "dpbf16", "avx2"}, \
+        "bfloat16 rows: the build with bf16 dot products is measured too"
+    assert choice.variant == "native" or choice.ms[choice.variant] < choice.ms["native"]
     assert any("measured" in line for line in cpu_decode_variant.chosen_report())
-    with pytest.raises(ValueError, match="decode variant must be one of native, avx2"):
+    monkeypatch.setenv(cpu_decode_variant.ENV, "dpbf16")
+    assert backend(None).decode_choice(torch.bfloat16, 4, cache).variant == "dpbf16"
+    monkeypatch.delenv(cpu_decode_variant.ENV)
+    with pytest.raises(ValueError, match="decode variant must be one of native, dpbf16, avx2"):
         cpu_attention.CPUBackend(decode="avx1024")
     monkeypatch.setenv(cpu_decode_variant.ENV, "sse")
     with pytest.raises(ValueError, match="ENGINE_ATTENTION_DECODE"):

@@ -168,6 +168,8 @@ def prefill_attention(args) -> None:
     hq, hkv, d = qs[0].shape[1], pools[0][0].shape[2], qs[0].shape[2]
     if cpu_prefill.amx_serves(dtype, hq, hkv, d):  # bfloat16 on a CPU with AMX
         variants["amx"] = CPUBackend(prefill="amx")
+    if dtype == torch.bfloat16:  # its scores as vdpbf16ps dot products (cpu_decode_variant)
+        variants["kernel, dpbf16 build"] = CPUBackend(prefill="kernel", decode="dpbf16")
     variants["kernel, avx2 build"] = CPUBackend(prefill="kernel", decode="avx2")
     if args.context > 1:
         variants["auto (probe)"] = CPUBackend(prefill="auto")

@@ -81,10 +81,12 @@ def _declare_write(lib: ctypes.CDLL) -> None:
 
 _write_kernel = OptionalKernels(WRITE_SOURCE, _declare_write)
 # The kernel's builds (cpu_attn_vec.h; which one serves a shape: cpu_decode_variant): "native",
-# the widest vectors -march=native targets (AVX-512, and AVX512-BF16 dot products for bfloat16
-# pools, where the CPU has them); "avx2", the same source held to 32-byte vectors without bf16
-# dot products (what a CPU without AVX-512 runs).
+# the widest vectors -march=native targets (AVX-512: bfloat16 keys widened in registers for the
+# scores); "dpbf16", the same with a bfloat16 row's scores by AVX512-BF16 dot products (vdpbf16ps)
+# where the CPU has them (elsewhere it is "native"); "avx2", the same source held to 32-byte
+# vectors without bf16 dot products (what a CPU without AVX-512 runs).
 _variants = {"native": None,  # _kernel, looked up at call time
+             "dpbf16": OptionalKernels(SOURCE, _declare, extra=("-DATTN_SCORES_DPBF16",)),
              "avx2": OptionalKernels(SOURCE, _declare, extra=("-DATTN_VEC_BYTES=32", "-DATTN_NO_DPBF16"))}
 
 
@@ -235,7 +237,8 @@ class CPUBackend(TorchBackend):
             return self._run(q, pools, tables, q_pos, d ** -0.5, 0, lib=load_kernel(variant))
         if cpu_decode_variant.forced_variant(self.decode) is None:
             try:
-                load_kernel("avx2")
+                for variant in cpu_decode_variant.candidates(dtype):
+                    load_kernel(variant)
             except ValueError:  # only the native build here: nothing to measure
                 return cpu_decode_variant.choose(run, dtype, hq, hkv, d, bs, "native")
         return cpu_decode_variant.choose(run, dtype, hq, hkv, d, bs, self.decode)

@@ -1,16 +1,20 @@
 """Which build of the paged attention kernel serves the rows: measured per attention shape.
 
-``cpu_paged_kernel.cpp`` is built twice from one source (``cpu_attn_vec.h``): ``native``, at the
-widest vectors ``-march=native`` targets (AVX-512's 16 floats, and AVX512-BF16 dot products for
-bfloat16 pools, where the CPU has them), and ``avx2``, held to 32-byte vectors without bf16 dot
-products (what a CPU without AVX-512 runs anyway; there the two builds are the same code). Wider
-is not always faster: some CPUs lower their clock under 512-bit work, and a decode row is mostly
-the trip of its K/V from memory. So the probe times both on a seeded decode batch of the model's
+``cpu_paged_kernel.cpp`` is built three times from one source (``cpu_attn_vec.h``): ``native``, at
+the widest vectors ``-march=native`` targets (AVX-512's 16 floats; a bfloat16 row's keys widened
+in registers, two instructions per 32 values, for float FMAs), ``dpbf16``, the same but with a
+bfloat16 row's scores as AVX512-BF16 dot products (vdpbf16ps on q's and k's own bits) where the
+CPU has them, and ``avx2``, held to 32-byte vectors without bf16 dot products (what a CPU without
+AVX-512 runs anyway; there the builds are the same code). Wider is not always faster: some CPUs
+lower their clock under 512-bit work, and a decode row is mostly the trip of its K/V from memory;
+nor is one dot-product instruction: on the Sapphire Rapids-class Xeon of issue 40 vdpbf16ps ran
+about 1 per 3.5 cycles against 2 FMAs per cycle. So the probe times the candidates (``dpbf16``
+only for bfloat16 rows, the one dtype it changes) on a seeded decode batch of the model's
 attention shape (``PROBE_REQUESTS`` rows over ``PROBE_CONTEXT`` keys each, fastest of
-``PROBE_ROUNDS`` interleaved rounds) and keeps ``native`` unless ``avx2`` is ``MARGIN`` faster.
-Cached per (dtype, heads, head size, block size, threads) for the process;
-``ENGINE_ATTENTION_DECODE=native|avx2`` (or ``CPUBackend(decode=...)``) forces a build, so tests
-run both on any machine. ``chosen_report`` lists the choices, as ``run.py bench`` prints.
+``PROBE_ROUNDS`` interleaved rounds) and keeps ``native`` unless another is ``MARGIN`` faster (the
+fastest such). Cached per (dtype, heads, head size, block size, threads) for the process;
+``ENGINE_ATTENTION_DECODE=native|dpbf16|avx2`` (or ``CPUBackend(decode=...)``) forces a build, so
+tests run each on any machine. ``chosen_report`` lists the choices, as ``run.py bench`` prints.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 
 from engine.fast import probe
 
-VARIANTS = ("native", "avx2")
+VARIANTS = ("native", "dpbf16", "avx2")
 ENV = "ENGINE_ATTENTION_DECODE"
 PROBE_REQUESTS = 16
 PROBE_CONTEXT = 256
@@ -48,10 +52,16 @@ def forced_variant(variant: str | None) -> str | None:
     return probe.forced_name(variant, ENV, VARIANTS, "attention decode variant")
 
 
+def candidates(dtype: torch.dtype) -> tuple[str, ...]:
+    """The builds the probe times for rows of ``dtype``: ``dpbf16`` differs from ``native`` only
+    for bfloat16 rows."""
+    return VARIANTS if dtype == torch.bfloat16 else tuple(v for v in VARIANTS if v != "dpbf16")
+
+
 def measure(run: Callable[[str, torch.Tensor, tuple, torch.Tensor, torch.Tensor], torch.Tensor],
             dtype: torch.dtype, hq: int, hkv: int, d: int, bs: int) -> dict[str, float]:
-    """Ms of each build on one seeded decode batch; ``run(variant, q, (k_pool, v_pool), tables
-    int32 [R, W], q_pos int64 [R])`` runs the kernel of that build."""
+    """Ms of each candidate build on one seeded decode batch; ``run(variant, q, (k_pool, v_pool),
+    tables int32 [R, W], q_pos int64 [R])`` runs the kernel of that build."""
     gen = torch.Generator().manual_seed(0)
     width = -(-PROBE_CONTEXT // bs)
     blocks = PROBE_REQUESTS * width
@@ -59,10 +69,10 @@ def measure(run: Callable[[str, torch.Tensor, tuple, torch.Tensor, torch.Tensor]
     tables = torch.randperm(blocks, generator=gen).to(torch.int32).view(PROBE_REQUESTS, width)
     q_pos = torch.full((PROBE_REQUESTS,), PROBE_CONTEXT - 1, dtype=torch.int64)
     q = torch.randn(PROBE_REQUESTS, hq, d, generator=gen).to(dtype)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in candidates(dtype)}
     with torch.inference_mode():
         for round_ in range(PROBE_ROUNDS + 1):  # round 0 warms up
-            for variant in VARIANTS:
+            for variant in times:
                 start = time.perf_counter()
                 run(variant, q, pools, tables, q_pos)
                 if round_:
@@ -77,7 +87,8 @@ def choose(run: Callable, dtype: torch.dtype, hq: int, hkv: int, d: int, bs: int
 
     def measured() -> DecodeChoice:
         ms = measure(run, dtype, hq, hkv, d, bs)
-        return DecodeChoice("avx2" if ms["avx2"] < (1 - MARGIN) * ms["native"] else "native", ms)
+        faster = [v for v in ms if ms[v] < (1 - MARGIN) * ms["native"]]
+        return DecodeChoice(min(faster, key=ms.__getitem__) if faster else "native", ms)
 
     return probe.remembered(_chosen, _made, probe.attention_key(dtype, hq, hkv, d, bs),
                             None if forced is None else DecodeChoice(forced, {}, forced=True), measured)
