@@ -120,23 +120,31 @@ inline void transpose16(__m512i r[16]) {
 }
 
 // 2^t for t <= 0 on the lanes of `keep`, zero on the others and below -125 (a weight under
-// 2^-125 of the row's largest): t = n + f with n = round(t), |f| <= 1/2, 2^f by its degree-6
-// Taylor polynomial in f ln 2 (relative error under 2^-23, a float's own), 2^n applied by scalef.
+// 2^-125 of the row's largest): t = n + f with n = round(t), |f| <= 1/2, 2^f by a degree-5
+// polynomial (fitted here for relative error on [-1/2, 1/2]: under 2.4e-7, two float ulps, in
+// float arithmetic), 2^n applied by scalef.
 inline __m512 exp2_lanes(__m512 t, __mmask16 keep) {
   keep &= _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.5403530393381608e-4f), f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.327645848505199e-3f), f, _mm512_set1_ps(9.675541892647743e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713464617729e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022120237350464f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
   return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
-// 16 floats to bf16, round to nearest even, NaN to the quiet NaN (cpu_attn_vec.h's narrow, 16 at once).
+// 16 floats to bf16, round to nearest even, NaN to the quiet NaN (cpu_attn_vec.h's narrow, 16 at
+// once): the AVX512-BF16 conversion, which rounds the same but treats subnormals as zero and keeps
+// a NaN's payload, where no lane is either; else the integer rounding.
 inline __m256i narrow16(__m512 x) {
+  if (!_mm512_fpclass_ps_mask(x, 0x01 | 0x20 | 0x80)) {  // no quiet NaN, subnormal or signalling NaN
+    const __m256bh b = _mm512_cvtneps_pbh(x);
+    __m256i r;
+    std::memcpy(&r, &b, sizeof r);
+    return r;
+  }
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
@@ -149,15 +157,17 @@ inline __m256i narrow16(__m512 x) {
 // 16 x 16 tile of u32, row i = pairs (K[key][32c + 2i], K[key][32c + 2i + 1]) for its 16 keys
 // (a transpose of the keys' rows). vp: per 32-key chunk and 16-column block, row i = pairs
 // (V[2i][col], V[2i + 1][col]) for its 16 columns (two key rows interleaved).
+// Keys before k0 + from (from a multiple of kChunk) are taken as packed already (an earlier item's:
+// `reusable`).
 void pack(const BF16* k_pool, const BF16* v_pool, const Request& req, int64_t h, int64_t hkv, int64_t d,
-          int64_t bs, int64_t k0, int64_t n, int64_t lo_key, int64_t hi_key, Scratch& sc) {
+          int64_t bs, int64_t k0, int64_t n, int64_t lo_key, int64_t hi_key, int64_t from, Scratch& sc) {
   const int64_t chunks = d / 32, cols = d / 16, slot = hkv * d;
   sc.kt.resize(static_cast<size_t>(n / 16 * chunks * 256));
   sc.vp.resize(static_cast<size_t>(n / 32 * cols * 256));
   auto at = [&](int64_t p) -> int64_t {  // element offset of key p's row of head h, -1: not visible
     return p < lo_key || p > hi_key ? -1 : (static_cast<int64_t>(req.table[p / bs]) * bs + p % bs) * slot + h * d;
   };
-  for (int64_t j = 0; j < n; j += 16) {  // K: one transpose per 16 keys and 32 head values
+  for (int64_t j = from; j < n; j += 16) {  // K: one transpose per 16 keys and 32 head values
     int64_t off[16];
     for (int i = 0; i < 16; ++i) off[i] = at(k0 + j + i);
     for (int64_t c = 0; c < chunks; ++c) {
@@ -172,7 +182,7 @@ void pack(const BF16* k_pool, const BF16* v_pool, const Request& req, int64_t h,
   const __m512i first16 = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
                                            5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i last16 = _mm512_add_epi16(first16, _mm512_set1_epi16(16));
-  for (int64_t j = 0; j < n; j += 2) {  // V: keys j, j + 1 interleaved, 32 columns at a time
+  for (int64_t j = from; j < n; j += 2) {  // V: keys j, j + 1 interleaved, 32 columns at a time
     const int64_t oa = at(k0 + j), ob = at(k0 + j + 1);
     uint32_t* dst = sc.vp.data() + (j / 32) * cols * 256 + ((j % 32) / 2) * 16;
     for (int64_t c = 0; c < d; c += 32) {
@@ -182,6 +192,30 @@ void pack(const BF16* k_pool, const BF16* v_pool, const Request& req, int64_t h,
       _mm512_storeu_si512(dst + (c / 16 + 1) * 256, _mm512_permutex2var_epi16(a, last16, b));
     }
   }
+}
+
+// The packed item in sc: its request, kv head and key range, for `reusable`.
+struct Packed {
+  const Request* req = nullptr;
+  int64_t h = -1, k0 = 0, first = 0, last = -1;
+};
+
+// How many keys from k0 on (a multiple of kChunk) the item packed before (`was`) left in sc as
+// this one (request `req`, kv head h, keys k0 .. with [first, last] visible) would pack them:
+// the same kv head and k0, whole chunks visible to both, read through the same pool blocks (a
+// prefix the requests share, as the prefix cache hands it out). 0 where nothing is shared.
+int64_t reusable(const Packed& was, const Request& req, int64_t h, int64_t k0, int64_t first, int64_t last,
+                 int64_t bs) {
+  if (was.req == nullptr || was.h != h || was.k0 != k0) return 0;
+  const int64_t lo = std::max(first, was.first), hi = std::min(last, was.last);
+  if (lo > k0) return 0;  // the first chunk holds zeros for one of them
+  int64_t keys = 0;
+  for (int64_t block = k0 / bs; keys + kChunk <= hi + 1 - k0; ++block) {
+    if (req.table[block] != was.req->table[block]) break;
+    keys = std::min(hi + 1, (block + 1) * bs) - k0;  // keys k0 .. these read through equal blocks
+    keys = std::max<int64_t>(0, keys) / kChunk * kChunk;
+  }
+  return keys;
 }
 
 // O += (hi + lo) V over the block's keys [b0, b0 + nk) for the 16-column blocks cg .. cg + 3
@@ -297,16 +331,18 @@ void rows_tile(const BF16* q, BF16* out, const Request& req, int64_t h, int64_t 
         std::memset(lrow, 0, sizeof(uint16_t) * nk);
         continue;
       }
+      // The largest scaled score among the seen keys [a, b] (from the largest or, scale < 0, smallest score).
       const int64_t va = a / 16, vb = b / 16;
       const __mmask16 mask_a = static_cast<__mmask16>(0xFFFFu << (a % 16));
       const __mmask16 mask_b = static_cast<__mmask16>(0xFFFFu >> (15 - b % 16));
-      const __m512 c1 = _mm512_set1_ps(scale2);
-      __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      const bool up = scale2 > 0;
+      __m512 ex = _mm512_set1_ps(up ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity());
       for (int64_t v = va; v <= vb; ++v) {
         const __mmask16 keep = (v == va ? mask_a : 0xFFFF) & (v == vb ? mask_b : 0xFFFF);
-        mx = _mm512_mask_max_ps(mx, keep, mx, _mm512_mul_ps(_mm512_load_ps(srow + 16 * v), c1));
+        const __m512 x = _mm512_load_ps(srow + 16 * v);
+        ex = up ? _mm512_mask_max_ps(ex, keep, ex, x) : _mm512_mask_min_ps(ex, keep, ex, x);
       }
-      const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));
+      const float m_new = std::max(m[r], (up ? _mm512_reduce_max_ps(ex) : _mm512_reduce_min_ps(ex)) * scale2);
       if (m_new > m[r]) {
         if (summed && l[r] > 0) {  // an earlier block's sums, relative to the smaller maximum
           const float alpha = std::exp2(m[r] - m_new);
@@ -317,28 +353,36 @@ void rows_tile(const BF16* q, BF16* out, const Request& req, int64_t h, int64_t 
         }
         m[r] = m_new;
       }
-      const __m512 c0 = _mm512_set1_ps(-m_new);
+      // Weights w = 2^(s c1 - m), 32 keys at a time: hi = w's top 16 bits, lo = bf16(w - hi); zeros
+      // outside the seen keys.
+      const __m512 c1 = _mm512_set1_ps(scale2), c0 = _mm512_set1_ps(-m_new);
       const __m512 hi_bits = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t v = 0; v < nk / 16; v += 2) {  // 32 keys: weights w = 2^(s c1 - m), hi = w's top 16 bits, lo = bf16(w - hi)
-        __m512i hb = _mm512_setzero_si512(), lb = _mm512_setzero_si512();
-        if (v + 1 >= va && v <= vb) {
-          __m512 hf[2], lf[2];
-          for (int half = 0; half < 2; ++half) {
-            const int64_t u = v + half;
-            const __mmask16 keep = u < va || u > vb ? 0 : (u == va ? mask_a : 0xFFFF) & (u == vb ? mask_b : 0xFFFF);
-            const __m512 w = exp2_lanes(_mm512_fmadd_ps(_mm512_load_ps(srow + 16 * u), c1, c0), keep);
-            sum = _mm512_add_ps(sum, w);
-            hf[half] = _mm512_and_ps(w, hi_bits);
-            lf[half] = _mm512_sub_ps(w, hf[half]);
-          }
-          const __m512bh h32 = _mm512_cvtne2ps_pbh(hf[1], hf[0]), l32 = _mm512_cvtne2ps_pbh(lf[1], lf[0]);
-          std::memcpy(&hb, &h32, sizeof hb);
-          std::memcpy(&lb, &l32, sizeof lb);
-        }
-        _mm512_store_si512(hrow + 16 * v, hb);
-        _mm512_store_si512(lrow + 16 * v, lb);
+      const int64_t pa = a / 32, pb = b / 32;
+      for (int64_t p = 0; p < pa; ++p) {
+        _mm512_store_si512(hrow + 32 * p, _mm512_setzero_si512());
+        _mm512_store_si512(lrow + 32 * p, _mm512_setzero_si512());
       }
+      __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+      for (int64_t p = pa; p <= pb; ++p) {
+        uint32_t keep = ~0u;
+        if (p == pa) keep <<= a % 32;
+        if (p == pb) keep &= ~0u >> (31 - b % 32);
+        const __m512 w0 = exp2_lanes(_mm512_fmadd_ps(_mm512_load_ps(srow + 32 * p), c1, c0), static_cast<__mmask16>(keep));
+        const __m512 w1 = exp2_lanes(_mm512_fmadd_ps(_mm512_load_ps(srow + 32 * p + 16), c1, c0),
+                                     static_cast<__mmask16>(keep >> 16));
+        sum0 = _mm512_add_ps(sum0, w0);
+        sum1 = _mm512_add_ps(sum1, w1);
+        const __m512 h0 = _mm512_and_ps(w0, hi_bits), h1 = _mm512_and_ps(w1, hi_bits);
+        const __m512bh h32 = _mm512_cvtne2ps_pbh(h1, h0);
+        const __m512bh l32 = _mm512_cvtne2ps_pbh(_mm512_sub_ps(w1, h1), _mm512_sub_ps(w0, h0));
+        _mm512_store_si512(hrow + 32 * p, reinterpret_cast<const __m512i&>(h32));
+        _mm512_store_si512(lrow + 32 * p, reinterpret_cast<const __m512i&>(l32));
+      }
+      for (int64_t p = pb + 1; p < nk / 32; ++p) {
+        _mm512_store_si512(hrow + 32 * p, _mm512_setzero_si512());
+        _mm512_store_si512(lrow + 32 * p, _mm512_setzero_si512());
+      }
+      const __m512 sum = _mm512_add_ps(sum0, sum1);
       l[r] += _mm512_reduce_add_ps(sum);
     }
     // O += (hi + lo) V, four 16-column blocks at a time in tiles 0-3.
@@ -398,14 +442,17 @@ int64_t run(const BF16* q, const BF16* k_pool, const BF16* v_pool, BF16* out, co
     }
     _tile_loadconfig(&mine);
     const std::unique_ptr<Scratch> sc(new Scratch());
-    for (int64_t it = begin; it < end; ++it) {
-      const Request& req = reqs[it / hkv];
-      const int64_t h = it % hkv;
+    Packed packed;
+    for (int64_t it = begin; it < end; ++it) {  // kv head by kv head: consecutive requests may share keys
+      const Request& req = reqs[it % num_reqs];
+      const int64_t h = it / num_reqs;
       if (req.rows <= 0) continue;
       const int64_t last = req.context + req.rows - 1;
       const int64_t first = window > 0 ? std::max<int64_t>(0, req.context - window + 1) : 0;
       const int64_t k0 = first / kChunk * kChunk, n = (last - k0) / kChunk * kChunk + kChunk;
-      pack(k_pool, v_pool, req, h, hkv, d, bs, k0, n, first, last, *sc);
+      const int64_t from = std::min(n, reusable(packed, req, h, k0, first, last, bs));
+      pack(k_pool, v_pool, req, h, hkv, d, bs, k0, n, first, last, from, *sc);
+      packed = Packed{&req, h, k0, first, last};
       // Tiles of equal row counts (a request of 25 rows in tiles of 8: 7 + 6 + 6 + 6, not 8 + 8 + 8 + 1).
       const int64_t tiles = (req.rows + per_tile - 1) / per_tile;
       for (int64_t k = 0; k < tiles; ++k)
