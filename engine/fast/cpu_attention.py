@@ -316,7 +316,8 @@ class CPUBackend(TorchBackend):
             return self._matrix
         qsl = meta.query_start_loc_cpu.tolist()
         seq_lens = meta.seq_lens_cpu.tolist()
-        kernel_pos = q_pos.clone()
+        positions = q_pos.numpy()  # [N]
+        matrix = np.zeros(positions.shape[0], dtype=bool)  # rows a matrix path serves
         members: dict[tuple[int, int], list[int]] = {}
         packed_reqs: dict[str, list[int]] = {}
         for r, seq_len in enumerate(seq_lens):
@@ -327,7 +328,8 @@ class CPUBackend(TorchBackend):
             elif path != "kernel":
                 packed_reqs.setdefault(path, []).append(r)
             if path != "kernel":
-                kernel_pos[qsl[r]:qsl[r + 1]] = -1
+                matrix[qsl[r]:qsl[r + 1]] = True
+        kernel_pos = torch.from_numpy(np.where(matrix, -1, positions))
         groups = {}
         for (t, context), reqs in members.items():
             starts = [qsl[r] for r in reqs]
@@ -342,8 +344,8 @@ class CPUBackend(TorchBackend):
                             torch.tensor([qsl[r] for r in reqs], dtype=torch.int64), t,
                             torch.tensor([seq_lens[r] for r in reqs], dtype=torch.int64) - t)
         self._matrix_key, self._matrix = key, (groups, packed, kernel_pos)
-        padding = torch.nonzero(q_pos < 0).flatten()  # rows of no request (and of requests without keys)
-        self._matrix_rows = (bool((kernel_pos >= 0).any()), padding if padding.numel() else None)
+        padding = np.flatnonzero(positions < 0)  # rows of no request (and of requests without keys)
+        self._matrix_rows = (bool((~matrix & (positions >= 0)).any()), torch.from_numpy(padding) if padding.size else None)
         return self._matrix
 
     def _row_plan(self, meta: BatchMeta, n: int) -> tuple[torch.Tensor, torch.Tensor]:
