@@ -8,11 +8,13 @@
 //
 // One work item is (request, kv head); items are shared by torch's OpenMP workers (`share`,
 // cpu_kernel_share.h). An item:
-//   1. packs the request's visible keys of kv head h once, for every tile of its rows, with
-//      AVX-512 shuffles: K transposed into the matrix units' pair layout (a row of a B tile holds,
+//   1. packs the request's visible keys of kv head h once, for every tile of its rows, 32 keys at
+//      a time with the next 32 keys' pool rows prefetched, with AVX-512 shuffles: K transposed into the matrix units' pair layout (a row of a B tile holds,
 //      for 16 keys, the pair of head values 2i, 2i+1 of each: a 16 x 16 transpose of 32-bit
 //      pairs), and V likewise (a row holds, for 16 head columns, the values of keys 2i and 2i+1:
-//      two key rows interleaved); keys outside [first visible, last] are zeros;
+//      two key rows interleaved); keys outside [first visible, last] are zeros. Items go kv head
+//      by kv head, and the chunks the item before packed from the same pool blocks are kept (a
+//      cached prefix several requests share is packed once per kv head, not once per request);
 //   2. for each tile of 16 query rows (row m = query row i x group + head g, as the blocked
 //      kernel orders them: a kv head's query heads share its tiles), for each block of up to 256
 //      keys some row sees:
@@ -167,29 +169,42 @@ void pack(const BF16* k_pool, const BF16* v_pool, const Request& req, int64_t h,
   auto at = [&](int64_t p) -> int64_t {  // element offset of key p's row of head h, -1: not visible
     return p < lo_key || p > hi_key ? -1 : (static_cast<int64_t>(req.table[p / bs]) * bs + p % bs) * slot + h * d;
   };
-  for (int64_t j = from; j < n; j += 16) {  // K: one transpose per 16 keys and 32 head values
-    int64_t off[16];
-    for (int i = 0; i < 16; ++i) off[i] = at(k0 + j + i);
-    for (int64_t c = 0; c < chunks; ++c) {
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i)
-        r[i] = off[i] < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(k_pool + off[i] + 32 * c);
-      transpose16(r);
-      uint32_t* dst = sc.kt.data() + ((j / 16) * chunks + c) * 256;
-      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + 16 * i, r[i]);
-    }
-  }
   const __m512i first16 = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
                                            5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i last16 = _mm512_add_epi16(first16, _mm512_set1_epi16(16));
-  for (int64_t j = from; j < n; j += 2) {  // V: keys j, j + 1 interleaved, 32 columns at a time
-    const int64_t oa = at(k0 + j), ob = at(k0 + j + 1);
-    uint32_t* dst = sc.vp.data() + (j / 32) * cols * 256 + ((j % 32) / 2) * 16;
-    for (int64_t c = 0; c < d; c += 32) {
-      const __m512i a = oa < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(v_pool + oa + c);
-      const __m512i b = ob < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(v_pool + ob + c);
-      _mm512_storeu_si512(dst + (c / 16) * 256, _mm512_permutex2var_epi16(a, first16, b));
-      _mm512_storeu_si512(dst + (c / 16 + 1) * 256, _mm512_permutex2var_epi16(a, last16, b));
+  int64_t off[kChunk], next[kChunk];  // this chunk's and the next one's key rows (-1: not visible)
+  for (int i = 0; i < kChunk; ++i) next[i] = from < n ? at(k0 + from + i) : -1;
+  for (int64_t j = from; j < n; j += kChunk) {
+    std::memcpy(off, next, sizeof off);
+    for (int i = 0; i < kChunk; ++i) {  // the next chunk's rows on their way (the pool is rarely in cache)
+      next[i] = j + kChunk < n ? at(k0 + j + kChunk + i) : -1;
+      if (next[i] < 0) continue;
+      for (int64_t byte = 0; byte < d * 2; byte += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(k_pool + next[i]) + byte, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(v_pool + next[i]) + byte, _MM_HINT_T0);
+      }
+    }
+    for (int64_t half = 0; half < 2; ++half) {  // K: one transpose per 16 keys and 32 head values
+      for (int64_t c = 0; c < chunks; ++c) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t o = off[16 * half + i];
+          r[i] = o < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(k_pool + o + 32 * c);
+        }
+        transpose16(r);
+        uint32_t* dst = sc.kt.data() + ((j / 16 + half) * chunks + c) * 256;
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + 16 * i, r[i]);
+      }
+    }
+    for (int i = 0; i < 16; ++i) {  // V: keys 2i, 2i + 1 interleaved, 32 columns at a time
+      const int64_t oa = off[2 * i], ob = off[2 * i + 1];
+      uint32_t* dst = sc.vp.data() + (j / kChunk) * cols * 256 + i * 16;
+      for (int64_t c = 0; c < d; c += 32) {
+        const __m512i a = oa < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(v_pool + oa + c);
+        const __m512i b = ob < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(v_pool + ob + c);
+        _mm512_storeu_si512(dst + (c / 16) * 256, _mm512_permutex2var_epi16(a, first16, b));
+        _mm512_storeu_si512(dst + (c / 16 + 1) * 256, _mm512_permutex2var_epi16(a, last16, b));
+      }
     }
   }
 }
