@@ -291,6 +291,55 @@ def test_the_amx_kernel_matches_float64_attention_where_the_cpu_has_amx(threads)
         torch.set_num_threads(before)
 
 
+AMX_SHARED = [  # (Hq, Hkv, D, block size, window, [(rows, cached, shared blocks) per request])
+    (8, 4, 64, 16, 0, [(30, 192, 12), (9, 192, 12), (20, 100, 6), (12, 192, 12), (5, 70, 4)]),  # a cached prefix
+    (8, 4, 64, 8, 0, [(7, 61, 7), (18, 40, 5), (33, 64, 8)]),  # blocks of 8: a chunk over four blocks
+    (16, 8, 128, 64, 0, [(10, 40, 1), (3, 50, 1), (40, 64, 1)]),  # one block shared, read to different lengths
+    (8, 4, 64, 16, 90, [(6, 150, 10), (6, 150, 10), (30, 150, 9)]),  # a window: the same first key, then not
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_amx_kernel_over_requests_that_share_cached_blocks(threads):
+    """Requests whose block tables begin with the same pool blocks (a prefix the prefix cache
+    shares) may reuse the keys packed for the request before them: every request's rows still
+    match float64 attention over its own keys, where the shared blocks are read to different
+    lengths (a block that one request reads only partly), by blocks smaller and larger than the
+    kernel's 32-key chunk, and with a window. (No AMX here: nothing to check; the path is not
+    offered, as the test above asserts.)"""
+    from engine.fast import cpu_prefill
+
+    if cpu_prefill.amx_library() is None:
+        return
+    gen = torch.Generator().manual_seed(10)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for hq, hkv, d, bs, window, specs in AMX_SHARED:
+            rows = torch.tensor([t for t, _, _ in specs])
+            context = torch.tensor([c for _, c, _ in specs])
+            row0 = torch.cumsum(rows, 0) - rows
+            width = max(-(-(t + c) // bs) for t, c, _ in specs)
+            num_blocks = len(specs) * width + 1
+            k_pool, v_pool = (torch.randn(num_blocks, bs, hkv, d, generator=gen).bfloat16() for _ in range(2))
+            tables = torch.randperm(num_blocks, generator=gen)[:len(specs) * width].view(len(specs), width).to(torch.int32)
+            for r, (_, _, shared) in enumerate(specs):
+                tables[r, :shared] = tables[0, :shared]
+            q = (2 * torch.randn(int(rows.sum()), hq, d, generator=gen)).bfloat16()
+            out = torch.zeros_like(q)
+            cpu_prefill.attend_packed("amx", q, k_pool, v_pool, tables, row0, rows, context, d ** -0.5, window, out)
+            want = packed_oracle(q, k_pool, v_pool, tables, row0, rows, context, d ** -0.5, window)
+            err = (out.double() - want).abs().max(-1).values.max(-1).values  # [N] per row
+            where = f"amx kernel, shared blocks, {hq}/{hkv} heads of {d}, blocks of {bs}, window {window}, {threads} thread(s)"
+            for r in range(len(specs)):
+                worst = err[int(row0[r]):int(row0[r] + rows[r])].max().item()
+                assert worst < TOLERANCE[torch.bfloat16], (
+                    f"{where}: request {r} is {worst:.2e} from float64 attention (its keys packed by the request "
+                    "before it where their blocks differ?)")
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_amx_kernel_leaves_the_matrix_units_as_it_found_them():
     """oneDNN's bf16 matmuls use the same tiles: the kernel puts the thread's tile setup back as it
     found it (none, or oneDNN's), and a bf16 linear after it gives what it gave before."""

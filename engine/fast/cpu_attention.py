@@ -117,8 +117,8 @@ class CPUBackend(TorchBackend):
     measured per attention shape; ``cpu_decode_variant``).
 
     Invariant: ``_rows`` caches the per-row plan of exactly one BatchMeta (``_rows_key``), and
-    ``_matrix`` the matrix paths' plan of one (BatchMeta, rows, choice) (``_matrix_key``);
-    every layer of a step reuses them.
+    ``_matrix`` (with ``_matrix_rows``) the matrix paths' plan of one (BatchMeta, rows, choice)
+    (``_matrix_key``); every layer of a step reuses them.
     """
 
     name = "cpu"
@@ -137,10 +137,12 @@ class CPUBackend(TorchBackend):
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._matrix_key: tuple | None = None
         self._matrix: tuple | None = None
+        self._matrix_rows: tuple[bool, torch.Tensor | None] = (True, None)  # _matrix's (any kernel row, padding rows)
         self._checked: tuple | None = None  # (BatchMeta, pool blocks, window) whose matrix requests' tables passed
         self._decode_libs: dict[tuple, ctypes.CDLL] = {}  # _decode_lib's memo
         self._call: tuple | None = None  # _run's checked call of the last (tables, q_pos): every layer of a step
         self._write_call: tuple | None = None  # write's checked call of the last slot mapping
+        self._prefill_choices: dict[tuple, cpu_prefill.PrefillChoice] = {}  # prefill_choice's memo
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
         if torch.device(device).type != "cpu" or dtype not in DTYPES:
@@ -255,10 +257,16 @@ class CPUBackend(TorchBackend):
 
     def prefill_choice(self, dtype: torch.dtype, hq: int, cache: KVCache) -> cpu_prefill.PrefillChoice:
         """Which requests of a step take the matrix path (``cpu_prefill.choose``: forced, or
-        measured once per attention shape)."""
+        measured once per attention shape), remembered per (dtype, shape, thread count,
+        ``$ENGINE_ATTENTION_PREFILL``'s value): every layer of a prefill step asks."""
         _, bs, hkv, d = cache[0].shape
-        return cpu_prefill.choose(lambda q, c, tables, q_pos: self._run(q, c, tables, q_pos, d ** -0.5, 0),
-                                  dtype, hq, hkv, d, bs, self.prefill)
+        key = (dtype, hq, bs, hkv, d, torch.get_num_threads(), os.environ.get(cpu_prefill.ENV))
+        choice = self._prefill_choices.get(key)
+        if choice is None:
+            choice = self._prefill_choices[key] = cpu_prefill.choose(
+                lambda q, c, tables, q_pos: self._run(q, c, tables, q_pos, d ** -0.5, 0), dtype, hq, hkv, d, bs,
+                self.prefill)
+        return choice
 
     def _with_matrices(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, tables: torch.Tensor,
                        q_pos: torch.Tensor, choice: cpu_prefill.PrefillChoice, scale: float,
@@ -274,10 +282,13 @@ class CPUBackend(TorchBackend):
             self._check_tables(meta, kernel_pos != q_pos, k_pool.shape[0], window)
             self._checked = (meta, k_pool.shape[0], window)
         q = q.contiguous()
-        if bool((kernel_pos >= 0).any()):
+        any_kernel, padding = self._matrix_rows
+        if any_kernel:
             out = self._run(q, cache, tables, kernel_pos, scale, window)  # the matrix rows come back as zeros
-        else:
-            out = q.new_zeros(q.shape)  # padding rows stay zeros
+        else:  # every row a matrix path writes but the padding ones, zeroed here
+            out = torch.empty_like(q)
+            if padding is not None:
+                out.index_fill_(0, padding, 0)
         hq, d = q.shape[1:]
         for path, plan in packed.items():  # the C++ matrix kernels: each its requests in one call
             cpu_prefill.attend_packed(path, q, k_pool, v_pool, *plan, scale, window, out)
@@ -302,14 +313,15 @@ class CPUBackend(TorchBackend):
         starts = qsl[:-1][(qsl[1:] > qsl[:-1])]
         reqs = np.flatnonzero(qsl[1:] > qsl[:-1])[matrix_rows.numpy()[starts]]  # requests whose rows took a matrix path
         bs, width = meta.block_size, meta.block_table.shape[1]
-        bad = 0
         table = meta.block_table.numpy() if meta.block_table.device.type == "cpu" else meta.block_table.cpu().numpy()
-        for r in reqs.tolist():
-            seq_len, t = int(meta.seq_lens_cpu[r]), int(qsl[r + 1] - qsl[r])
-            first = max(0, seq_len - t - window + 1) if window > 0 else 0
-            last_block = (seq_len - 1) // bs
-            used = table[r, first // bs:last_block + 1]
-            bad += last_block >= width or bool(((used < 0) | (used >= num_blocks)).any())
+        seq_len = meta.seq_lens_cpu.numpy()[reqs].astype(np.int64)  # [M]
+        t = (qsl[reqs + 1] - qsl[reqs]).astype(np.int64)
+        first = np.maximum(0, seq_len - t - window + 1) if window > 0 else np.zeros_like(seq_len)
+        last_block = (seq_len - 1) // bs
+        cols = np.arange(width)[None, :]
+        used = (cols >= (first // bs)[:, None]) & (cols <= last_block[:, None])  # [M, W] the columns each reads
+        entries = table[reqs]
+        bad = int(((last_block >= width) | (used & ((entries < 0) | (entries >= num_blocks))).any(1)).sum())
         if bad:
             raise ValueError(f"attention: {bad} request(s) would read keys outside the K/V pool's {num_blocks} blocks "
                              f"or past their block table's {width} columns (a corrupt block table)")
@@ -326,7 +338,8 @@ class CPUBackend(TorchBackend):
             return self._matrix
         qsl = meta.query_start_loc_cpu.tolist()
         seq_lens = meta.seq_lens_cpu.tolist()
-        kernel_pos = q_pos.clone()
+        positions = q_pos.numpy()  # [N]
+        matrix = np.zeros(positions.shape[0], dtype=bool)  # rows a matrix path serves
         members: dict[tuple[int, int], list[int]] = {}
         packed_reqs: dict[str, list[int]] = {}
         for r, seq_len in enumerate(seq_lens):
@@ -337,7 +350,8 @@ class CPUBackend(TorchBackend):
             elif path != "kernel":
                 packed_reqs.setdefault(path, []).append(r)
             if path != "kernel":
-                kernel_pos[qsl[r]:qsl[r + 1]] = -1
+                matrix[qsl[r]:qsl[r + 1]] = True
+        kernel_pos = torch.from_numpy(np.where(matrix, -1, positions))
         groups = {}
         for (t, context), reqs in members.items():
             starts = [qsl[r] for r in reqs]
@@ -352,6 +366,8 @@ class CPUBackend(TorchBackend):
                             torch.tensor([qsl[r] for r in reqs], dtype=torch.int64), t,
                             torch.tensor([seq_lens[r] for r in reqs], dtype=torch.int64) - t)
         self._matrix_key, self._matrix = key, (groups, packed, kernel_pos)
+        padding = np.flatnonzero(positions < 0)  # rows of no request (and of requests without keys)
+        self._matrix_rows = (bool((~matrix & (positions >= 0)).any()), torch.from_numpy(padding) if padding.size else None)
         return self._matrix
 
     def _row_plan(self, meta: BatchMeta, n: int) -> tuple[torch.Tensor, torch.Tensor]:
