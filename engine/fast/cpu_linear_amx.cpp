@@ -53,6 +53,16 @@ constexpr int64_t kGroup = 4;       // column blocks a pass keeps accumulators f
 constexpr int64_t kRows = 16;       // rows of a block (a tile's rows)
 constexpr int64_t kChunkRows = 256;  // rows whose input is kept in cache across the groups
 constexpr int64_t kBlockSlices = 64;  // K slices per pass of a column pair (a deeper K in several passes; 8 and 16 measured slower)
+#ifndef PANEL_KB
+#define PANEL_KB 512
+#endif
+constexpr int64_t kPanelBytes = PANEL_KB * 1024;  // B tiles of a panel of column groups, one K pass
+#ifndef DEFER
+#define DEFER 1
+#endif
+#ifndef STREAM_MIN
+#define STREAM_MIN 0
+#endif
 constexpr int64_t kTile = kRows * kDepth;  // bf16 elements of a B tile (16 pair rows x 16 columns x 2)
 
 // Where tile (block nb, slice kb) starts in the packed weight, in elements.
@@ -63,14 +73,17 @@ inline int64_t tile_offset(int64_t nb, int64_t kb, int64_t blocks, int64_t slice
 
 #if LINEAR_AMX
 // 16 floats -> 16 bfloat16, to_bf16's rounding on every lane (NaN lanes quieted, not rounded).
-inline void round_16(const float* src, uint16_t* dst) {
+inline __m256i rounded_16(const float* src) {
   const __m512i u = _mm512_loadu_si512(src);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
   const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
                                                 _mm512_set1_epi32(0x7f800000));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet)));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+inline void round_16(const float* src, uint16_t* dst) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), rounded_16(src));
 }
 
 // Rows [r0, r0 + 16) of a chunk against one group of `width` column blocks starting at block nb0:
@@ -98,13 +111,72 @@ inline void group_block(const uint16_t* a, int64_t lda, const uint16_t* b, int64
   if (W > 3) _tile_stored(3, acc + 3 * kCols, ld);
 }
 
+// acc (rows x cols floats, row stride kGroup x 16) -> out rows r0.. at column c0 (of n), each
+// value rounded once. Gated (`mode` kSiluMul): acc's 16-column blocks are (gate, up) pairs of a
+// SwiGLU projection and out gets, per pair, the 16 values R(R(silu(R(g))) * R(u)) at column c0 / 2:
+// the bf16 linear's outputs, then cpu_elementwise_kernel.cpp's silu_mul on them, in one pass.
+constexpr int64_t kBf16 = 0, kF32 = 1, kSiluMul = 2;  // output modes
+inline void emit(const float* acc, int64_t rows, int64_t cols, void* out, int64_t mode, int64_t n, int64_t r0,
+                 int64_t c0, bool stream = false) {
+  using W = Wide<64>;
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* src = acc + i * kGroup * kCols;
+    if (mode == kSiluMul) {
+      uint16_t* dst = static_cast<uint16_t*>(out) + (r0 + i) * n + c0 / 2;
+      for (int64_t j = 0; j < cols; j += 2 * kCols) {
+        const W::F g = W::round_bf16(W::load(src + j)), u = W::round_bf16(W::load(src + j + kCols));
+        W::store(dst + j / 2, W::round_bf16(W::silu(g)) * u);  // the store rounds the product
+      }
+      continue;
+    }
+    if (mode == kF32) {
+      std::memcpy(static_cast<float*>(out) + (r0 + i) * n + c0, src, cols * sizeof(float));
+    } else {
+      uint16_t* dst = static_cast<uint16_t*>(out) + (r0 + i) * n + c0;
+      int64_t j = 0;
+      if (stream)  // whole 64-byte lines written past the cache: no read of the line before the write
+        for (; j + 2 * kCols <= cols && reinterpret_cast<uintptr_t>(dst + j) % 64 == 0; j += 2 * kCols)
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + j),
+                              _mm512_inserti64x4(_mm512_castsi256_si512(rounded_16(src + j)), rounded_16(src + j + kCols), 1));
+      for (; j < cols; j += kCols) round_16(src + j, dst + j);
+    }
+  }
+}
+
+// A finished pair of row blocks' float tiles (the partial sums after the last K pass) waiting to
+// be emitted. Rounding and writing them out is vector work with stores that miss the cache; done
+// right after the tile stores it left the matrix unit idle (~40% of the time at 2048 rows). So the
+// next pair_block's K loop emits it a few rows per slice, while its tile products run; whatever is
+// left goes out after that loop, before the block's own tile stores (program order keeps a buffer
+// reused by the next block correct).
+struct Pending {
+  const float* acc[2] = {nullptr, nullptr};  // row block i's floats (row stride kGroup x 16)
+  int64_t rows[2] = {0, 0};                  // valid rows of each (0: none)
+  int64_t r0[2] = {0, 0};                    // their first output rows
+  int64_t cols = 0, c0 = 0;                  // columns (floats per row) and the first output column
+  int64_t next = 0;                          // rows emitted so far, over both blocks
+  void* out = nullptr;
+  int64_t mode = 0, n = 0;
+  bool stream = false;  // write whole lines past the cache (an output too big to stay in it)
+  int64_t total() const { return rows[0] + rows[1]; }
+  // Emit up to `count` more rows.
+  void step(int64_t count) {
+    for (const int64_t stop = std::min(total(), next + count); next < stop; ++next) {
+      const int64_t b = next < rows[0] ? 0 : 1, i = b ? next - rows[0] : next;
+      emit(acc[b] + i * kGroup * kCols, 1, cols, out, mode, n, r0[b] + i, c0, stream);
+    }
+  }
+  void flush() { step(total()); }
+};
+
 // Two row blocks (A tiles 4, 5 from `a0`, `a1`: a row block's A tiles packed one after the other,
 // 1 KiB each; R = 1: `a0` only) against C column
 // blocks of one group (B tiles at `b`, `stride` elements apart per slice, in registers 6 and 7):
 // accumulators 0-3 = (row block i, column block j) at 2i + j; out to acc0 / acc1 (16 x C x 16 each).
 template <int R, int C>
 inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b, int64_t stride,
-                       int64_t s0, int64_t s1, bool load, float* acc0, float* acc1) {
+                       int64_t s0, int64_t s1, bool load, float* acc0, float* acc1, Pending& pend) {
+  const int64_t per = (pend.total() - pend.next + (s1 - s0) - 1) / std::max<int64_t>(1, s1 - s0);  // rows to emit per slice
   const int64_t ld = kGroup * kCols * 4;
   if (load) {
     _tile_loadd(0, acc0, ld);
@@ -129,36 +201,66 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
       _tile_dpbf16ps(1, 4, 7);
       if (R > 1) _tile_dpbf16ps(3, 5, 7);
     }
+    if (DEFER) pend.step(per);
   }
+  pend.flush();
   _tile_stored(0, acc0, ld);
   if (C > 1) _tile_stored(1, acc0 + kCols, ld);
   if (R > 1) _tile_stored(2, acc1, ld);
   if (R > 1 && C > 1) _tile_stored(3, acc1 + kCols, ld);
 }
 
-// acc (rows x cols floats, row stride kGroup x 16) -> out rows r0.. at column c0 (of n), each
-// value rounded once. Gated (`mode` kSiluMul): acc's 16-column blocks are (gate, up) pairs of a
-// SwiGLU projection and out gets, per pair, the 16 values R(R(silu(R(g))) * R(u)) at column c0 / 2:
-// the bf16 linear's outputs, then cpu_elementwise_kernel.cpp's silu_mul on them, in one pass.
-constexpr int64_t kBf16 = 0, kF32 = 1, kSiluMul = 2;  // output modes
-inline void emit(const float* acc, int64_t rows, int64_t cols, void* out, int64_t mode, int64_t n, int64_t r0,
-                 int64_t c0) {
-  using W = Wide<64>;
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* src = acc + i * kGroup * kCols;
-    if (mode == kSiluMul) {
-      uint16_t* dst = static_cast<uint16_t*>(out) + (r0 + i) * n + c0 / 2;
-      for (int64_t j = 0; j < cols; j += 2 * kCols) {
-        const W::F g = W::round_bf16(W::load(src + j)), u = W::round_bf16(W::load(src + j + kCols));
-        W::store(dst + j / 2, W::round_bf16(W::silu(g)) * u);  // the store rounds the product
+// Rows [c0, c1) of the call (several row blocks, copied to `apack` as A tiles) against column
+// groups [begin, end): the groups in panels whose B tiles of one K pass stay in the L2 cache
+// (about kPanelBytes); per pass and panel, each row pair meets every column pair of the panel in
+// turn, so an output row is written left to right, a panel's width at a time. Each block's floats
+// go to a buffer and out during the next block (`Pending`): with one K pass, two staging buffers
+// in turn; with several, the partial sums of the whole panel, carried between passes.
+inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, int64_t slices, int64_t blocks,
+                    const uint16_t* w, int64_t begin, int64_t end, Pending& pend) {
+  constexpr int64_t kBuf = 2 * kRows * kGroup * kCols;  // floats of one row pair x one group
+  const int64_t pass = std::min(slices, kBlockSlices), pairs = (c1 - c0 + 2 * kRows - 1) / (2 * kRows);
+  const int64_t panel = std::max<int64_t>(1, kPanelBytes / (pass * kGroup * kTile * 2));
+  const bool one_pass = slices <= kBlockSlices;
+  static thread_local std::vector<float> buf;
+  const int64_t need = one_pass ? 2 * kBuf : panel * pairs * kBuf;
+  if (static_cast<int64_t>(buf.size()) < need) buf.assign(need, 0.0f);
+  int64_t flip = 0;
+  for (int64_t g0 = begin; g0 < end; g0 += panel) {
+    const int64_t g1 = std::min(end, g0 + panel);
+    for (int64_t s0 = 0; s0 < slices; s0 += kBlockSlices) {
+      const int64_t s1 = std::min(slices, s0 + kBlockSlices);
+      for (int64_t pr = 0; pr < pairs; ++pr) {
+        const int64_t r0 = c0 + pr * 2 * kRows, r1 = r0 + kRows;
+        const uint16_t* a0 = apack + (2 * pr) * slices * kTile;
+        const uint16_t* a1 = a0 + slices * kTile;
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t nb0 = g * kGroup, width = std::min(kGroup, blocks - nb0);
+          const uint16_t* b = w + tile_offset(nb0, 0, blocks, slices);
+          for (int64_t j = 0; j < width; j += 2) {
+            const int64_t cols = std::min<int64_t>(2, width - j);
+            const uint16_t* bj = b + j * kTile;
+            const int64_t stride = width * kTile;
+            // one pass: the staging buffer the pending block is not in; several: this block's partial sums
+            float* p0 = one_pass ? buf.data() + (flip ^= 1) * kBuf : buf.data() + ((g - g0) * pairs + pr) * kBuf + j * kCols;
+            float* p1 = p0 + kRows * kGroup * kCols;
+            const bool load = s0 > 0;
+            if (r1 < c1) {
+              if (cols == 2) pair_block<2, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, pend);
+              else pair_block<2, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, pend);
+            } else {
+              if (cols == 2) pair_block<1, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, pend);
+              else pair_block<1, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, pend);
+            }
+            if (s1 == slices) {  // emitted during the next block (or at the end)
+              pend.acc[0] = p0, pend.acc[1] = p1;
+              pend.rows[0] = std::min(kRows, m - r0), pend.rows[1] = r1 < c1 ? std::min(kRows, m - r1) : 0;
+              pend.r0[0] = r0, pend.r0[1] = r1;
+              pend.cols = cols * kCols, pend.c0 = (nb0 + j) * kCols, pend.next = 0;
+            }
+          }
+        }
       }
-      continue;
-    }
-    if (mode == kF32) {
-      std::memcpy(static_cast<float*>(out) + (r0 + i) * n + c0, src, cols * sizeof(float));
-    } else {
-      uint16_t* dst = static_cast<uint16_t*>(out) + (r0 + i) * n + c0;
-      for (int64_t j = 0; j < cols; j += kCols) round_16(src + j, dst + j);
     }
   }
 }
@@ -188,52 +290,30 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
     }
     share(groups, threads, [&](int64_t begin, int64_t end) {
       OwnTiles tiles(8);
-      alignas(64) float acc[2][kRows * kGroup * kCols];
-      std::vector<float> partial(c1 - c0 > kRows ? (kChunkRows / kRows + 1) * kRows * kGroup * kCols : 0);
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t nb0 = g * kGroup, width = std::min(kGroup, blocks - nb0);
-        const uint16_t* b = w + tile_offset(nb0, 0, blocks, slices);
-        if (c1 - c0 > kRows) {  // several row blocks: K in blocks, a column pair's B block reused by every row pair
-          for (int64_t j = 0; j < width; j += 2) {
-            const int64_t cols = std::min<int64_t>(2, width - j);
-            const uint16_t* bj = b + j * kTile;
-            const int64_t stride = width * kTile;
-            for (int64_t s0 = 0; s0 < slices; s0 += kBlockSlices) {
-              const int64_t s1 = std::min(slices, s0 + kBlockSlices);
-              for (int64_t r0 = c0; r0 < c1; r0 += 2 * kRows) {
-                const int64_t r1 = r0 + kRows, pr = (r0 - c0) / (2 * kRows);
-                const uint16_t* a0 = apack.data() + ((r0 - c0) / kRows) * slices * kTile;
-                const uint16_t* a1 = apack.data() + ((r1 - c0) / kRows) * slices * kTile;
-                float* p0 = partial.data() + pr * 2 * kRows * kGroup * kCols;
-                float* p1 = p0 + kRows * kGroup * kCols;
-                const bool load = s0 > 0;
-                if (r1 < c1) {
-                  if (cols == 2) pair_block<2, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1);
-                  else pair_block<2, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1);
-                } else {
-                  if (cols == 2) pair_block<1, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1);
-                  else pair_block<1, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1);
-                }
-                if (s1 == slices) {
-                  emit(p0, std::min(kRows, m - r0), cols * kCols, out, mode, ldo, r0, (nb0 + j) * kCols);
-                  if (r1 < c1) emit(p1, std::min(kRows, m - r1), cols * kCols, out, mode, ldo, r1, (nb0 + j) * kCols);
-                }
-              }
+      Pending pend;
+      pend.out = out, pend.mode = mode, pend.n = ldo;
+      pend.stream = m * ldo >= STREAM_MIN;
+      if (c1 - c0 > kRows) {  // several row blocks
+        several(apack.data(), c0, c1, m, slices, blocks, w, begin, end, pend);
+      } else {
+        alignas(64) float acc[kRows * kGroup * kCols];
+        for (int64_t g = begin; g < end; ++g) {
+          const int64_t nb0 = g * kGroup, width = std::min(kGroup, blocks - nb0);
+          const uint16_t* b = w + tile_offset(nb0, 0, blocks, slices);
+          for (int64_t r0 = c0; r0 < c1; r0 += kRows) {
+            const uint16_t* a = r0 < full ? x + r0 * k : tail.data();
+            switch (width) {
+              case 4: group_block<4>(a, k, b, slices, acc); break;
+              case 3: group_block<3>(a, k, b, slices, acc); break;
+              case 2: group_block<2>(a, k, b, slices, acc); break;
+              default: group_block<1>(a, k, b, slices, acc); break;
             }
+            emit(acc, std::min(kRows, m - r0), width * kCols, out, mode, ldo, r0, nb0 * kCols);
           }
-          continue;
-        }
-        for (int64_t r0 = c0; r0 < c1; r0 += kRows) {
-          const uint16_t* a = r0 < full ? x + r0 * k : tail.data();
-          switch (width) {
-            case 4: group_block<4>(a, k, b, slices, acc[0]); break;
-            case 3: group_block<3>(a, k, b, slices, acc[0]); break;
-            case 2: group_block<2>(a, k, b, slices, acc[0]); break;
-            default: group_block<1>(a, k, b, slices, acc[0]); break;
-          }
-          emit(acc[0], std::min(kRows, m - r0), width * kCols, out, mode, ldo, r0, nb0 * kCols);
         }
       }
+      pend.flush();
+      if (pend.stream) _mm_sfence();  // the streamed lines visible before the call returns
     });
   }
   return 0;
