@@ -52,11 +52,17 @@ constexpr int64_t kDepth = 32;      // K of a slice (one tile product's depth in
 constexpr int64_t kGroup = 4;       // column blocks a pass keeps accumulators for
 constexpr int64_t kRows = 16;       // rows of a block (a tile's rows)
 constexpr int64_t kChunkRows = 256;  // rows whose input is kept in cache across the groups
-constexpr int64_t kBlockSlices = 64;  // K slices per pass of a column pair (a deeper K in several passes; 8 and 16 measured slower)
+#ifndef KBS
+#define KBS 64
+#endif
+constexpr int64_t kBlockSlices = KBS;  // K slices per pass of a column pair (a deeper K in several passes; 8 and 16 measured slower)
 #ifndef PANEL_KB
 #define PANEL_KB 512
 #endif
 constexpr int64_t kPanelBytes = PANEL_KB * 1024;  // B tiles of a panel of column groups, one K pass
+#ifndef ORD
+#define ORD 0
+#endif
 #ifndef DEFER
 #define DEFER 1
 #endif
@@ -169,45 +175,77 @@ struct Pending {
   void flush() { step(total()); }
 };
 
+// The accumulator tiles of the block before, still in registers 0-3: stored during the next
+// block's first slice, each just before its register starts over, so the matrix unit keeps
+// multiplying while the last products of the block before finish (stored at the end of a block,
+// every one waited for the last product's latency: ~15% of the time at 256 rows).
+struct Unstored {
+  float* acc0 = nullptr;  // tiles 0, 1 (row block 0; tile 1 at acc0 + 16)
+  float* acc1 = nullptr;  // tiles 2, 3 (row block 1)
+  int rows = 0, cols = 0;  // row blocks and column blocks held (0: none)
+  void store() const {  // the tiles as they are, out of the pipeline (after a call's last block)
+    const int64_t ld = kGroup * kCols * 4;
+    if (rows > 0) _tile_stored(0, acc0, ld);
+    if (rows > 0 && cols > 1) _tile_stored(1, acc0 + kCols, ld);
+    if (rows > 1) _tile_stored(2, acc1, ld);
+    if (rows > 1 && cols > 1) _tile_stored(3, acc1 + kCols, ld);
+  }
+};
+
 // Two row blocks (A tiles 4, 5 from `a0`, `a1`: a row block's A tiles packed one after the other,
-// 1 KiB each; R = 1: `a0` only) against C column
-// blocks of one group (B tiles at `b`, `stride` elements apart per slice, in registers 6 and 7):
-// accumulators 0-3 = (row block i, column block j) at 2i + j; out to acc0 / acc1 (16 x C x 16 each).
+// 1 KiB each; R = 1: `a0` only) against C column blocks of one group (B tiles at `b`, `stride`
+// elements apart per slice, in registers 6 and 7), slices [s0, s1): accumulators 0-3 = (row block
+// i, column block j) at 2i + j, started from zero or (`load`) from acc0 / acc1 (16 x C x 16 each,
+// row stride kGroup x 16), and left in the registers: `prev` (the block before's) is stored in the
+// first slice, then `pend` (its floats, if final) emitted a few rows per slice; `prev` becomes this block.
 template <int R, int C>
 inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b, int64_t stride,
-                       int64_t s0, int64_t s1, bool load, float* acc0, float* acc1, Pending& pend) {
-  const int64_t per = (pend.total() - pend.next + (s1 - s0) - 1) / std::max<int64_t>(1, s1 - s0);  // rows to emit per slice
+                       int64_t s0, int64_t s1, bool load, float* acc0, float* acc1, Unstored& prev, Pending& pend) {
   const int64_t ld = kGroup * kCols * 4;
-  if (load) {
-    _tile_loadd(0, acc0, ld);
-    if (C > 1) _tile_loadd(1, acc0 + kCols, ld);
-    if (R > 1) _tile_loadd(2, acc1, ld);
-    if (R > 1 && C > 1) _tile_loadd(3, acc1 + kCols, ld);
-  } else {
-    _tile_zero(0);
-    if (C > 1) _tile_zero(1);
-    if (R > 1) _tile_zero(2);
-    if (R > 1 && C > 1) _tile_zero(3);
-  }
-  for (int64_t kb = s0; kb < s1; ++kb) {
-    _tile_loadd(4, a0 + kb * kTile, 64);
-    if (R > 1) _tile_loadd(5, a1 + kb * kTile, 64);
-    const uint16_t* t = b + kb * stride;
+  {  // the first slice: each accumulator register stored (the block before's), then started, then multiplied
+    const uint16_t* t = b + s0 * stride;
+    if (prev.rows > 0) _tile_stored(0, prev.acc0, ld);
+    if (load) _tile_loadd(0, acc0, ld); else _tile_zero(0);
+    _tile_loadd(4, a0 + s0 * kTile, 64);
     _tile_loadd(6, t, 64);
     _tile_dpbf16ps(0, 4, 6);
-    if (R > 1) _tile_dpbf16ps(2, 5, 6);
+    if (prev.rows > 0 && prev.cols > 1) _tile_stored(1, prev.acc0 + kCols, ld);
+    if (C > 1) {
+      if (load) _tile_loadd(1, acc0 + kCols, ld); else _tile_zero(1);
+      _tile_loadd(7, t + kTile, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (prev.rows > 1) _tile_stored(2, prev.acc1, ld);
+    if (R > 1) {
+      if (load) _tile_loadd(2, acc1, ld); else _tile_zero(2);
+      _tile_loadd(5, a1 + s0 * kTile, 64);
+      _tile_dpbf16ps(2, 5, 6);
+    }
+    if (prev.rows > 1 && prev.cols > 1) _tile_stored(3, prev.acc1 + kCols, ld);
+    if (R > 1 && C > 1) {
+      if (load) _tile_loadd(3, acc1 + kCols, ld); else _tile_zero(3);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  const int64_t per = (pend.total() - pend.next + (s1 - s0) - 2) / std::max<int64_t>(1, s1 - s0 - 1);  // rows to emit per slice
+  for (int64_t kb = s0 + 1; kb < s1; ++kb) {
+    const uint16_t* t = b + kb * stride;
+    _tile_loadd(4, a0 + kb * kTile, 64);
+    _tile_loadd(6, t, 64);
+    _tile_dpbf16ps(0, 4, 6);
     if (C > 1) {
       _tile_loadd(7, t + kTile, 64);
       _tile_dpbf16ps(1, 4, 7);
-      if (R > 1) _tile_dpbf16ps(3, 5, 7);
     }
-    if (DEFER) pend.step(per);
+    if (R > 1) {
+      _tile_loadd(5, a1 + kb * kTile, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      if (C > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+    pend.step(per);
   }
   pend.flush();
-  _tile_stored(0, acc0, ld);
-  if (C > 1) _tile_stored(1, acc0 + kCols, ld);
-  if (R > 1) _tile_stored(2, acc1, ld);
-  if (R > 1 && C > 1) _tile_stored(3, acc1 + kCols, ld);
+  prev.acc0 = acc0, prev.acc1 = acc1, prev.rows = R, prev.cols = C;
 }
 
 // Rows [c0, c1) of the call (several row blocks, copied to `apack` as A tiles) against column
@@ -226,6 +264,7 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
   const int64_t need = one_pass ? 2 * kBuf : panel * pairs * kBuf;
   if (static_cast<int64_t>(buf.size()) < need) buf.assign(need, 0.0f);
   int64_t flip = 0;
+  Unstored prev;
   for (int64_t g0 = begin; g0 < end; g0 += panel) {
     const int64_t g1 = std::min(end, g0 + panel);
     for (int64_t s0 = 0; s0 < slices; s0 += kBlockSlices) {
@@ -246,23 +285,26 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
             float* p1 = p0 + kRows * kGroup * kCols;
             const bool load = s0 > 0;
             if (r1 < c1) {
-              if (cols == 2) pair_block<2, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, pend);
-              else pair_block<2, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, pend);
+              if (cols == 2) pair_block<2, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend);
+              else pair_block<2, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend);
             } else {
-              if (cols == 2) pair_block<1, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, pend);
-              else pair_block<1, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, pend);
+              if (cols == 2) pair_block<1, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend);
+              else pair_block<1, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend);
             }
             if (s1 == slices) {  // emitted during the next block (or at the end)
               pend.acc[0] = p0, pend.acc[1] = p1;
               pend.rows[0] = std::min(kRows, m - r0), pend.rows[1] = r1 < c1 ? std::min(kRows, m - r1) : 0;
               pend.r0[0] = r0, pend.r0[1] = r1;
               pend.cols = cols * kCols, pend.c0 = (nb0 + j) * kCols, pend.next = 0;
+            } else {
+              pend.rows[0] = pend.rows[1] = 0, pend.next = 0;
             }
           }
         }
       }
     }
   }
+  prev.store();  // the last block's tiles (the caller then emits `pend`)
 }
 
 int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n, void* out, int64_t mode,
