@@ -52,23 +52,9 @@ constexpr int64_t kDepth = 32;      // K of a slice (one tile product's depth in
 constexpr int64_t kGroup = 4;       // column blocks a pass keeps accumulators for
 constexpr int64_t kRows = 16;       // rows of a block (a tile's rows)
 constexpr int64_t kChunkRows = 256;  // rows whose input is kept in cache across the groups
-#ifndef KBS
-#define KBS 64
-#endif
-constexpr int64_t kBlockSlices = KBS;  // K slices per pass of a column pair (a deeper K in several passes; 8 and 16 measured slower)
-#ifndef PANEL_KB
-#define PANEL_KB 512
-#endif
-constexpr int64_t kPanelBytes = PANEL_KB * 1024;  // B tiles of a panel of column groups, one K pass
-#ifndef ORD
-#define ORD 0
-#endif
-#ifndef DEFER
-#define DEFER 1
-#endif
-#ifndef STREAM_MIN
-#define STREAM_MIN 0
-#endif
+constexpr int64_t kPassSlices = 16;  // K slices per pass of a row pair (its A tiles, 32 KiB, stay in the L1 cache)
+constexpr int64_t kPanelBytes = 512 * 1024;  // B tiles of a panel of column groups (whole K), kept in the L2 cache
+constexpr int64_t kStreamBytes = 1 << 20;  // an output this big is written past the cache (it would not stay in it)
 constexpr int64_t kTile = kRows * kDepth;  // bf16 elements of a B tile (16 pair rows x 16 columns x 2)
 
 // Where tile (block nb, slice kb) starts in the packed weight, in elements.
@@ -207,12 +193,12 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
     if (prev.rows > 0) _tile_stored(0, prev.acc0, ld);
     if (load) _tile_loadd(0, acc0, ld); else _tile_zero(0);
     _tile_loadd(4, a0 + s0 * kTile, 64);
-    _tile_loadd(6, t, 64);
+    _tile_stream_loadd(6, t, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (prev.rows > 0 && prev.cols > 1) _tile_stored(1, prev.acc0 + kCols, ld);
     if (C > 1) {
       if (load) _tile_loadd(1, acc0 + kCols, ld); else _tile_zero(1);
-      _tile_loadd(7, t + kTile, 64);
+      _tile_stream_loadd(7, t + kTile, 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if (prev.rows > 1) _tile_stored(2, prev.acc1, ld);
@@ -231,10 +217,10 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
   for (int64_t kb = s0 + 1; kb < s1; ++kb) {
     const uint16_t* t = b + kb * stride;
     _tile_loadd(4, a0 + kb * kTile, 64);
-    _tile_loadd(6, t, 64);
+    _tile_stream_loadd(6, t, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (C > 1) {
-      _tile_loadd(7, t + kTile, 64);
+      _tile_stream_loadd(7, t + kTile, 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if (R > 1) {
@@ -257,19 +243,20 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
 inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, int64_t slices, int64_t blocks,
                     const uint16_t* w, int64_t begin, int64_t end, Pending& pend) {
   constexpr int64_t kBuf = 2 * kRows * kGroup * kCols;  // floats of one row pair x one group
-  const int64_t pass = std::min(slices, kBlockSlices), pairs = (c1 - c0 + 2 * kRows - 1) / (2 * kRows);
-  const int64_t panel = std::max<int64_t>(1, kPanelBytes / (pass * kGroup * kTile * 2));
-  const bool one_pass = slices <= kBlockSlices;
+  const int64_t pairs = (c1 - c0 + 2 * kRows - 1) / (2 * kRows);
+  const int64_t panel = std::max<int64_t>(1, kPanelBytes / (slices * kGroup * kTile * 2));
+  const int64_t passes = (slices + kPassSlices - 1) / kPassSlices, depth = (slices + passes - 1) / passes;  // even passes
+  const bool one_pass = passes == 1;
   static thread_local std::vector<float> buf;
-  const int64_t need = one_pass ? 2 * kBuf : panel * pairs * kBuf;
+  const int64_t need = one_pass ? 2 * kBuf : panel * kBuf;
   if (static_cast<int64_t>(buf.size()) < need) buf.assign(need, 0.0f);
   int64_t flip = 0;
   Unstored prev;
   for (int64_t g0 = begin; g0 < end; g0 += panel) {
     const int64_t g1 = std::min(end, g0 + panel);
-    for (int64_t s0 = 0; s0 < slices; s0 += kBlockSlices) {
-      const int64_t s1 = std::min(slices, s0 + kBlockSlices);
-      for (int64_t pr = 0; pr < pairs; ++pr) {
+    for (int64_t pr = 0; pr < pairs; ++pr) {
+      for (int64_t s0 = 0; s0 < slices; s0 += depth) {
+        const int64_t s1 = std::min(slices, s0 + depth);
         const int64_t r0 = c0 + pr * 2 * kRows, r1 = r0 + kRows;
         const uint16_t* a0 = apack + (2 * pr) * slices * kTile;
         const uint16_t* a1 = a0 + slices * kTile;
@@ -281,7 +268,7 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
             const uint16_t* bj = b + j * kTile;
             const int64_t stride = width * kTile;
             // one pass: the staging buffer the pending block is not in; several: this block's partial sums
-            float* p0 = one_pass ? buf.data() + (flip ^= 1) * kBuf : buf.data() + ((g - g0) * pairs + pr) * kBuf + j * kCols;
+            float* p0 = one_pass ? buf.data() + (flip ^= 1) * kBuf : buf.data() + (g - g0) * kBuf + j * kCols;
             float* p1 = p0 + kRows * kGroup * kCols;
             const bool load = s0 > 0;
             if (r1 < c1) {
@@ -334,7 +321,7 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
       OwnTiles tiles(8);
       Pending pend;
       pend.out = out, pend.mode = mode, pend.n = ldo;
-      pend.stream = m * ldo >= STREAM_MIN;
+      pend.stream = m * ldo * (mode == kF32 ? 4 : 2) >= kStreamBytes;
       if (c1 - c0 > kRows) {  // several row blocks
         several(apack.data(), c0, c1, m, slices, blocks, w, begin, end, pend);
       } else {
