@@ -51,9 +51,16 @@ constexpr int64_t kCols = 16;       // columns of a block (one tile's width in f
 constexpr int64_t kDepth = 32;      // K of a slice (one tile product's depth in bf16)
 constexpr int64_t kGroup = 4;       // column blocks a pass keeps accumulators for
 constexpr int64_t kRows = 16;       // rows of a block (a tile's rows)
-constexpr int64_t kChunkRows = 256;  // rows whose input is kept in cache across the groups
+constexpr int64_t kChunkRows = 256;  // rows whose input is kept in cache across the groups (at most)
+#ifndef CHUNK_KB
+#define CHUNK_KB 768
+#endif
+constexpr int64_t kChunkBytes = CHUNK_KB * 1024;  // a chunk's A tiles at most (a deep K: fewer rows), L2-resident
 constexpr int64_t kPassSlices = 16;  // K slices per pass of a row pair (its A tiles, 32 KiB, stay in the L1 cache)
-constexpr int64_t kPanelBytes = 512 * 1024;  // B tiles of a panel of column groups (whole K), kept in the L2 cache
+#ifndef PANEL_KB
+#define PANEL_KB 512
+#endif
+constexpr int64_t kPanelBytes = PANEL_KB * 1024;  // B tiles of a panel of column groups (whole K), kept in the L2 cache
 constexpr int64_t kStreamBytes = 1 << 20;  // an output this big is written past the cache (it would not stay in it)
 constexpr int64_t kTile = kRows * kDepth;  // bf16 elements of a B tile (16 pair rows x 16 columns x 2)
 
@@ -305,8 +312,9 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
     tail.assign(kRows * k, 0);
     std::memcpy(tail.data(), x + full * k, (m - full) * k * sizeof(uint16_t));
   }
-  for (int64_t c0 = 0; c0 < m; c0 += kChunkRows) {
-    const int64_t c1 = std::min(m, c0 + kChunkRows);
+  const int64_t chunk = std::clamp<int64_t>(kChunkBytes / (2 * k) / (2 * kRows) * (2 * kRows), 2 * kRows, kChunkRows);
+  for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+    const int64_t c1 = std::min(m, c0 + chunk);
     std::vector<uint16_t> apack;  // several row blocks: the chunk's rows as A tiles, each 1 KiB contiguous
     if (c1 - c0 > kRows) {
       const int64_t rbs = (c1 - c0 + kRows - 1) / kRows;
