@@ -15,16 +15,25 @@
 //     values W[c][2p], W[c][2p + 1] of the slice (the matrix units' pair layout), 1 KiB.
 // So a group's tiles are one contiguous run of K / 32 x kGroup KiB, and groups follow each other.
 //
-// A call: the rows in chunks of kChunkRows (a chunk's input stays in the L2 cache); per chunk the
-// column groups are shared by torch's OpenMP workers (`share`, cpu_kernel_share.h). A chunk of
-// one row block (a decode step of up to 16 requests): per group, the group's accumulators zeroed,
-// then for each slice one A tile (16 rows x 32 of x, read in place; fewer rows from a zero-padded
-// copy) and the group's B tiles, one tile product each. A chunk of several row blocks: its rows
-// first copied into A tiles of 1 KiB each (zero-padded), then per group, two column blocks at a
-// time, two row blocks at a time: each B tile loaded once for two products (a K deeper than
-// kBlockSlices slices in several passes, the float partial sums kept in a buffer between them). The float tiles go out
-// through a small buffer, each element rounded once to the output's dtype (bfloat16: to nearest
-// even, as PyTorch rounds).
+// A call: the rows in chunks (at most kChunkRows, and at most kChunkBytes of A tiles: a chunk's
+// input stays in the L2 cache); per chunk the column groups are shared by torch's OpenMP workers
+// (`share`, cpu_kernel_share.h). A chunk of one row block (a decode step of up to 16 requests):
+// per group, the group's accumulators zeroed, then for each slice one A tile (16 rows x 32 of x,
+// read in place; fewer rows from a zero-padded copy) and the group's B tiles, one tile product
+// each. A chunk of several row blocks (`several`): its rows first copied into A tiles of 1 KiB each
+// (zero-padded); the groups in panels whose B tiles (whole K, about kPanelBytes) stay in L2; per
+// panel, per pair of row blocks, K in even passes of at most kPassSlices slices (the pair's A tiles
+// of a pass, 32 KiB, stay in L1 while every column pair of the panel passes: the B tiles are
+// loaded with the hint not to keep them in L1), two row blocks x two column blocks per tile product
+// group (4 accumulators, each A and B tile loaded once for two products). Measured on this
+// machine's Sapphire Rapids class cores against oneDNN's prepacked matmul, what made the
+// difference: (1) the rounding and writing out of a finished block, done right after its tile
+// stores, left the matrix unit idle: it now happens a few rows per slice during the next block
+// (`Pending`), and the accumulators are stored in the next block's first slice (`Unstored`), not
+// at the end of their own; (2) an output of kStreamBytes or more goes out in whole 64-byte lines
+// past the cache (no read of each line before its write); (3) the L1 residency of A above: L2
+// alone feeds less than one tile per product. The float tiles go out through small buffers, each
+// element rounded once to the output's dtype (bfloat16: to nearest even, as PyTorch rounds).
 // Products of bfloat16 values are exact in float and the sums are float: oneDNN's arithmetic on
 // the same values, in another summation order.
 //
@@ -52,15 +61,9 @@ constexpr int64_t kDepth = 32;      // K of a slice (one tile product's depth in
 constexpr int64_t kGroup = 4;       // column blocks a pass keeps accumulators for
 constexpr int64_t kRows = 16;       // rows of a block (a tile's rows)
 constexpr int64_t kChunkRows = 256;  // rows whose input is kept in cache across the groups (at most)
-#ifndef CHUNK_KB
-#define CHUNK_KB 768
-#endif
-constexpr int64_t kChunkBytes = CHUNK_KB * 1024;  // a chunk's A tiles at most (a deep K: fewer rows), L2-resident
+constexpr int64_t kChunkBytes = 768 * 1024;  // a chunk's A tiles at most (a deep K: fewer rows), L2-resident
 constexpr int64_t kPassSlices = 16;  // K slices per pass of a row pair (its A tiles, 32 KiB, stay in the L1 cache)
-#ifndef PANEL_KB
-#define PANEL_KB 512
-#endif
-constexpr int64_t kPanelBytes = PANEL_KB * 1024;  // B tiles of a panel of column groups (whole K), kept in the L2 cache
+constexpr int64_t kPanelBytes = 512 * 1024;  // B tiles of a panel of column groups (whole K), kept in the L2 cache
 constexpr int64_t kStreamBytes = 1 << 20;  // an output this big is written past the cache (it would not stay in it)
 constexpr int64_t kTile = kRows * kDepth;  // bf16 elements of a B tile (16 pair rows x 16 columns x 2)
 
@@ -144,10 +147,11 @@ inline void emit(const float* acc, int64_t rows, int64_t cols, void* out, int64_
 
 // A finished pair of row blocks' float tiles (the partial sums after the last K pass) waiting to
 // be emitted. Rounding and writing them out is vector work with stores that miss the cache; done
-// right after the tile stores it left the matrix unit idle (~40% of the time at 2048 rows). So the
-// next pair_block's K loop emits it a few rows per slice, while its tile products run; whatever is
-// left goes out after that loop, before the block's own tile stores (program order keeps a buffer
-// reused by the next block correct).
+// right after the tile stores it left the matrix unit idle (skipping it, a wrong-output experiment
+// ran twice as fast at [3072, 512] x 2048 rows). So the next pair_block emits it a few rows per
+// slice, after the first slice (which stores these tiles), while its tile products run; whatever
+// is left goes out at that block's end. A buffer is written again only by the block after next's
+// first slice: program order keeps every reuse correct.
 struct Pending {
   const float* acc[2] = {nullptr, nullptr};  // row block i's floats (row stride kGroup x 16)
   int64_t rows[2] = {0, 0};                  // valid rows of each (0: none)
@@ -242,11 +246,13 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
 }
 
 // Rows [c0, c1) of the call (several row blocks, copied to `apack` as A tiles) against column
-// groups [begin, end): the groups in panels whose B tiles of one K pass stay in the L2 cache
-// (about kPanelBytes); per pass and panel, each row pair meets every column pair of the panel in
-// turn, so an output row is written left to right, a panel's width at a time. Each block's floats
-// go to a buffer and out during the next block (`Pending`): with one K pass, two staging buffers
-// in turn; with several, the partial sums of the whole panel, carried between passes.
+// groups [begin, end): the groups in panels whose B tiles (whole K) stay in the L2 cache (about
+// kPanelBytes); per panel, per row pair, per K pass (even passes of at most kPassSlices slices: the
+// pair's A tiles of a pass stay in L1), the row pair meets every column pair of the panel in turn,
+// so an output row is written left to right, a panel's width at a time. Each block's tiles go to
+// a buffer during the next block (`Unstored`) and out during the one after that stored them
+// (`Pending`): with one K pass, two staging buffers in turn; with several, the row pair's partial
+// sums over the panel, carried between its passes.
 inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, int64_t slices, int64_t blocks,
                     const uint16_t* w, int64_t begin, int64_t end, Pending& pend) {
   constexpr int64_t kBuf = 2 * kRows * kGroup * kCols;  // floats of one row pair x one group
