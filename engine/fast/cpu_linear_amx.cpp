@@ -73,6 +73,13 @@ inline int64_t tile_offset(int64_t nb, int64_t kb, int64_t blocks, int64_t slice
   return (g0 * slices + kb * width + (nb - g0)) * kTile;
 }
 
+// The first 64-byte boundary at or after p (a buffer allocated 64 bytes long more): tiles on line
+// boundaries, each 64-byte row one cache line, not two.
+template <typename T>
+inline T* line_aligned(T* p) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) / 64 * 64);
+}
+
 #if LINEAR_AMX
 // 16 floats -> 16 bfloat16, to_bf16's rounding on every lane (NaN lanes quieted, not rounded).
 inline __m256i rounded_16(const float* src) {
@@ -199,17 +206,21 @@ template <int R, int C>
 inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b, int64_t stride,
                        int64_t s0, int64_t s1, bool load, float* acc0, float* acc1, Unstored& prev, Pending& pend) {
   const int64_t ld = kGroup * kCols * 4;
+  // B tiles past L1 (keeping the row pair's A tiles there) where each tile row is one cache line; a
+  // weight off the 64-byte grid (not torch's allocation) has rows across two lines, each line read
+  // by two loads: there only a normal load keeps it for the second
+  const bool nt = reinterpret_cast<uintptr_t>(b) % 64 == 0;
   {  // the first slice: each accumulator register stored (the block before's), then started, then multiplied
     const uint16_t* t = b + s0 * stride;
     if (prev.rows > 0) _tile_stored(0, prev.acc0, ld);
     if (load) _tile_loadd(0, acc0, ld); else _tile_zero(0);
     _tile_loadd(4, a0 + s0 * kTile, 64);
-    _tile_stream_loadd(6, t, 64);
+    if (nt) _tile_stream_loadd(6, t, 64); else _tile_loadd(6, t, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (prev.rows > 0 && prev.cols > 1) _tile_stored(1, prev.acc0 + kCols, ld);
     if (C > 1) {
       if (load) _tile_loadd(1, acc0 + kCols, ld); else _tile_zero(1);
-      _tile_stream_loadd(7, t + kTile, 64);
+      if (nt) _tile_stream_loadd(7, t + kTile, 64); else _tile_loadd(7, t + kTile, 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if (prev.rows > 1) _tile_stored(2, prev.acc1, ld);
@@ -228,10 +239,10 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
   for (int64_t kb = s0 + 1; kb < s1; ++kb) {
     const uint16_t* t = b + kb * stride;
     _tile_loadd(4, a0 + kb * kTile, 64);
-    _tile_stream_loadd(6, t, 64);
+    if (nt) _tile_stream_loadd(6, t, 64); else _tile_loadd(6, t, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (C > 1) {
-      _tile_stream_loadd(7, t + kTile, 64);
+      if (nt) _tile_stream_loadd(7, t + kTile, 64); else _tile_loadd(7, t + kTile, 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if (R > 1) {
@@ -262,7 +273,8 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
   const bool one_pass = passes == 1;
   static thread_local std::vector<float> buf;
   const int64_t need = one_pass ? 2 * kBuf : panel * kBuf;
-  if (static_cast<int64_t>(buf.size()) < need) buf.assign(need, 0.0f);
+  if (static_cast<int64_t>(buf.size()) < need + 16) buf.assign(need + 16, 0.0f);
+  float* const base = line_aligned(buf.data());
   int64_t flip = 0;
   Unstored prev;
   for (int64_t g0 = begin; g0 < end; g0 += panel) {
@@ -281,7 +293,7 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
             const uint16_t* bj = b + j * kTile;
             const int64_t stride = width * kTile;
             // one pass: the staging buffer the pending block is not in; several: this block's partial sums
-            float* p0 = one_pass ? buf.data() + (flip ^= 1) * kBuf : buf.data() + (g - g0) * kBuf + j * kCols;
+            float* p0 = one_pass ? base + (flip ^= 1) * kBuf : base + (g - g0) * kBuf + j * kCols;
             float* p1 = p0 + kRows * kGroup * kCols;
             const bool load = s0 > 0;
             if (r1 < c1) {
@@ -324,11 +336,11 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
     std::vector<uint16_t> apack;  // several row blocks: the chunk's rows as A tiles, each 1 KiB contiguous
     if (c1 - c0 > kRows) {
       const int64_t rbs = (c1 - c0 + kRows - 1) / kRows;
-      apack.assign(rbs * kRows * k, 0);
+      apack.assign(rbs * kRows * k + 32, 0);
       for (int64_t rb = 0; rb < rbs; ++rb)
         for (int64_t kb = 0; kb < slices; ++kb)
           for (int64_t i = 0; i < kRows && c0 + rb * kRows + i < c1; ++i)
-            std::memcpy(apack.data() + (rb * slices + kb) * kTile + i * kDepth, x + (c0 + rb * kRows + i) * k + kb * kDepth,
+            std::memcpy(line_aligned(apack.data()) + (rb * slices + kb) * kTile + i * kDepth, x + (c0 + rb * kRows + i) * k + kb * kDepth,
                         kDepth * sizeof(uint16_t));
     }
     share(groups, threads, [&](int64_t begin, int64_t end) {
@@ -337,7 +349,7 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
       pend.out = out, pend.mode = mode, pend.n = ldo;
       pend.stream = m * ldo * (mode == kF32 ? 4 : 2) >= kStreamBytes;
       if (c1 - c0 > kRows) {  // several row blocks
-        several(apack.data(), c0, c1, m, slices, blocks, w, begin, end, pend);
+        several(line_aligned(apack.data()), c0, c1, m, slices, blocks, w, begin, end, pend);
       } else {
         alignas(64) float acc[kRows * kGroup * kCols];
         for (int64_t g = begin; g < end; ++g) {
