@@ -20,14 +20,15 @@
 // (`share`, cpu_kernel_share.h). A chunk of one row block (a decode step of up to 16 requests):
 // per group, the group's accumulators zeroed, then for each slice one A tile (16 rows x 32 of x,
 // read in place; fewer rows from a zero-padded copy) and the group's B tiles, one tile product
-// each. A chunk of several row blocks (`several`): its rows first copied into A tiles of 1 KiB each
-// (zero-padded); the groups in panels whose B tiles (whole K, about kPanelBytes) stay in L2; per
-// panel, per pair of row blocks, K in even passes of at most kPassSlices slices (the pair's A tiles
-// of a pass, 32 KiB, stay in L1 while every column pair of the panel passes: the B tiles are
-// loaded with the hint not to keep them in L1), two row blocks x two column blocks per tile product
-// group (4 accumulators, each A and B tile loaded once for two products). Measured on this
-// machine's Sapphire Rapids class cores against oneDNN's prepacked matmul, what made the
-// difference: (1) the rounding and writing out of a finished block, done right after its tile
+// each. A chunk of several row blocks (`several`): its rows first copied into A tiles of 1 KiB
+// each (zero-padded, on 64-byte lines); up to kFewPairs pairs of row blocks (64 rows), each column
+// pair's B tiles meet the row pairs right after each other (B reused from L1); more: the groups in
+// panels whose B tiles (whole K, about kPanelBytes) stay in L2; per panel, per pair of row blocks,
+// K in even passes of at most kPassSlices slices (the pair's A tiles of a pass, 32 KiB, stay in L1
+// while every column pair of the panel passes: the B tiles are loaded with the hint not to keep
+// them in L1). Each block: two row blocks x two column blocks, 4 accumulators, each A and B tile
+// loaded once for two products. Measured on a Sapphire Rapids class core against oneDNN's
+// prepacked matmul, what made the difference: (1) the rounding and writing out of a finished block, done right after its tile
 // stores, left the matrix unit idle: it now happens a few rows per slice during the next block
 // (`Pending`), and the accumulators are stored in the next block's first slice (`Unstored`), not
 // at the end of their own; (2) an output of kStreamBytes or more goes out in whole 64-byte lines
@@ -64,6 +65,7 @@ constexpr int64_t kChunkRows = 256;  // rows whose input is kept in cache across
 constexpr int64_t kChunkBytes = 768 * 1024;  // a chunk's A tiles at most (a deep K: fewer rows), L2-resident
 constexpr int64_t kPassSlices = 16;  // K slices per pass of a row pair (its A tiles, 32 KiB, stay in the L1 cache)
 constexpr int64_t kPanelBytes = 512 * 1024;  // B tiles of a panel of column groups (whole K), kept in the L2 cache
+constexpr int64_t kFewPairs = 2;  // up to this many row pairs: each column pair meets them in turn (B reused from L1)
 constexpr int64_t kStreamBytes = 1 << 20;  // an output this big is written past the cache (it would not stay in it)
 constexpr int64_t kTile = kRows * kDepth;  // bf16 elements of a B tile (16 pair rows x 16 columns x 2)
 
@@ -204,12 +206,13 @@ struct Unstored {
 // first slice, then `pend` (its floats, if final) emitted a few rows per slice; `prev` becomes this block.
 template <int R, int C>
 inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b, int64_t stride,
-                       int64_t s0, int64_t s1, bool load, float* acc0, float* acc1, Unstored& prev, Pending& pend) {
+                       int64_t s0, int64_t s1, bool load, float* acc0, float* acc1, Unstored& prev, Pending& pend,
+                       bool nt) {
   const int64_t ld = kGroup * kCols * 4;
   // B tiles past L1 (keeping the row pair's A tiles there) where each tile row is one cache line; a
   // weight off the 64-byte grid (not torch's allocation) has rows across two lines, each line read
   // by two loads: there only a normal load keeps it for the second
-  const bool nt = reinterpret_cast<uintptr_t>(b) % 64 == 0;
+  nt = nt && reinterpret_cast<uintptr_t>(b) % 64 == 0;
   {  // the first slice: each accumulator register stored (the block before's), then started, then multiplied
     const uint16_t* t = b + s0 * stride;
     if (prev.rows > 0) _tile_stored(0, prev.acc0, ld);
@@ -257,64 +260,70 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
 }
 
 // Rows [c0, c1) of the call (several row blocks, copied to `apack` as A tiles) against column
-// groups [begin, end): the groups in panels whose B tiles (whole K) stay in the L2 cache (about
-// kPanelBytes); per panel, per row pair, per K pass (even passes of at most kPassSlices slices: the
-// pair's A tiles of a pass stay in L1), the row pair meets every column pair of the panel in turn,
-// so an output row is written left to right, a panel's width at a time. Each block's tiles go to
-// a buffer during the next block (`Unstored`) and out during the one after that stored them
-// (`Pending`): with one K pass, two staging buffers in turn; with several, the row pair's partial
-// sums over the panel, carried between its passes.
+// groups [begin, end). Up to kFewPairs row pairs: per group, column pair and K pass, the row pairs
+// in turn (the B tiles read from memory once, again from L1). More: the groups in panels whose B
+// tiles (whole K) stay in the L2 cache (about kPanelBytes); per panel, per row pair, per K pass
+// (even passes of at most kPassSlices slices: the pair's A tiles of a pass stay in L1), the row
+// pair meets every column pair of the panel in turn, so an output row is written left to right, a
+// panel's width at a time. Each block's tiles go to a buffer during the next block (`Unstored`)
+// and out during the one after that stored them (`Pending`): with one K pass, two staging buffers
+// in turn; with several, partial sums carried between passes (one buffer per row pair, or per
+// group of the panel).
 inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, int64_t slices, int64_t blocks,
                     const uint16_t* w, int64_t begin, int64_t end, Pending& pend) {
   constexpr int64_t kBuf = 2 * kRows * kGroup * kCols;  // floats of one row pair x one group
   const int64_t pairs = (c1 - c0 + 2 * kRows - 1) / (2 * kRows);
-  const int64_t panel = std::max<int64_t>(1, kPanelBytes / (slices * kGroup * kTile * 2));
+  const bool few = pairs <= kFewPairs;
+  const int64_t panel = few ? 1 : std::max<int64_t>(1, kPanelBytes / (slices * kGroup * kTile * 2));
   const int64_t passes = (slices + kPassSlices - 1) / kPassSlices, depth = (slices + passes - 1) / passes;  // even passes
   const bool one_pass = passes == 1;
   static thread_local std::vector<float> buf;
-  const int64_t need = one_pass ? 2 * kBuf : panel * kBuf;
+  const int64_t need = one_pass ? 2 * kBuf : std::max(panel, pairs) * kBuf;
   if (static_cast<int64_t>(buf.size()) < need + 16) buf.assign(need + 16, 0.0f);
   float* const base = line_aligned(buf.data());
   int64_t flip = 0;
   Unstored prev;
-  for (int64_t g0 = begin; g0 < end; g0 += panel) {
-    const int64_t g1 = std::min(end, g0 + panel);
-    for (int64_t pr = 0; pr < pairs; ++pr) {
-      for (int64_t s0 = 0; s0 < slices; s0 += depth) {
-        const int64_t s1 = std::min(slices, s0 + depth);
-        const int64_t r0 = c0 + pr * 2 * kRows, r1 = r0 + kRows;
-        const uint16_t* a0 = apack + (2 * pr) * slices * kTile;
-        const uint16_t* a1 = a0 + slices * kTile;
-        for (int64_t g = g0; g < g1; ++g) {
-          const int64_t nb0 = g * kGroup, width = std::min(kGroup, blocks - nb0);
-          const uint16_t* b = w + tile_offset(nb0, 0, blocks, slices);
-          for (int64_t j = 0; j < width; j += 2) {
-            const int64_t cols = std::min<int64_t>(2, width - j);
-            const uint16_t* bj = b + j * kTile;
-            const int64_t stride = width * kTile;
-            // one pass: the staging buffer the pending block is not in; several: this block's partial sums
-            float* p0 = one_pass ? base + (flip ^= 1) * kBuf : base + (g - g0) * kBuf + j * kCols;
-            float* p1 = p0 + kRows * kGroup * kCols;
-            const bool load = s0 > 0;
-            if (r1 < c1) {
-              if (cols == 2) pair_block<2, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend);
-              else pair_block<2, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend);
-            } else {
-              if (cols == 2) pair_block<1, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend);
-              else pair_block<1, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend);
-            }
-            if (s1 == slices) {  // emitted during the next block (or at the end)
-              pend.acc[0] = p0, pend.acc[1] = p1;
-              pend.rows[0] = std::min(kRows, m - r0), pend.rows[1] = r1 < c1 ? std::min(kRows, m - r1) : 0;
-              pend.r0[0] = r0, pend.r0[1] = r1;
-              pend.cols = cols * kCols, pend.c0 = (nb0 + j) * kCols, pend.next = 0;
-            } else {
-              pend.rows[0] = pend.rows[1] = 0, pend.next = 0;
-            }
-          }
-        }
-      }
+  // One block: row pair pr, slices [s0, s1), column blocks j, j + 1 of group g; its partial sums
+  // (several passes) in buffer `slot`.
+  const auto block = [&](int64_t pr, int64_t s0, int64_t s1, int64_t g, int64_t j, int64_t slot) {
+    const int64_t r0 = c0 + pr * 2 * kRows, r1 = r0 + kRows;
+    const uint16_t* a0 = apack + (2 * pr) * slices * kTile;
+    const uint16_t* a1 = a0 + slices * kTile;
+    const int64_t nb0 = g * kGroup, width = std::min(kGroup, blocks - nb0), cols = std::min<int64_t>(2, width - j);
+    const uint16_t* bj = w + tile_offset(nb0, 0, blocks, slices) + j * kTile;
+    const int64_t stride = width * kTile;
+    // one pass: the staging buffer the pending block is not in; several: this block's partial sums
+    float* p0 = one_pass ? base + (flip ^= 1) * kBuf : base + slot * kBuf + j * kCols;
+    float* p1 = p0 + kRows * kGroup * kCols;
+    const bool load = s0 > 0, nt = !few;
+    if (r1 < c1) {
+      if (cols == 2) pair_block<2, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt);
+      else pair_block<2, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt);
+    } else {
+      if (cols == 2) pair_block<1, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt);
+      else pair_block<1, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt);
     }
+    if (s1 == slices) {  // emitted during the next block (or at the end)
+      pend.acc[0] = p0, pend.acc[1] = p1;
+      pend.rows[0] = std::min(kRows, m - r0), pend.rows[1] = r1 < c1 ? std::min(kRows, m - r1) : 0;
+      pend.r0[0] = r0, pend.r0[1] = r1;
+      pend.cols = cols * kCols, pend.c0 = (nb0 + j) * kCols, pend.next = 0;
+    } else {
+      pend.rows[0] = pend.rows[1] = 0, pend.next = 0;
+    }
+  };
+  const auto width = [&](int64_t g) { return std::min(kGroup, blocks - g * kGroup); };
+  if (few) {  // a column pair's B tiles met by each row pair in turn, right after each other (from L1)
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t j = 0; j < width(g); j += 2)
+        for (int64_t s0 = 0; s0 < slices; s0 += depth)
+          for (int64_t pr = 0; pr < pairs; ++pr) block(pr, s0, std::min(slices, s0 + depth), g, j, pr);
+  } else {
+    for (int64_t g0 = begin; g0 < end; g0 += panel)
+      for (int64_t pr = 0; pr < pairs; ++pr)
+        for (int64_t s0 = 0; s0 < slices; s0 += depth)
+          for (int64_t g = g0; g < std::min(end, g0 + panel); ++g)
+            for (int64_t j = 0; j < width(g); j += 2) block(pr, s0, std::min(slices, s0 + depth), g, j, g - g0);
   }
   prev.store();  // the last block's tiles (the caller then emits `pend`)
 }
