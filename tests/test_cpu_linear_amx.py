@@ -62,6 +62,26 @@ def test_amx_linear_matches_float64_matmul(threads, monkeypatch):
         lin.rows(torch.tensor([32]))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_linear_large_output_written_past_the_cache(threads, monkeypatch):
+    """An output of 1 MiB or more goes out in whole 64-byte lines past the cache where a row's
+    columns are line-aligned (N = 1024: every row; N = 1040: every other row, and a one-block tail
+    group): the same values as ever, one rounding of the float result, float64 up to summation."""
+    if not cpu_linear_amx.available():
+        return  # test_without_amx_the_layout_is_not_offered covers this CPU
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(4)
+    for n, k, m in [(1024, 64, 520), (1040, 96, 600)]:
+        w, x = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(m, k, generator=gen).bfloat16()
+        lin = cpu_linear_amx.AmxLinear(w)
+        want = x.double() @ w.double().T
+        got32, got = lin(x, out_dtype=torch.float32), lin(x)
+        assert got.numel() * got.element_size() >= 1 << 20, "large enough to be streamed"
+        err = ((got32.double() - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-5, f"[{n}, {k}] at {m} rows: relative error {err:.2e}"
+        assert torch.equal(got, got32.bfloat16()), f"[{n}, {k}] at {m} rows: not one rounding of the float result"
+
+
 def test_gated_amx_linear_is_the_linear_then_silu_mul():
     """A SwiGLU gate/up weight packed gated: its call returns exactly what the bf16 linear followed
     by the elementwise SiLU-mul kernel returns (the same roundings, bit for bit), at every row count."""
