@@ -32,8 +32,8 @@
 // attention does; results are those of float attention up to summation order and ~2^-16 of each
 // weight.
 //
-// The tile configuration belongs to the thread: each work loop saves the one in force (oneDNN's,
-// or none), loads its own, and puts the saved one back (or releases the tiles) before returning.
+// The tile configuration belongs to the thread: each work loop holds its own for its duration
+// (`OwnTiles`, cpu_amx_tiles.h), then the one in force before it (oneDNN's, or none) is back.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -48,9 +48,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__) && \
     defined(__linux__)
 #define PREFILL_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu_amx_tiles.h"
 #else
 #define PREFILL_AMX 0
 #endif
@@ -63,24 +61,6 @@ constexpr int64_t kChunk = 32;   // keys per value tile (its depth), two score t
 constexpr int64_t kBlock = 256;  // keys per softmax block: exact within it, online between blocks
 constexpr int64_t kSStride = kBlock + 16;  // floats per score row (padded off the 4 KiB set spacing)
 constexpr int64_t kPStride = kBlock + 32;  // bf16 per weight row
-
-struct TileConfig {  // the LDTILECFG memory layout, palette 1
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
-
-// Linux hands a process the tile data state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM).
-bool tiles_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
 
 struct Request {
   int64_t row0, rows, context;  // first row in q / out, how many, cached keys before them
@@ -448,14 +428,7 @@ int64_t run(const BF16* q, const BF16* k_pool, const BF16* v_pool, BF16* out, co
   for (int64_t r = 0; r < num_reqs; ++r) reqs[r] = Request{row0[r], rows[r], context[r], tables + r * table_stride};
   const int64_t per_tile = kRows / group;  // query rows of one tile
   share(num_reqs * hkv, threads, [&](int64_t begin, int64_t end) {
-    TileConfig saved, mine{};
-    _tile_storeconfig(&saved);
-    mine.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-      mine.rows[t] = kRows;
-      mine.colsb[t] = 64;
-    }
-    _tile_loadconfig(&mine);
+    OwnTiles tiles(8);  // 16 rows x 64 bytes each (kRows), the thread's own setup back at the end
     const std::unique_ptr<Scratch> sc(new Scratch());
     Packed packed;
     for (int64_t it = begin; it < end; ++it) {  // kv head by kv head: consecutive requests may share keys
@@ -473,11 +446,6 @@ int64_t run(const BF16* q, const BF16* k_pool, const BF16* v_pool, BF16* out, co
       for (int64_t k = 0; k < tiles; ++k)
         rows_tile(q, out, req, h, req.rows * k / tiles, req.rows * (k + 1) / tiles, hq, hkv, d,
                   static_cast<float>(scale), window, k0, last, *sc);
-    }
-    if (saved.palette_id) {
-      _tile_loadconfig(&saved);
-    } else {
-      _tile_release();
     }
   });
   return 0;
