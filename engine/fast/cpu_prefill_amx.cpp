@@ -244,47 +244,43 @@ inline void values(const Scratch& sc, int64_t b0, int64_t nk, int64_t cols, int6
   }
 }
 
-// S = Q K^T for the block's keys [b0, b0 + nk) into sc.s: 64 keys at a time in tiles 0-3 (four
-// independent sums), a last 32 in tiles 0-1; the query's 32-value chunks in tile 6, keys in 4 / 5.
-inline void scores(Scratch& sc, int64_t b0, int64_t nk, int64_t d) {
-  const int64_t chunks = d / 32;
-  int64_t j = 0;
-  for (; j + 64 <= nk; j += 64) {
-    _tile_zero(0);
-    _tile_zero(1);
+// 16 x 16 T score tiles (T = 4: keys j .. j + 63, four independent sums; T = 2: the last 32) from
+// the query's 32-value chunks (tile 6) and the packed keys at `kb` (tiles 4 / 5), into sc.s at j.
+template <int T>
+inline void score_tiles(Scratch& sc, const uint32_t* kb, int64_t j, int64_t chunks, int64_t d) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (T > 2) {
     _tile_zero(2);
     _tile_zero(3);
-    const uint32_t* kb = sc.kt.data() + (b0 + j) / 16 * chunks * 256;
-    for (int64_t c = 0; c < chunks; ++c) {
-      _tile_loadd(6, sc.q + 32 * c, d * 2);
-      _tile_loadd(4, kb + c * 256, 64);
-      _tile_loadd(5, kb + (chunks + c) * 256, 64);
-      _tile_dpbf16ps(0, 6, 4);
-      _tile_dpbf16ps(1, 6, 5);
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(6, sc.q + 32 * c, d * 2);
+    _tile_loadd(4, kb + c * 256, 64);
+    _tile_loadd(5, kb + (chunks + c) * 256, 64);
+    _tile_dpbf16ps(0, 6, 4);
+    _tile_dpbf16ps(1, 6, 5);
+    if (T > 2) {
       _tile_loadd(4, kb + (2 * chunks + c) * 256, 64);
       _tile_loadd(5, kb + (3 * chunks + c) * 256, 64);
       _tile_dpbf16ps(2, 6, 4);
       _tile_dpbf16ps(3, 6, 5);
     }
-    _tile_stored(0, sc.s + j, kSStride * 4);
-    _tile_stored(1, sc.s + j + 16, kSStride * 4);
+  }
+  _tile_stored(0, sc.s + j, kSStride * 4);
+  _tile_stored(1, sc.s + j + 16, kSStride * 4);
+  if (T > 2) {
     _tile_stored(2, sc.s + j + 32, kSStride * 4);
     _tile_stored(3, sc.s + j + 48, kSStride * 4);
   }
-  if (j < nk) {
-    _tile_zero(0);
-    _tile_zero(1);
-    const uint32_t* kb = sc.kt.data() + (b0 + j) / 16 * chunks * 256;
-    for (int64_t c = 0; c < chunks; ++c) {
-      _tile_loadd(6, sc.q + 32 * c, d * 2);
-      _tile_loadd(4, kb + c * 256, 64);
-      _tile_loadd(5, kb + (chunks + c) * 256, 64);
-      _tile_dpbf16ps(0, 6, 4);
-      _tile_dpbf16ps(1, 6, 5);
-    }
-    _tile_stored(0, sc.s + j, kSStride * 4);
-    _tile_stored(1, sc.s + j + 16, kSStride * 4);
-  }
+}
+
+// S = Q K^T for the block's keys [b0, b0 + nk) into sc.s: 64 keys at a time, a last 32 (score_tiles).
+inline void scores(Scratch& sc, int64_t b0, int64_t nk, int64_t d) {
+  const int64_t chunks = d / 32;
+  int64_t j = 0;
+  for (; j + 64 <= nk; j += 64) score_tiles<4>(sc, sc.kt.data() + (b0 + j) / 16 * chunks * 256, j, chunks, d);
+  if (j < nk) score_tiles<2>(sc, sc.kt.data() + (b0 + j) / 16 * chunks * 256, j, chunks, d);
 }
 
 // Steps 2-3 for rows [i0, i1) of the request (at most 16 / group of them: 16 tile rows), its keys
