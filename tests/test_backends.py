@@ -8,6 +8,7 @@ heads, sliding windows, padding requests, block sizes from 1 up. Then the whole 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -589,6 +590,29 @@ def test_cpu_kernel_builds_use_their_own_temporary_files(tmp_path):
     first, second = log.read_text().split()
     assert first != second, "two builds of one library wrote the same temporary file"
     assert lib.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["fake-c++", "kernel.so", "outputs.log"]
+
+
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3", "x86-64-v4"])
+def test_every_cpu_kernel_builds_for_other_x86_cpus(march, tmp_path):
+    """``-march=native`` builds each kernel for the CPU at hand, so a source that only compiles
+    where AVX-512 (or AMX) is present would fail on another machine unnoticed here (the kernels are
+    optional: the engine falls back to slower code). Every source of engine/fast builds with the
+    host's compiler for a baseline x86-64, AVX2 (v3) and AVX-512 (v4) target as well."""
+    import platform
+    import subprocess
+
+    from engine.fast import cpu_build
+
+    # another architecture: its compiler's default target instead of these x86 levels
+    target = [f"-march={march}"] if platform.machine() in ("x86_64", "AMD64") else []
+    compiler = cpu_build.find_compiler()
+    sources = sorted(Path(cpu_build.__file__).parent.glob("*.cpp"))
+    assert len(sources) >= 8, [s.name for s in sources]
+    for source in sources:
+        flags = [f for f in cpu_build.FLAGS if f != "-march=native"] + target
+        done = subprocess.run([*compiler, *flags, str(source), "-o", str(tmp_path / f"{source.stem}.so")],
+                              capture_output=True, text=True, timeout=cpu_build.COMPILE_TIMEOUT_S)
+        assert done.returncode == 0, f"{source.name} does not build for -march={march}:\n{done.stderr[-2000:]}"
 
 
 def test_cpu_kernel_cache_parents_must_be_private_too(tmp_path):

@@ -17,8 +17,8 @@
 
 #include "cpu_vec_exp.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>  // the AVX2 and AVX-512 widening loads and narrowing stores below
 #endif
 
 namespace {

@@ -46,11 +46,11 @@
 #include <vector>
 
 #include "cpu_kernel_share.h"
-#include "cpu_kernel_wide.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #define LINEAR_AMX 1
 #include "cpu_amx_tiles.h"
+#include "cpu_kernel_wide.h"  // the gated mode's SiLU (Wide<64>: 16-float vectors)
 #else
 #define LINEAR_AMX 0
 #endif
