@@ -5,7 +5,6 @@ module's names as they are; its contract is the hole's docstring in engine/serve
 """
 from __future__ import annotations
 
-from array import array
 from collections.abc import Mapping
 
 import torch
@@ -23,8 +22,7 @@ def build_batch(scheduled, block_tables, block_size, device="cpu", pad_to=None):
         c = req.num_computed_tokens
         if n < 1:
             raise ValueError(f"request {req.request_id!r}: scheduled n must be >= 1, got {n}")
-        spec = req.spec_token_ids
-        tokens = (req.token_ids + spec)[c:c + n] if spec else req.token_ids[c:c + n]
+        tokens = (req.token_ids + req.spec_token_ids)[c:c + n]
         if len(tokens) < n:
             raise ValueError(
                 f"request {req.request_id!r}: {n} tokens scheduled from position {c}, "
@@ -36,13 +34,10 @@ def build_batch(scheduled, block_tables, block_size, device="cpu", pad_to=None):
         start = len(input_ids)
         input_ids += tokens
         positions += range(c, c + n)
-        if n == 1:  # a decode
-            slots.append(table[c // block_size] * block_size + c % block_size)
-        else:
-            slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
         query_start_loc.append(start + n)
         seq_lens.append(c + n)
-        tables.append(table)  # read, not kept: the padded rows below are copies
+        tables.append(list(table))
         request_ids.append(req.request_id)
         # Rows from the one holding the last known token on predict new tokens; earlier rows don't.
         k = min(n, max(0, c + n - (req.num_tokens - 1)))
@@ -66,25 +61,14 @@ def build_batch(scheduled, block_tables, block_size, device="cpu", pad_to=None):
             request_ids.append("")
             sample_counts.append(0)
     width = max(map(len, tables), default=0)
-
-    def tensor(values, dtype):  # a list of ints -> a new 1-D CPU tensor (via a C array: torch.tensor on a list is ~0.5 us an element)
-        if not values:
-            return torch.empty(0, dtype=dtype)
-        return torch.frombuffer(array("i" if dtype == torch.int32 else "q", values), dtype=dtype)
-
-    qsl_cpu = tensor(query_start_loc, torch.int32)
-    seq_lens_cpu = tensor(seq_lens, torch.int32)
-    flat_tables = []
-    for t in tables:
-        flat_tables += t
-        if len(t) < width:
-            flat_tables += [0] * (width - len(t))
-    block_table = tensor(flat_tables, torch.int32).view(len(tables), width)
+    qsl_cpu = torch.tensor(query_start_loc, dtype=torch.int32)
+    seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(len(tables), width)
     meta = BatchMeta(
         query_start_loc=qsl_cpu.to(device),
         seq_lens=seq_lens_cpu.to(device),
         block_table=block_table.to(device),
-        slot_mapping=tensor(slots, torch.int64).to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         block_size=block_size,
         query_start_loc_cpu=qsl_cpu,
         seq_lens_cpu=seq_lens_cpu,
@@ -92,10 +76,10 @@ def build_batch(scheduled, block_tables, block_size, device="cpu", pad_to=None):
         max_seq_len=max(seq_lens, default=0),
     )
     return Batch(
-        input_ids=tensor(input_ids, torch.int64).to(device),
-        positions=tensor(positions, torch.int64).to(device),
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
         meta=meta,
-        logits_indices=tensor(sample_rows + prompt_rows, torch.int64).to(device),
+        logits_indices=torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=device),
         sample_counts=sample_counts,
         request_ids=request_ids,
         prompt_spans=prompt_spans,
