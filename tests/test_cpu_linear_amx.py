@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.fast import cpu_linear_amx, cpu_prefill, linear_layout
+from engine.fast.fused import FusedFlatModel
 from engine.models import tiny_model
 from engine.serve import EngineConfig, EngineCore
 from tests.test_fused import assert_serves_generate
@@ -19,11 +20,15 @@ SHAPES = [(16, 32), (64, 96), (80, 64), (96, 128), (112, 1536), (32, 2080)]
 ROWS = [1, 5, 16, 17, 31, 32, 33, 64, 257, 300]  # tile rows, pairs of row blocks, the 256-row chunks
 
 
-def test_without_amx_the_layout_is_not_offered(monkeypatch):
-    """Where the kernel does not run (no AMX-BF16 in this build, or the OS refuses the tiles) the
-    layout is never a candidate and a forced ``amx`` gives the reference layout."""
+def test_the_layout_is_offered_exactly_where_the_kernel_runs(monkeypatch):
+    """Where the kernel runs, a bfloat16 model's load-time probe times ``amx`` beside oneDNN's layout
+    for every weight shape. Where it does not (no AMX-BF16 in this build, or the OS refuses the
+    tiles) the layout is never a candidate and a forced ``amx`` gives the reference layout."""
+    monkeypatch.delenv(linear_layout.ENV, raising=False)
     if cpu_linear_amx.available():
-        assert cpu_linear_amx.library() is not None
+        flat = FusedFlatModel(tiny_model(seed=3, dtype=torch.bfloat16))
+        timed = [set(choice.ms) for choice in flat.choices.values()]
+        assert timed and all("amx" in names for names in timed), timed
         return
     with pytest.raises(ValueError, match="needs a CPU with AMX-BF16"):
         cpu_linear_amx.AmxLinear(torch.zeros(16, 32, dtype=torch.bfloat16))

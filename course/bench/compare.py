@@ -320,7 +320,8 @@ def compare_engines(model, workload: Workload, fast_backend: str, engines: list[
                     hf_batch: int = 64, repeat: int = 1, log: Callable[[str], None] = print,
                     peers: dict[str, Callable[[], object]] | None = None) -> list[RunResult]:
     """Run ``workload`` through each engine: a new engine per run from its factory (the race's
-    factories hand out their kept engine, ``fresh()``), after a small warm-up of its own; with ``repeat`` > 1 each engine keeps its fastest run (timing noise only ever slows down).
+    factories hand out their kept engine, ``fresh()``), after a small warm-up of its own; with
+    ``repeat`` > 1 each engine keeps its fastest run (timing noise only ever slows down).
     Repeats go round-robin (every engine once, then every engine again), so a slow spell of a
     shared machine lands on one run of each engine rather than on all runs of one. ``peers`` adds
     engines by name (``course.peers.race``: vLLM in its own process, the core's configurations).

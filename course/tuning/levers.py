@@ -678,17 +678,17 @@ def linear_amx(args) -> None:
     from course.bench.machine import machine_line
     from engine.fast import cpu_linear_amx
     from engine.fast.linear_layout import PACK_BATCH
+    from engine.models.tiny import tiny_config
 
     print(machine_line(torch.get_num_threads()))
     if not cpu_linear_amx.available():
         print("the AMX linear does not run here (no AMX-BF16, or the OS refused the tiles): nothing to compare")
         return
-    cfg = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "head_dim": 32, **MODEL_PRESETS[args.preset]}
-    d, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
-    qkv = (heads + 2 * cfg["num_key_value_heads"]) * cfg["head_dim"]
-    layers = args.layers or cfg["num_hidden_layers"]
-    shapes = [(d, qkv), (heads * cfg["head_dim"], d), (d, 2 * inter), (inter, d)] * layers  # (in, out)
+    cfg = tiny_config(False, **MODEL_PRESETS[args.preset])
+    d, inter, heads, dh = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.head_dim
+    qkv = (heads + 2 * cfg.num_key_value_heads) * dh
+    layers = args.layers or cfg.num_hidden_layers
+    shapes = [(d, qkv), (heads * dh, d), (d, 2 * inter), (inter, d)] * layers  # (in, out)
     gen = torch.Generator().manual_seed(0)
     packed, tiles = [], []
     for k, n in shapes:

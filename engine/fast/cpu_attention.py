@@ -102,6 +102,17 @@ def load_kernel(variant: str = "native") -> ctypes.CDLL:
     return lib
 
 
+def _bad_slots(bad: int, num_slots: int) -> ValueError:
+    """The write kernel's refusal: ``bad`` rows' slots lie outside the pool."""
+    return ValueError(f"write: {bad} slot(s) of the slot mapping lie outside the pool's {num_slots} slots")
+
+
+def _bad_rows(bad: int, num_blocks: int, width: int) -> ValueError:
+    """The row kernel's refusal: ``bad`` rows would read past the pool or their block table."""
+    return ValueError(f"attention: {bad} row(s) would read keys outside the K/V pool's {num_blocks} blocks "
+                      f"or past their block table's {width} columns (a corrupt block table)")
+
+
 class CPUBackend(TorchBackend):
     """TorchBackend whose rows read the pool in place through a C++ kernel (name "cpu"); same
     contract and results as the reference. Cascade attention is off: with no per-request copy
@@ -170,7 +181,7 @@ class CPUBackend(TorchBackend):
             bad = fn(k.data_ptr(), bytes_ * k.stride(0), v.data_ptr(), bytes_ * v.stride(0), slots.data_ptr(), n,
                      row, k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
             if bad:
-                raise ValueError(f"write: {bad} slot(s) of the slot mapping lie outside the pool's {num_slots} slots")
+                raise _bad_slots(bad, num_slots)
             return
         n, hkv, d = k.shape
         if v.shape != k.shape or k_pool.shape[2:] != (hkv, d) or v_pool.shape != k_pool.shape:
@@ -196,7 +207,7 @@ class CPUBackend(TorchBackend):
         bad = fn(k.data_ptr(), bytes_ * k.stride(0), v.data_ptr(), bytes_ * v.stride(0), slots.data_ptr(), n,
                  bytes_ * hkv * d, k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
         if bad:
-            raise ValueError(f"write: {bad} slot(s) of the slot mapping lie outside the pool's {num_slots} slots")
+            raise _bad_slots(bad, num_slots)
 
     def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
                 window: int = 0) -> torch.Tensor:
@@ -437,8 +448,7 @@ class CPUBackend(TorchBackend):
             out = torch.empty_like(q)
             bad = call[9](q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), *call[10])
             if bad:
-                raise ValueError(f"attention: {bad} row(s) would read keys outside the K/V pool's {call[4][0]} "
-                                 f"blocks or past their block table's {tables.shape[1]} columns (a corrupt block table)")
+                raise _bad_rows(bad, call[4][0], tables.shape[1])
             return out
         if q.dtype != k_pool.dtype or v_pool.dtype != k_pool.dtype:
             raise ValueError(f"queries ({q.dtype}) and pools ({k_pool.dtype}, {v_pool.dtype}) must share a dtype")
@@ -472,6 +482,5 @@ class CPUBackend(TorchBackend):
                           os.environ.get(cpu_decode_variant.ENV), fn, rest)
         bad = fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), *rest)
         if bad:
-            raise ValueError(f"attention: {bad} row(s) would read keys outside the K/V pool's {num_blocks} blocks "
-                             f"or past their block table's {tables.shape[1]} columns (a corrupt block table)")
+            raise _bad_rows(bad, num_blocks, tables.shape[1])
         return out

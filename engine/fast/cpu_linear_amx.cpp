@@ -83,7 +83,7 @@ inline T* line_aligned(T* p) {
 }
 
 #if LINEAR_AMX
-// 16 floats -> 16 bfloat16, to_bf16's rounding on every lane (NaN lanes quieted, not rounded).
+// 16 floats -> 16 bfloat16, rounded to nearest even as PyTorch rounds (NaN lanes quieted, not rounded).
 inline __m256i rounded_16(const float* src) {
   const __m512i u = _mm512_loadu_si512(src);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -345,13 +345,15 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
   for (int64_t c0 = 0; c0 < m; c0 += chunk) {
     const int64_t c1 = std::min(m, c0 + chunk);
     std::vector<uint16_t> apack;  // several row blocks: the chunk's rows as A tiles, each 1 KiB contiguous
+    uint16_t* a_tiles = nullptr;  // apack's first 64-byte line
     if (c1 - c0 > kRows) {
       const int64_t rbs = (c1 - c0 + kRows - 1) / kRows;
       apack.assign(rbs * kRows * k + 32, 0);
+      a_tiles = line_aligned(apack.data());
       for (int64_t rb = 0; rb < rbs; ++rb)
         for (int64_t kb = 0; kb < slices; ++kb)
           for (int64_t i = 0; i < kRows && c0 + rb * kRows + i < c1; ++i)
-            std::memcpy(line_aligned(apack.data()) + (rb * slices + kb) * kTile + i * kDepth, x + (c0 + rb * kRows + i) * k + kb * kDepth,
+            std::memcpy(a_tiles + (rb * slices + kb) * kTile + i * kDepth, x + (c0 + rb * kRows + i) * k + kb * kDepth,
                         kDepth * sizeof(uint16_t));
     }
     share(groups, threads, [&](int64_t begin, int64_t end) {
@@ -360,7 +362,7 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
       pend.out = out, pend.mode = mode, pend.n = ldo;
       pend.stream = m * ldo * (mode == kF32 ? 4 : 2) >= kStreamBytes;
       if (c1 - c0 > kRows) {  // several row blocks
-        several(line_aligned(apack.data()), c0, c1, m, slices, blocks, w, begin, end, pend);
+        several(a_tiles, c0, c1, m, slices, blocks, w, begin, end, pend);
       } else {
         alignas(64) float acc[kRows * kGroup * kCols];
         for (int64_t g = begin; g < end; ++g) {

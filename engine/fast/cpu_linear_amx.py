@@ -1,13 +1,13 @@
 """A bfloat16 linear on the CPU's matrix units (``cpu_linear_amx.cpp``): ``AmxLinear``.
 
 On a CPU with AMX a decode step's linears are the weights' trip from memory: a few rows meet each
-weight once. oneDNN's prepacked matmul is laid out for many rows; streaming its blocked weight at
-16 rows it reached ~12 GB/s on the bench's Sapphire Rapids (one thread), where this kernel, which
-reads its own packing of the weight front to back in one pass (tile products of 16 rows x 32 x 16
-columns, float accumulators), reached ~24 GB/s on the small preset's 24 MB of weights and ~15 GB/s
-on Qwen3-0.6B's 880 MB (``python -m course.tuning.levers linear-amx``). Results are oneDNN's
-arithmetic on the same bfloat16 values (exact products, float sums, one rounding to bfloat16 at
-the output) in another summation order.
+weight once. oneDNN's prepacked matmul is laid out for many rows; at 16 rows it streamed its
+blocked weights at ~15.5 GB/s (the small preset's 25 MB) and ~11.4 GB/s (Qwen3-0.6B's 881 MB) on
+the bench's Sapphire Rapids (one thread), where this kernel, which reads its own packing of the
+weight front to back in one pass (tile products of 16 rows x 32 x 16 columns, float accumulators),
+reached ~21 and ~13.4 GB/s (``python -m course.tuning.levers linear-amx``, and with ``--preset
+qwen3-0.6b``). Results are oneDNN's arithmetic on the same bfloat16 values (exact products, float
+sums, one rounding to bfloat16 at the output) in another summation order.
 
 Which layout a weight shape keeps is measured at load time (``linear_layout.choose``: this one
 competes as ``amx`` where ``available()``); ``ENGINE_LINEAR_LAYOUT=amx`` forces it where it is
@@ -63,9 +63,10 @@ def available() -> bool:
     return library() is not None
 
 
-def takes(n: int, k: int) -> bool:
-    """Whether a weight [n, k] can be packed: n a multiple of 16, k of 32."""
-    return n > 0 and k > 0 and n % COLS == 0 and k % DEPTH == 0
+def takes(n: int, k: int, gated: bool = False) -> bool:
+    """Whether a weight [n, k] can be packed: n a multiple of 16, k of 32; ``gated`` (a gate/up
+    weight [2I, K]): n a multiple of 64, so that I is one of 32."""
+    return n > 0 and k > 0 and n % (4 * COLS if gated else COLS) == 0 and k % DEPTH == 0
 
 
 class AmxLinear:
@@ -93,7 +94,7 @@ class AmxLinear:
                              f"{DEPTH}, not [{self.n}, {self.k}]")
         self.gated = gated
         if gated:
-            if self.n % (4 * COLS):
+            if not takes(self.n, self.k, gated=True):
                 raise ValueError(f"a gated AmxLinear takes a gate/up weight [2I, K] with I a multiple of {2 * COLS}, "
                                  f"not [{self.n}, {self.k}]")
             # rows: gate block 0, up block 0, gate block 1, up block 1, ... (blocks of 16)

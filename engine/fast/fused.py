@@ -72,6 +72,14 @@ EMBED_DROP_ROWS = 2048  # embedding rows looked up between two hand-backs of its
 SCRATCH_VIEWS = 1024  # views of the scratch buffers kept for reuse (one per output name and step shape)
 
 
+def _check_rows(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int], layer: int, name: str) -> None:
+    """ValueError unless ``t`` (layer ``layer``'s ``name``) is a contiguous ``dtype`` tensor of
+    ``shape``: what a kernel is handed by its data pointer."""
+    if not t.is_contiguous() or t.dtype != dtype or t.shape != shape:
+        raise ValueError(f"layer {layer}: {name} {t.dtype} {tuple(t.shape)} is not a contiguous {dtype} "
+                         f"[{shape[0]}, {shape[1]}]")
+
+
 def packable(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether oneDNN can prepack a linear weight of this dtype here (CPU float32, or bfloat16 on
     a CPU with bf16 units): the layout vLLM's CPU backend also uses."""
@@ -212,7 +220,7 @@ class FusedFlatModel(FlatModel):
                     share_rows(whole, params)
                     return Linear(whole, "plain", choice)
                 gated = (gate_up and fuse_silu and self.elementwise and choice.layout == "amx"
-                         and n % (4 * cpu_linear_amx.COLS) == 0)
+                         and cpu_linear_amx.takes(n, k, gated=True))
                 out = Linear(whole.to(linear_layout.held_dtype(choice.layout, linear_dtype, dtype)), choice.layout,
                              choice, gated=gated)
             release_pages([p.detach() for p in params])
@@ -361,8 +369,7 @@ class FusedFlatModel(FlatModel):
             hidden = weights["o"](o.reshape(n, hq * dh).to(work))  # [N, D]
             x, residual = self._add_norm(hidden, residual, post_norm, into="x")
             if "gate_up" in weights:
-                gate_up = weights["gate_up"]  # gated: SiLU(gate) * up in its own pass, else [N, 2I] then the kernel
-                hidden = weights["down"](gate_up(x) if gate_up.gated else self._silu_mul(gate_up(x)))  # -> [N, D]
+                hidden = weights["down"](self._gate_up_silu(weights["gate_up"], x))  # [N, I] -> [N, D]
             else:
                 hidden = mlp(x.to(self.dtype)).to(work)  # MoE: the block itself
         return self._add_norm(hidden, residual, self.model.model.norm)[0]
@@ -411,14 +418,11 @@ class FusedFlatModel(FlatModel):
         silu, silu_ptr, silu_threads = None, 0, 1
         for i, (layer, kv_cache) in enumerate(zip(self._kernel_layers(), kv_caches)):
             qkv_linear, o_linear, gate_up, down, in_w, in_eps, post_w, post_eps, qk_w, qk_eps, scale, mlp = layer
-            if not hidden.is_contiguous() or hidden.dtype != work or hidden.shape != (n, d):
-                raise ValueError(f"layer {i}: hidden {hidden.dtype} {tuple(hidden.shape)} is not a contiguous "
-                                 f"{work} [{n}, {d}]")
+            _check_rows(hidden, work, (n, d), i, "hidden")
             add_rms_norm(hidden.data_ptr(), res_ptr, in_w, x_ptr, n, d, in_eps, add, add_threads)
             add = 1
             qkv = qkv_linear(x)  # [N, (Hq + 2 Hkv) Dh]
-            if not qkv.is_contiguous() or qkv.dtype != work or qkv.shape != (n, width):
-                raise ValueError(f"layer {i}: qkv {qkv.dtype} {tuple(qkv.shape)} is not a contiguous {work} [{n}, {width}]")
+            _check_rows(qkv, work, (n, width), i, "qkv")
             qk_norm_rope(qkv.data_ptr(), width, n, hq, hkv, dh, qk_w, cos_ptr, sin_ptr, q_ptr, qk_eps, qk_threads)
             q_attn = q.to(kv_cache[0].dtype) if cast_q else q  # [N, Hq, Dh]
             backend.write(kv_cache, qkv[:, k_at:v_at].view(n, hkv, dh), qkv[:, v_at:].view(n, hkv, dh), meta)
@@ -428,16 +432,14 @@ class FusedFlatModel(FlatModel):
                 hidden = o_linear(o.reshape(m, hq * dh).to(work))  # [M, D]
                 post_x, residual = self._add_norm(hidden, residual, self._seams[i][1], into="x")
                 if gate_up is not None:
-                    hidden = down(gate_up(post_x) if gate_up.gated else self._silu_mul(gate_up(post_x)))
+                    hidden = down(self._gate_up_silu(gate_up, post_x))
                 else:
                     hidden = mlp(post_x.to(self.dtype)).to(work)
                 break
             o = backend.forward(q_attn, kv_cache, meta, scale=scale, window=window)
             o = o.reshape(n, hq * dh)  # [N, Hq Dh]
             hidden = o_linear(o if o.dtype == work else o.to(work))  # [N, D]
-            if not hidden.is_contiguous() or hidden.dtype != work or hidden.shape != (n, d):
-                raise ValueError(f"layer {i}: hidden {hidden.dtype} {tuple(hidden.shape)} is not a contiguous "
-                                 f"{work} [{n}, {d}]")
+            _check_rows(hidden, work, (n, d), i, "hidden")
             add_rms_norm(hidden.data_ptr(), res_ptr, post_w, x_ptr, n, d, post_eps, 1, add_threads)
             if gate_up is None:  # MoE: the block itself
                 hidden = mlp(x.to(self.dtype)).to(work)
@@ -450,9 +452,7 @@ class FusedFlatModel(FlatModel):
                 inter = gu.shape[1] // 2
                 silu = self._scratch("silu", (n, inter), work)
                 silu_ptr, silu_threads = silu.data_ptr(), cpu_elementwise.threads_for("silu_mul", work, n * inter)
-            if not gu.is_contiguous() or gu.dtype != work or gu.shape != (n, 2 * silu.shape[1]):
-                raise ValueError(f"layer {i}: gate_up {gu.dtype} {tuple(gu.shape)} is not a contiguous {work} "
-                                 f"[{n}, {2 * silu.shape[1]}]")
+            _check_rows(gu, work, (n, 2 * silu.shape[1]), i, "gate_up")
             silu_mul(gu.data_ptr(), silu_ptr, n, silu.shape[1], silu_threads)
             hidden = down(silu)  # [N, D]
         return self._add_norm(hidden, residual, self.model.model.norm)[0]
@@ -485,6 +485,11 @@ class FusedFlatModel(FlatModel):
         rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
         qk = qk * cos[:, None, :] + rotated * sin[:, None, :]  # RoPE on q and k at once
         return qk[:, :hq], qk[:, hq:]
+
+    def _gate_up_silu(self, gate_up: Linear, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> SiLU(gate) * up [N, I] through the gate/up linear: a gated one computes it in
+        its own pass, another returns [N, 2I] for ``_silu_mul``."""
+        return gate_up(x) if gate_up.gated else self._silu_mul(gate_up(x))
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [N, 2I] -> SiLU(gate) * up [N, I]."""
