@@ -214,6 +214,8 @@ def test_each_linear_layout_matches_generate(layout, tied, monkeypatch):
     linears = [entry[k] for entry in core.flat.layers for k in ("qkv", "o", "gate_up", "down")]
     assert {lin.layout for lin in linears} == {layout}
     assert core.flat.lm_head.layout == layout and core.flat.tied == tied
+    gated = layout == "small" and library().isas[-1] == "avx512"  # SiLU-mul in the 16-float kernel's gate/up pass
+    assert all(entry["gate_up"].gated == gated for entry in core.flat.layers)
     if tied:
         ids = torch.tensor([0, 15, 16, 17, model.cfg.vocab_size - 1])
         assert torch.equal(core.flat.embed(ids), model.model.embed_tokens(ids)), "lookups from the head's layout"
@@ -284,6 +286,70 @@ def test_bfloat16_panels_compute_what_float32_panels_of_the_same_values_do(threa
                                         "a column order or widening bug in the kernel")
     ids = torch.tensor([0, 3, 4, 7, 8, 11, 12, 15, 16, 295])
     assert torch.equal(small16.rows(ids), weight[ids]), "rows() must undo the bfloat16 panels' column order"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_linear_widths_give_the_same_bits(dtype, threads, monkeypatch):
+    """The panels' kernel at 8-float and at 16-float width (``ENGINE_KERNEL_ISA``; the 16-float one
+    meets two panels per row block and packs each block k-major) computes the same products in the
+    same order: equal outputs bit for bit, each within float32 rounding of float64, at one row,
+    around its 14-row blocks, past ROW_CHUNK, on a ragged last panel and an odd panel count. Where
+    AVX-512F does not compile, the 8-float kernel is the one built and is checked alone."""
+    from engine.fast import cpu_linear
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(4)
+    widths = [w for w in cpu_linear.ISAS if w in cpu_linear.library().isas]
+    for n, k in [(296, 72), (48, 130), (512, 1536)]:  # 19 panels (8-column tail), 3 panels, deep K
+        weight = torch.randn(n, k, generator=gen).to(dtype)
+        linears = {}
+        for width in widths:
+            monkeypatch.setenv(cpu_linear.cpu_elementwise.ISA_ENV, width)
+            linears[width] = cpu_linear.SmallLinear(weight)
+            assert linears[width].width == width
+        for rows in (1, 2, 7, 13, 14, 15, 16, 29, 64, cpu_linear.ROW_CHUNK + 3):
+            x = torch.randn(rows, k, generator=gen)
+            want = x.double() @ weight.double().T
+            outs = {width: lin(x) for width, lin in linears.items()}
+            for width, got in outs.items():
+                err = ((got.double() - want).abs().max() / want.abs().max()).item()
+                assert err < 1e-5, f"[{n}, {k}] {dtype} at {rows} rows, {width}: relative error {err:.2e}"
+            assert len({tuple(o.flatten().tolist()) for o in outs.values()}) == 1, (
+                f"[{n}, {k}] {dtype} at {rows} rows: the widths' outputs differ (summation order or a column order bug)")
+    assert ("avx512" in widths) == ("avx512" in cpu_linear.cpu_elementwise.built_isas())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_small_linear_is_the_linear_then_silu_mul(dtype, threads, monkeypatch):
+    """A SwiGLU gate/up weight packed gated for the 16-float kernel: its call returns exactly what
+    the same kernel's linear followed by the elementwise float32 SiLU-mul returns, at one row (the
+    one-row path's summation order), around the row blocks and past ROW_CHUNK. The 8-float kernel
+    has no gated mode: there (and on a CPU without AVX-512F) packing gated is refused, naming why."""
+    from engine.fast import cpu_elementwise, cpu_linear
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(5)
+    monkeypatch.setenv(cpu_elementwise.ISA_ENV, "avx2")
+    assert not cpu_linear.takes_gated(64)
+    with pytest.raises(ValueError, match="16-float kernel"):
+        cpu_linear.SmallLinear(torch.zeros(64, 32), gated=True)
+    if "avx512" not in cpu_linear.library().isas:
+        return  # no AVX-512F here: the refusal above is the behaviour
+    monkeypatch.delenv(cpu_elementwise.ISA_ENV)
+    for inter, k in [(16, 40), (48, 96), (80, 1536), (256, 512)]:  # 1, 3 (odd groups of pairs), 5, 16 pairs
+        w = torch.randn(2 * inter, k, generator=gen).to(dtype)
+        plain, gated = cpu_linear.SmallLinear(w), cpu_linear.SmallLinear(w, gated=True)
+        for m in (1, 3, 14, 16, 29, 64, cpu_linear.ROW_CHUNK + 5):
+            x = torch.randn(m, k, generator=gen)
+            got = gated(x)
+            assert got.shape == (m, inter)
+            assert torch.equal(got, cpu_elementwise.silu_mul(plain(x))), f"I={inter}, K={k}, {dtype}, {m} rows"
+    with pytest.raises(ValueError, match="a multiple of 32"):
+        cpu_linear.SmallLinear(torch.zeros(48, 32), gated=True)
+    with pytest.raises(ValueError, match="cannot look up rows"):
+        gated.rows(torch.tensor([0]))
 
 
 def use_isa(isa: str, monkeypatch) -> None:

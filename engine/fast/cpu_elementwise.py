@@ -94,12 +94,17 @@ def isa() -> str:
 
 
 def _choose_isa(forced: str | None) -> str:
-    built = built_isas()
+    return choose_isa(forced, built_isas(), "elementwise kernels")
+
+
+def choose_isa(forced: str | None, built: tuple[str, ...], what: str) -> str:
+    """The width a kernel library (``what``, built in ``built``: () when it is not built) runs at:
+    ``forced`` (``$ENGINE_KERNEL_ISA``'s value) when set, else the widest built."""
     if forced:
         if forced not in ISAS:
             raise ValueError(f"{ISA_ENV}={forced!r}: choose one of {', '.join(ISAS)}")
         if built and forced not in built:
-            raise ValueError(f"{ISA_ENV}={forced}: this CPU's build of the elementwise kernels has only "
+            raise ValueError(f"{ISA_ENV}={forced}: this CPU's build of the {what} has only "
                              f"{', '.join(built)}; unset {ISA_ENV}")
         return forced
     return built[-1] if built else ISAS[0]

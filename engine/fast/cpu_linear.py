@@ -13,10 +13,12 @@ host's C++ compiler like the attention kernel; ``library()`` is None where it ca
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import torch
 
+from engine.fast import cpu_elementwise
 from engine.fast.cpu_build import OptionalKernels
 
 SOURCE = Path(__file__).with_name("cpu_linear_kernel.cpp")
@@ -25,16 +27,25 @@ MIN_PANELS_PER_THREAD = 8  # fewer panels than this per thread: one thread does 
 ROW_CHUNK = 256  # longer inputs go through in chunks of this many rows, each small enough to stay in cache
 
 
-PANEL_DTYPES = {torch.float32: "linear_float32", torch.bfloat16: "linear_bfloat16"}  # the panels' dtype -> kernel
+PANEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the panels' dtypes (the kernels' suffixes)
+# The widths the kernel is built in (cpu_linear_kernel.cpp): 8-float vectors everywhere, 16-float
+# ones where the compiler targets AVX-512F (the same outputs bit for bit, about twice the FMA
+# throughput). ``$ENGINE_KERNEL_ISA`` picks one for these kernels and the elementwise ones alike.
+ISAS = cpu_elementwise.ISAS
 # Where a bfloat16 panel row keeps column c: columns 4-7 and 8-11 swapped, so that the kernel's
 # in-lane unpacks widen one 32-byte load into columns 0-7 and 8-15 (the order is its own inverse).
 BF16_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    for name in PANEL_DTYPES.values():
-        getattr(lib, name).restype = None
-        getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
+    lib.linear_isas.restype, lib.linear_isas.argtypes = ctypes.c_char_p, []
+    lib.isas = tuple(lib.linear_isas().decode().split(","))
+    for isa in lib.isas:
+        for kind in ("linear", "gated") if isa == "avx512" else ("linear",):
+            for name in PANEL_DTYPES.values():
+                fn = getattr(lib, f"{kind}_{name}_{isa}")
+                fn.restype = None
+                fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
 
 
 _kernels = OptionalKernels(SOURCE, _declare)
@@ -45,18 +56,44 @@ def library() -> ctypes.CDLL | None:
     return _kernels.get()
 
 
+def isa() -> str:
+    """The width a SmallLinear made now runs at: ``$ENGINE_KERNEL_ISA`` when set (ValueError when
+    this build lacks it), else the widest built here ("avx2" where the kernel does not build)."""
+    lib = library()
+    return cpu_elementwise.choose_isa(os.environ.get(cpu_elementwise.ISA_ENV), lib.isas if lib else (),
+                                      "small-batch linear kernel")
+
+
+def takes_gated(n: int) -> bool:
+    """Whether a SwiGLU gate/up weight [n = 2 I, K] can be packed gated (``SmallLinear(gated=True)``):
+    I a multiple of 16, at the 16-float width (the 8-float kernel has no gated mode)."""
+    return n > 0 and n % (2 * PANEL) == 0 and library() is not None and isa() == "avx512"
+
+
 class SmallLinear:
     """A weight [N, K] packed into ceil(N / 16) panels [P, K, 16] (zero rows past N), in the
-    weight's dtype (float32 or bfloat16, ``PANEL_DTYPES``); inputs and outputs are float32.
-    ``prefetch``: the kernel prefetches each next panel while it reads one (off: to measure it)."""
+    weight's dtype (float32 or bfloat16, ``PANEL_DTYPES``); inputs and outputs are float32. The
+    kernel's width is ``isa()``'s when the linear is made.
+    ``prefetch``: the kernel prefetches each next panel while it reads one (off: to measure it).
+
+    ``gated`` (``takes_gated``): the weight is a SwiGLU MLP's merged gate/up [2I, K] (gate rows,
+    then up rows) and a call returns SiLU(gate) * up [M, I], bit for bit what the linear followed by
+    ``cpu_elementwise``'s float32 silu_mul at the same width returns, without the [M, 2I]
+    intermediate: panels packed gate 0, up 0, gate 1, up 1, ... so that a row block's pass over two
+    side-by-side panels holds both halves of 16 outputs."""
 
     prefetch = True
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, gated: bool = False) -> None:
         if weight.dtype not in PANEL_DTYPES or weight.device.type != "cpu" or weight.dim() != 2:
             raise ValueError(f"SmallLinear packs 2-D float32 or bfloat16 CPU weights, not {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}")
+        if gated and not takes_gated(weight.shape[0]):
+            raise ValueError(f"SmallLinear(gated=True) needs the 16-float kernel (ENGINE_KERNEL_ISA={isa()} here) "
+                             f"and out features a multiple of 32, not {weight.shape[0]}")
         self.n, self.k = weight.shape
+        self.gated = gated
+        self.width = isa()
         panels = -(-self.n // PANEL)
         padded = weight.new_zeros((panels * PANEL, self.k))
         padded[:self.n] = weight.detach()
@@ -64,8 +101,11 @@ class SmallLinear:
         by_panel = padded.view(panels, PANEL, self.k)  # [P, 16, K]
         if weight.dtype == torch.bfloat16:  # the kernel's column order: swap columns 4-7 and 8-11 in place
             by_panel[:, 4:12] = by_panel[:, self.order[4:12]]
+        if gated:  # gate panel i, then up panel i: [2, P / 2, 16, K] -> [P / 2, 2, 16, K]
+            by_panel = by_panel.view(2, panels // 2, PANEL, self.k).transpose(0, 1).reshape(panels, PANEL, self.k)
         self.panels = by_panel.transpose(1, 2).contiguous()  # [P, K, 16]
-        self.fn = getattr(library(), PANEL_DTYPES[weight.dtype])
+        self.out = self.n // 2 if gated else self.n
+        self.fn = getattr(library(), f"{'gated' if gated else 'linear'}_{PANEL_DTYPES[weight.dtype]}_{self.width}")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 -> [M, N] float32 (any M: the panels are this weight's only copy)."""
@@ -74,7 +114,7 @@ class SmallLinear:
                              f"{tuple(x.shape)} on {x.device}")
         x = x.contiguous()
         m = x.shape[0]
-        y = x.new_empty((m, self.n))
+        y = x.new_empty((m, self.out))
         threads = max(1, min(torch.get_num_threads(), self.panels.shape[0] // MIN_PANELS_PER_THREAD))
         for at in range(0, m, ROW_CHUNK):
             rows = min(ROW_CHUNK, m - at)
@@ -85,4 +125,6 @@ class SmallLinear:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [N] of the weight, [N, K] in the panels' dtype (a tied head's embedding
         lookup): row r is column r % 16 of panel r // 16, at its place in the panel's order."""
+        if self.gated:
+            raise ValueError("a gated linear's panels are interleaved gate / up: it cannot look up rows")
         return self.panels[ids // PANEL, :, self.order[ids % PANEL]]

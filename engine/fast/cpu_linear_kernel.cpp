@@ -12,7 +12,9 @@
 // accumulators, two vector loads and six broadcasts per k; meanwhile the next panel is prefetched,
 // a share of it by each block of rows (at 16 rows, 58 -> 77 GFLOP/s on the course's machine,
 // `course/tuning/levers.py linear`). With threads > 1 the panels are
-// shared by torch's OpenMP workers (`share`, cpu_kernel_share.h).
+// shared by torch's OpenMP workers (`share`, cpu_kernel_share.h). Where the compiler targets
+// AVX-512F the same panels are also read at 16-float width (namespace w512 below: `_avx512`),
+// which can also return a SwiGLU gate/up weight's SiLU(gate) * up as it writes its outputs.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -21,6 +23,7 @@
 
 #include "cpu_kernel_share.h"
 #include "cpu_kernel_vec.h"
+#include "cpu_kernel_wide.h"  // the gated mode's SiLU (cpu_elementwise_kernel.cpp's), and immintrin.h
 
 namespace {
 
@@ -209,15 +212,237 @@ void linear(const float* x, const P* packed, float* y, int64_t m, int64_t k_dim,
   });
 }
 
+#if defined(__AVX512F__)
+// ----- the same panels at AVX-512's width: a panel row is one 16-float register -------------------
+// At 8-float width the FMA units do half the work they could on an AVX-512 CPU, and past ~32
+// rows the kernel is bound by them (64 rows of the small preset's weights: 94 GFLOP/s, the 8-wide
+// peak, against oneDNN's 125). Here a row block meets TWO panels side by side (32 columns): R
+// rows x 2 registers of accumulators (R up to 14: 28 of the 32 registers; ~2% faster than 12),
+// two panel loads and R broadcasts per k. The panels, the packing and the results' summation order (k ascending, one
+// FMA per product) are the 8-wide kernel's, so both widths give the same float32 outputs bit for bit.
+namespace w512 {
+
+constexpr int kRows = 14;  // rows per block at most
+
+inline __m512 row16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 row16(const uint16_t* p) {  // 16 bfloat16 in BF16_ORDER -> 16 floats in column order, exactly
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  h = _mm256_permute4x64_epi64(h, 0xD8);  // 64-bit quarters 0, 2, 1, 3: undoes the 4-7 / 8-11 swap
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __mmask16 first(int64_t cols) { return cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1); }
+
+// The float32 SiLU(gate) * up of cpu_elementwise_kernel.cpp's silu_mul at this width.
+inline __m512 silu_mul(__m512 gate, __m512 up) {
+  typedef Wide<64> W;
+  W::F g, u;
+  std::memcpy(&g, &gate, sizeof g);
+  std::memcpy(&u, &up, sizeof u);
+  const W::F o = W::silu(g) * u;
+  __m512 out;
+  std::memcpy(&out, &o, sizeof out);
+  return out;
+}
+
+// y[0..R) x [NP panels of 16 columns] = x[0..R) . panels (NP = 1 or 2, the second `stride` after the first).
+// `cols`: the valid columns of the last panel (16 but at the weight's ragged end). Prefetch as above.
+// GATED: the two panels are a gate panel and its up panel, and y gets SiLU(gate) * up (16 columns).
+template <int R, int NP, bool PREFETCH, bool GATED, typename P>
+void tile(const float* x, int64_t ldx, const P* panel, int64_t stride, int64_t k_dim, float* y, int64_t ldy,
+          int64_t cols, const char* next, int64_t every) {
+  __m512 acc[R][NP];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  int64_t countdown = every;
+  for (int64_t k = 0; k < k_dim; ++k) {
+    if (PREFETCH && --countdown == 0) {
+      countdown = every;
+      __builtin_prefetch(next, 0, 3);
+      next += 64;
+    }
+    __m512 b[NP];
+    for (int p = 0; p < NP; ++p) b[p] = row16(panel + p * stride + k * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+      for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(a, b[p], acc[r][p]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (GATED) {
+      _mm512_storeu_ps(y + r * ldy, silu_mul(acc[r][0], acc[r][NP - 1]));
+    } else {
+      for (int p = 0; p < NP; ++p)
+        _mm512_mask_storeu_ps(y + r * ldy + p * 16, first(p + 1 == NP ? cols : 16), acc[r][p]);
+    }
+  }
+}
+
+// One row: G panels read side by side, k unrolled by two (2 G independent accumulators), summed in
+// the 8-wide one_row_panels' order. GATED: the G panels are G / 2 (gate, up) pairs, and output
+// 16-column group `first_panel / 2 + g` gets SiLU(gate) * up.
+template <int G, bool GATED, typename P>
+void one_row(const float* x, const P* panel, int64_t k_dim, float* y, int64_t n, int64_t first_panel) {
+  __m512 acc[G][2];
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 <= k_dim; k += 2) {
+    const __m512 a0 = _mm512_set1_ps(x[k]), a1 = _mm512_set1_ps(x[k + 1]);
+    for (int g = 0; g < G; ++g) {
+      const P* p = panel + g * k_dim * 16 + k * 16;
+      acc[g][0] = _mm512_fmadd_ps(a0, row16(p), acc[g][0]);
+      acc[g][1] = _mm512_fmadd_ps(a1, row16(p + 16), acc[g][1]);
+    }
+  }
+  for (; k < k_dim; ++k)
+    for (int g = 0; g < G; ++g)
+      acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), row16(panel + g * k_dim * 16 + k * 16), acc[g][0]);
+  if (GATED) {
+    for (int g = 0; g + 1 < G; g += 2)
+      _mm512_storeu_ps(y + (first_panel + g) / 2 * 16, silu_mul(_mm512_add_ps(acc[g][0], acc[g][1]),
+                                                                _mm512_add_ps(acc[g + 1][0], acc[g + 1][1])));
+    return;
+  }
+  for (int g = 0; g < G; ++g) {
+    const int64_t col = (first_panel + g) * 16;
+    _mm512_mask_storeu_ps(y + col, first(n - col), _mm512_add_ps(acc[g][0], acc[g][1]));
+  }
+}
+
+template <int NP, bool GATED, typename P>
+void block(int64_t r, const float* x, int64_t ldx, const P* panel, int64_t stride, int64_t k_dim, float* y,
+           int64_t ldy, int64_t cols, const char* next, int64_t every) {
+#define W512_ROWS(R)                                                                                          \
+  case R:                                                                                                    \
+    if (next != nullptr)                                                                                     \
+      tile<R, NP, true, GATED, P>(x, ldx, panel, stride, k_dim, y, ldy, cols, next, every);                  \
+    else                                                                                                     \
+      tile<R, NP, false, GATED, P>(x, ldx, panel, stride, k_dim, y, ldy, cols, next, every);                 \
+    break;
+  switch (r) {
+    W512_ROWS(1) W512_ROWS(2) W512_ROWS(3) W512_ROWS(4) W512_ROWS(5) W512_ROWS(6)
+    W512_ROWS(7) W512_ROWS(8) W512_ROWS(9) W512_ROWS(10) W512_ROWS(11) W512_ROWS(12) W512_ROWS(13) W512_ROWS(14)
+    default: break;
+  }
+#undef W512_ROWS
+}
+
+// gated: the panels alternate gate / up (cpu_linear.py packs them so), n counts both, y is [m, n / 2].
+template <typename P>
+void linear(const float* x, const P* packed, float* y, int64_t m, int64_t k_dim, int64_t n, int64_t threads,
+            int64_t prefetch, bool gated) {
+  const int64_t panels = (n + 15) / 16, panel_elems = k_dim * 16;
+  const int64_t ldy = gated ? n / 2 : n;
+  if (m == 1) {  // kOneRowGroup panels side by side (gated: pairs), the leftover ones singly (pairs)
+    const int64_t groups = (panels + kOneRowGroup - 1) / kOneRowGroup;
+    share(groups, threads, [&](int64_t group_begin, int64_t group_end) {
+      for (int64_t g = group_begin; g < group_end; ++g) {
+        const int64_t j = g * kOneRowGroup;
+        if (j + kOneRowGroup <= panels) {
+          if (gated)
+            one_row<kOneRowGroup, true, P>(x, packed + j * panel_elems, k_dim, y, n, j);
+          else
+            one_row<kOneRowGroup, false, P>(x, packed + j * panel_elems, k_dim, y, n, j);
+        } else if (gated) {
+          for (int64_t jj = j; jj < panels; jj += 2) one_row<2, true, P>(x, packed + jj * panel_elems, k_dim, y, n, jj);
+        } else {
+          for (int64_t jj = j; jj < panels; ++jj) one_row<1, false, P>(x, packed + jj * panel_elems, k_dim, y, n, jj);
+        }
+      }
+    });
+    return;
+  }
+  // Row blocks of at most kRows, as even as can be (16 rows: 8 + 8, not 14 + 2). (Tried and not
+  // kept: each block packed k-major, one stream of broadcasts: no faster, and its copy cost ~15% at
+  // [512, 1536]; k in chunks so that a pair's chunk stays in L1 for every block: 0.94 -> 0.84-0.88x
+  // oneDNN at 256 rows.)
+  const int64_t blocks = (m + kRows - 1) / kRows, base = m / blocks, longer = m % blocks;
+  const int64_t pairs = (panels + 1) / 2, pair_bytes = 2 * panel_elems * static_cast<int64_t>(sizeof(P));
+  const int64_t share_lines = (pair_bytes / 64 + blocks - 1) / blocks;  // lines of the next pair per row block
+  const int64_t every = std::max<int64_t>(1, (k_dim + share_lines - 1) / std::max<int64_t>(1, share_lines));
+  const bool widen_once = !std::is_same<P, float>::value && m > kWidenOnceAfter;
+  share(pairs, threads, [&](int64_t pair_begin, int64_t pair_end) {
+    std::vector<float> wide(widen_once ? static_cast<size_t>(2 * panel_elems) : 0);
+    for (int64_t q = pair_begin; q < pair_end; ++q) {
+      const int64_t j = 2 * q;
+      const P* pair = packed + j * panel_elems;
+      const bool two = j + 1 < panels;
+      const int64_t cols = gated ? 16 : std::min<int64_t>(16, n - (two ? j + 1 : j) * 16);
+      float* yq = y + (gated ? q * 16 : j * 16);
+      // At every row count (the 8-float kernel stops at kPrefetchMaxRows): at 256 rows 0.88 -> 0.96x oneDNN.
+      const char* next = prefetch && q + 1 < pairs ? reinterpret_cast<const char*>(pair + 2 * panel_elems) : nullptr;
+      auto all_rows = [&](auto* pan) {
+        typedef std::remove_const_t<std::remove_pointer_t<decltype(pan)>> Q;
+        int64_t i = 0;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t r = base + (b < longer ? 1 : 0);
+          const char* share_next = next == nullptr ? nullptr : next + b * share_lines * 64;
+          const float* xb = x + i * k_dim;
+          if (gated)
+            block<2, true, Q>(r, xb, k_dim, pan, panel_elems, k_dim, yq + i * ldy, ldy, cols, share_next, every);
+          else if (two)
+            block<2, false, Q>(r, xb, k_dim, pan, panel_elems, k_dim, yq + i * ldy, ldy, cols, share_next, every);
+          else
+            block<1, false, Q>(r, xb, k_dim, pan, panel_elems, k_dim, yq + i * ldy, ldy, cols, share_next, every);
+          i += r;
+        }
+      };
+      if (widen_once) {
+        const int64_t count = (two ? 2 : 1) * panel_elems;
+        for (int64_t e = 0; e < count; e += 16) _mm512_storeu_ps(wide.data() + e, row16(pair + e));
+        all_rows(static_cast<const float*>(wide.data()));
+      } else {
+        all_rows(pair);
+      }
+    }
+  });
+}
+
+}  // namespace w512
+#endif  // __AVX512F__
+
 }  // namespace
 
 // x float32 [m, k_dim], panels [ceil(n / 16), k_dim, 16] of float32 or bfloat16 -> y float32 [m, n].
-extern "C" void linear_float32(const float* x, const float* packed, float* y, int64_t m, int64_t k_dim, int64_t n,
-                               int64_t threads, int64_t prefetch) {
+// _avx2: 8-float vectors (any x86-64-v3 CPU; ARM: NEON pairs); _avx512: 16-float ones, built where
+// the compiler targets AVX-512F (linear_isas() says which exist). Both give the same outputs.
+extern "C" void linear_float32_avx2(const float* x, const float* packed, float* y, int64_t m, int64_t k_dim,
+                                    int64_t n, int64_t threads, int64_t prefetch) {
   linear<float>(x, packed, y, m, k_dim, n, threads, prefetch);
 }
 
-extern "C" void linear_bfloat16(const float* x, const uint16_t* packed, float* y, int64_t m, int64_t k_dim,
-                                int64_t n, int64_t threads, int64_t prefetch) {
+extern "C" void linear_bfloat16_avx2(const float* x, const uint16_t* packed, float* y, int64_t m, int64_t k_dim,
+                                     int64_t n, int64_t threads, int64_t prefetch) {
   linear<uint16_t>(x, packed, y, m, k_dim, n, threads, prefetch);
+}
+
+#if defined(__AVX512F__)
+extern "C" void linear_float32_avx512(const float* x, const float* packed, float* y, int64_t m, int64_t k_dim,
+                                      int64_t n, int64_t threads, int64_t prefetch) {
+  w512::linear<float>(x, packed, y, m, k_dim, n, threads, prefetch, false);
+}
+
+extern "C" void linear_bfloat16_avx512(const float* x, const uint16_t* packed, float* y, int64_t m, int64_t k_dim,
+                                       int64_t n, int64_t threads, int64_t prefetch) {
+  w512::linear<uint16_t>(x, packed, y, m, k_dim, n, threads, prefetch, false);
+}
+
+// Gated (a SwiGLU gate/up weight packed gate panel, up panel, ...: n = 2 I): y [m, I] = SiLU(gate) * up.
+extern "C" void gated_float32_avx512(const float* x, const float* packed, float* y, int64_t m, int64_t k_dim,
+                                     int64_t n, int64_t threads, int64_t prefetch) {
+  w512::linear<float>(x, packed, y, m, k_dim, n, threads, prefetch, true);
+}
+
+extern "C" void gated_bfloat16_avx512(const float* x, const uint16_t* packed, float* y, int64_t m, int64_t k_dim,
+                                      int64_t n, int64_t threads, int64_t prefetch) {
+  w512::linear<uint16_t>(x, packed, y, m, k_dim, n, threads, prefetch, true);
+}
+#endif
+
+extern "C" const char* linear_isas() {
+#if defined(__AVX512F__)
+  return "avx2,avx512";
+#else
+  return "avx2";
+#endif
 }

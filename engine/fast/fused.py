@@ -8,8 +8,10 @@ and, on a CPU, a few microseconds of dispatch. This class serves the same comput
   built once at start-up);
 - q and k normalised and rotated together, as one ``[N, Hq + Hkv, Dh]`` tensor, their cos and sin
   rows looked up in a table of ``rope_cos_sin``'s rows (``RopeTable``) rather than computed each step;
-- SiLU and the gate product done in place on the merged output (with a gate/up linear in the amx
-  layout, as its tiles are written out: ``cpu_linear_amx.AmxLinear(gated=True)``, the same roundings);
+- SiLU and the gate product done in place on the merged output, or, with a gate/up linear in the amx
+  layout (bfloat16) or the small layout's 16-float kernel (float32), as its outputs are written
+  out: ``cpu_linear_amx.AmxLinear(gated=True)``, ``cpu_linear.SmallLinear(gated=True)``, the same
+  bits as the separate steps, without the [N, 2I] intermediate;
 - on a CPU, each weight shape in the layout measured fastest for it at load time
   (``linear_layout.choose``): prepacked for oneDNN's matmul (float32, or bfloat16 with bf16 units)
   or, in float32, in ``cpu_linear``'s small-batch kernel's panels, or, in bfloat16 on a CPU with
@@ -207,8 +209,8 @@ class FusedFlatModel(FlatModel):
             """One Linear over ``params``' rows in the layout chosen for its shape, made without
             keeping a second copy: plain, the model's parameters become views of the merged
             tensor; otherwise the merged tensor is a temporary, and the model's file-backed
-            originals hand their pages back. ``gate_up``: a SwiGLU gate/up pair, which an amx
-            layout computes gated (its call returns SiLU(gate) * up) where ``fuse_silu`` and the
+            originals hand their pages back. ``gate_up``: a SwiGLU gate/up pair, which the amx
+            and small layouts compute gated (its call returns SiLU(gate) * up) where ``fuse_silu`` and the
             elementwise kernels are on, and the width allows it."""
             n, k = sum(p.shape[0] for p in params), params[0].shape[1]
             if not cpu_linear_amx.takes(n, k):
@@ -219,8 +221,8 @@ class FusedFlatModel(FlatModel):
                 if choice.layout == "plain" and not cast:
                     share_rows(whole, params)
                     return Linear(whole, "plain", choice)
-                gated = (gate_up and fuse_silu and self.elementwise and choice.layout == "amx"
-                         and cpu_linear_amx.takes(n, k, gated=True))
+                gated = (gate_up and fuse_silu and self.elementwise
+                         and linear_layout.takes_gated(choice.layout, n, k, linear_dtype))
                 out = Linear(whole.to(linear_layout.held_dtype(choice.layout, linear_dtype, dtype)), choice.layout,
                              choice, gated=gated)
             release_pages([p.detach() for p in params])

@@ -40,6 +40,16 @@ import torch.nn.functional as F
 from engine.fast import cpu_linear, cpu_linear_amx, probe
 
 LAYOUTS = ("packed", "small", "plain", "amx")  # oneDNN-prepacked, cpu_linear panels, the plain tensor, AMX tiles
+GATED_LAYOUTS = ("small", "amx")  # the layouts whose kernel can return a gate/up weight's SiLU(gate) * up
+
+
+def takes_gated(layout: str, n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether a SwiGLU gate/up weight [n = 2 I, k] computing in ``dtype`` can be held gated in
+    ``layout`` (its call returning SiLU(gate) * up [M, I]): the AMX tiles in bfloat16, the panels'
+    16-float kernel in float32."""
+    if layout == "amx":
+        return dtype == torch.bfloat16 and cpu_linear_amx.takes(n, k, gated=True)
+    return layout == "small" and dtype == torch.float32 and cpu_linear.takes_gated(n)
 PROBE_ROWS = (16, 64, 256)  # the row counts each layout is timed at
 # An LM head runs on the rows that sample (one per request in a step, never a prompt's other
 # rows: ``logits_indices``), so it is timed at decode-sized counts.
@@ -183,13 +193,14 @@ class Linear:
     def __init__(self, weight: torch.Tensor, layout: str, choice: Choice | None = None, gated: bool = False) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
-        if gated and layout != "amx":
-            raise ValueError(f"only the amx layout computes a gated (SiLU-mul) linear, not {layout!r}")
+        if gated and layout not in GATED_LAYOUTS:
+            raise ValueError(f"only the {' and '.join(GATED_LAYOUTS)} layouts compute a gated (SiLU-mul) linear, "
+                             f"not {layout!r}")
         self.n, self.k = weight.shape
         self.gated = gated  # a merged gate/up weight whose call returns SiLU(gate) * up [M, n / 2]
         self.weight = self.packed = self.small = self.amx = None
         if layout == "small":
-            self.small = cpu_linear.SmallLinear(weight)
+            self.small = cpu_linear.SmallLinear(weight, gated=gated)
         elif layout == "amx":
             self.amx = cpu_linear_amx.AmxLinear(weight, gated=gated)
         elif layout == "packed":
