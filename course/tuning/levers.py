@@ -11,7 +11,7 @@
     python -m course.tuning.levers argmax --requests 16                         greedy rows: argmax vs max().indices per dtype
     python -m course.tuning.levers pages --requests 64 --dtype bfloat16          decode attention: K/V pools on 4 KiB vs huge pages
     python -m course.tuning.levers linear-pages --requests 1 --rounds 5         0.6B-shape weights streamed: torch's allocator on huge pages or not
-    python -m course.tuning.levers ew-step [--preset qwen3-0.6b] [--rows 2048]   one step's elementwise kernels: torch ops / avx2 / avx512
+    python -m course.tuning.levers ew-step [--preset qwen3-0.6b] [--rows 2048] [--before 6ddabc4]   one step's elementwise kernels: torch ops / avx2 / avx512 / a revision's
     python -m course.tuning.levers linear-amx [--preset qwen3-0.6b] [--rows 1,16,64,256]   bf16 linears: oneDNN packed vs the AMX kernel
 
 ``attention`` times one layer's decode attention on the bench's small-model shapes (8 query / 4
@@ -201,24 +201,32 @@ def prefill_attention(args) -> None:
     print("  kernel build: " + "; ".join(cpu_decode_variant.chosen_report()))
 
 
-def kernel_at(rev: str):
-    """A CPUBackend whose every row goes through ``cpu_paged_kernel.cpp`` as it was at git revision
-    ``rev`` (with the headers of that revision), built like today's: the "before" of an A/B."""
+def library_at(rev: str, source: str):
+    """engine/fast/``source`` as it was at git revision ``rev`` (with that revision's headers),
+    built like today's kernels."""
     import subprocess
     import tempfile
 
-    from engine.fast import cpu_attention, cpu_build
+    from engine.fast import cpu_build
 
     root = Path(__file__).resolve().parents[2]
     folder = Path(tempfile.mkdtemp(prefix="kernel-at-"))
     listing = subprocess.run(["git", "-C", str(root), "ls-tree", "--name-only", rev, "engine/fast/"],
                              capture_output=True, text=True, check=True).stdout.split()
     for name in listing:
-        if name.endswith((".h", "cpu_paged_kernel.cpp")):
+        if name.endswith((".h", source)):
             text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{name}"], capture_output=True, text=True,
                                   check=True).stdout
             (folder / Path(name).name).write_text(text)
-    lib = cpu_build.build_library(folder / "cpu_paged_kernel.cpp")
+    return cpu_build.build_library(folder / source)
+
+
+def kernel_at(rev: str):
+    """A CPUBackend whose every row goes through ``cpu_paged_kernel.cpp`` as it was at git revision
+    ``rev`` (with the headers of that revision), built like today's: the "before" of an A/B."""
+    from engine.fast import cpu_attention
+
+    lib = library_at(rev, "cpu_paged_kernel.cpp")
     cpu_attention._declare(lib)
     backend = cpu_attention.CPUBackend(prefill="kernel")
     run = backend._run
@@ -481,11 +489,13 @@ def ew_step(args) -> None:
     SiLU-mul) at ``--preset``'s shapes for ``--rows`` tokens (one value of ``--rows``; default
     2,048), float32 and bfloat16: PyTorch's eager ops (the fused model without its kernels) against
     ``cpu_elementwise``'s kernels at each vector width built here (``ENGINE_KERNEL_ISA``), through
-    the Python calls the model makes (into reused outputs, as the model passes them). Interleaved rounds; median wall and
+    the Python calls the model makes (into reused outputs, as the model passes them), and in float32
+    with AVX-512 the step as the fused model runs it there: SiLU-mul inside the gate/up linear
+    (``SmallLinear(gated=True)``), counted as what the gated call takes over the plain one. Interleaved rounds; median wall and
     CPU ms per step. k is rotated in place, so every call gets a fresh copy of qkv (not timed)."""
     from course.bench.compare import MODEL_PRESETS
     from course.bench.machine import machine_line
-    from engine.fast import cpu_elementwise as ew
+    from engine.fast import cpu_elementwise as ew, cpu_linear
     from engine.models.config import Qwen3Config
     from engine.rope import rope_cos_sin
 
@@ -512,8 +522,26 @@ def ew_step(args) -> None:
             return F.silu(gate) * up
         return add_norm, qk, silu
 
-    def kernels(t):  # into reused outputs, as the fused model passes them (FusedFlatModel._scratch)
+    old = None
+    if args.before:
+        import ctypes
+        old = library_at(args.before, "cpu_elementwise_kernel.cpp")
+        ptr, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+        for name in ("float32", "bfloat16"):
+            getattr(old, f"add_rms_norm_{name}").argtypes = [ptr] * 4 + [i64] * 2 + [f64] + [i64] * 2
+            getattr(old, f"qk_norm_rope_{name}").argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f64, i64]
+            getattr(old, f"silu_mul_{name}").argtypes = [ptr, ptr, i64, i64, i64]
+
+    def kernels(t, before: bool = False):  # into reused outputs, as the fused model passes them (FusedFlatModel._scratch)
         x, q, o = t["h"].new_empty((n, d)), t["h"].new_empty((n, hq, dh)), t["h"].new_empty((n, inter))
+        if before:  # the revision's C functions, called as its Python wrappers did (one thread)
+            name = ew.DTYPES[t["h"].dtype]
+            norm, rope, silu = (getattr(old, f"{k}_{name}") for k in ("add_rms_norm", "qk_norm_rope", "silu_mul"))
+            p = lambda v: v.data_ptr()  # noqa: E731
+            return (lambda h, r, w: norm(p(h), p(r), p(w), p(x), n, d, eps, 1, 1),
+                    lambda qkv: rope(p(qkv), qkv.shape[1], n, hq, hkv, dh, p(t["qw"]), p(t["cos"]), p(t["sin"]), p(q),
+                                     eps, 1),
+                    lambda gu: silu(p(gu), p(o), n, inter, 1))
         return (lambda h, r, w: ew.add_rms_norm(h, r, w, eps, out=x),
                 lambda qkv: ew.qk_norm_rope(qkv, hq, hkv, dh, t["qw"], t["cos"], t["sin"], eps, out=q),
                 lambda gu: ew.silu_mul(gu, out=o))
@@ -528,25 +556,42 @@ def ew_step(args) -> None:
         t["cos"], t["sin"] = rope_cos_sin(torch.randint(0, 4096, (n,), generator=gen), dh, cfg.rope_theta, dtype)
         work = torch.empty_like(t["qkv"])
 
-        def variant(isa: str | None):
-            add_norm, qk, silu = torch_ops(t) if isa is None else kernels(t)
+        def variant(isa: str | None, gated: tuple | None = None):
+            add_norm, qk, silu = torch_ops(t) if isa is None else kernels(t, before=isa.startswith("at "))
 
             def step() -> tuple[float, float]:
                 wall = cpu = 0.0
                 for _ in range(layers):
                     work.copy_(t["qkv"])
                     w0, c0 = time.perf_counter(), time.process_time()
-                    if isa is not None:
+                    if isa is not None and not isa.startswith("at "):
                         os.environ[ew.ISA_ENV] = isa
                     add_norm(t["h"], t["r"], t["w"])
                     qk(work)
-                    silu(t["gu"])
+                    if gated is None:
+                        silu(t["gu"])
                     add_norm(t["h"], t["r"], t["w"])
                     wall, cpu = wall + time.perf_counter() - w0, cpu + time.process_time() - c0
+                    if gated is not None:  # the SiLU-mul's cost inside the linear: the gated call's time over the plain one's
+                        plain, fused, x = gated
+                        for f, sign in ((plain, -1), (fused, 1)):
+                            w0, c0 = time.perf_counter(), time.process_time()
+                            f(x)
+                            wall, cpu = wall + sign * (time.perf_counter() - w0), cpu + sign * (time.process_time() - c0)
                 os.environ.pop(ew.ISA_ENV, None)
                 return wall, cpu
             return step
         fns = {"torch ops": variant(None), **{isa: variant(isa) for isa in ew.built_isas()}}
+        if args.before:  # the kernels as they were at that revision (the same C signatures, no width suffix)
+            fns[args.before] = variant(f"at {args.before}")
+        if dtype == torch.float32 and cpu_linear.library() is not None and "avx512" in cpu_linear.library().isas:
+            # The float32 gate/up linear in the 16-float panels' gated mode returns SiLU(gate) * up itself
+            # (what the fused model runs where the small layout wins): that seam's cost is what the gated
+            # call adds to the plain one, measured beside it each layer.
+            w_gu = torch.randn(2 * inter, d, generator=gen) * d ** -0.5
+            gated_pair = (cpu_linear.SmallLinear(w_gu), cpu_linear.SmallLinear(w_gu, gated=True),
+                          torch.randn(n, d, generator=gen))
+            fns["avx512, SiLU-mul in the gate/up linear"] = variant("avx512", gated_pair)
         with torch.inference_mode():
             for f in fns.values():
                 f()
