@@ -307,7 +307,7 @@ def test_small_linear_widths_give_the_same_bits(dtype, threads, monkeypatch):
         for width in widths:
             monkeypatch.setenv(cpu_linear.cpu_elementwise.ISA_ENV, width)
             linears[width] = cpu_linear.SmallLinear(weight)
-            assert linears[width].width == width
+            assert linears[width].width == width and f"{width} (forced by" in cpu_linear.describe()
         for rows in (1, 2, 7, 13, 14, 15, 16, 29, 64, cpu_linear.ROW_CHUNK + 3):
             x = torch.randn(rows, k, generator=gen)
             want = x.double() @ weight.double().T
@@ -318,6 +318,11 @@ def test_small_linear_widths_give_the_same_bits(dtype, threads, monkeypatch):
             assert len({tuple(o.flatten().tolist()) for o in outs.values()}) == 1, (
                 f"[{n}, {k}] {dtype} at {rows} rows: the widths' outputs differ (summation order or a column order bug)")
     assert ("avx512" in widths) == ("avx512" in cpu_linear.cpu_elementwise.built_isas())
+    monkeypatch.setenv(cpu_linear.cpu_elementwise.ISA_ENV, "sse2")
+    with pytest.raises(ValueError, match="choose one of avx2, avx512"):
+        cpu_linear.SmallLinear(weight)
+    monkeypatch.delenv(cpu_linear.cpu_elementwise.ISA_ENV)
+    assert cpu_linear.SmallLinear(weight).width == widths[-1] and "the widest of" in cpu_linear.describe()
 
 
 @pytest.mark.parametrize("threads", [1, 2])

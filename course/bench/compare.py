@@ -40,7 +40,7 @@ import torch
 
 from engine.serve import EngineConfig, EngineCore, SamplingParams
 from engine.fast.choose import FASTEST_FLAT_MODEL, fastest_options
-from engine.fast import cpu_decode_variant, cpu_elementwise, cpu_prefill, linear_layout
+from engine.fast import cpu_decode_variant, cpu_elementwise, cpu_linear, cpu_prefill, linear_layout
 from engine.fast.fused import default_linear_dtype, numerics_note
 from engine.slots import SlotEngine
 from course.bench.workloads import (OPENINGS, ChatTurn, WorkItem, chat_workload, random_workload, shared_prefix_workload,
@@ -603,6 +603,7 @@ def run_bench(model, workloads: list[str], engines: list[str], fast_backend: str
     if layouts:  # which linear kernels the figures came from (measured at load; ENGINE_LINEAR_LAYOUT forces)
         print("linear layouts chosen in this sitting:", *(f"  {line}" for line in layouts), sep="\n", flush=True)
         print(f"  {cpu_elementwise.describe()}", flush=True)  # the fused CPU model ran: its kernels' width
+        print(f"  {cpu_linear.describe()}", flush=True)
     prefill_paths = cpu_prefill.chosen_report()
     if prefill_paths:  # which attention served the prefills (measured at the first; ENGINE_ATTENTION_PREFILL forces)
         print("attention prefill paths chosen in this sitting:", *(f"  {line}" for line in prefill_paths), sep="\n",

@@ -60,7 +60,7 @@ from course.bench.compare import (MODEL_PRESETS, SIZED_WORKLOADS, WORKLOADS, Cor
                           make_workload, print_results, release_memory, scaling_point)
 from course.bench.machine import machine_info, machine_line
 from course.bench.workloads import WorkItem
-from engine.fast import openmp
+from engine.fast import cpu_elementwise, cpu_linear, linear_layout, openmp
 from engine.fast.choose import FASTEST_FLAT_MODEL
 from engine._impl import add_impl_argument
 
@@ -317,6 +317,15 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
         for label, text in out["configs"].items():
             print(f"  {label}: {text}; ready in {out['startup_s'][label]} s", flush=True)
         print(f"  prefix cache: {CACHE_POLICY}", flush=True)
+        # The kernels the core's figures came from (the layouts measured at load; ENGINE_LINEAR_LAYOUT
+        # and ENGINE_KERNEL_ISA force them): this dtype and thread count's lines.
+        name = str(dtype).removeprefix("torch.")
+        for line in linear_layout.chosen_report():
+            context = line.rsplit("[", 1)[-1]  # "measured; float32, 1 thread(s)]" (", bfloat16 weights" where held so)
+            if context.endswith(f" {threads} thread(s)]") and (f" {name}," in context or f"{name} weights" in context):
+                print(f"  linear layout {line}", flush=True)
+        if cores:
+            print(f"  {cpu_linear.describe()}; {cpu_elementwise.describe()}", flush=True)
         factories = {**cores, **{k: guarded(k, lambda r=r: r.fresh()) for k, r in peers.items()}}
         for name in workloads:
             wl = make_workload(name, vocab, scale=scale, preset=preset)

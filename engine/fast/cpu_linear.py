@@ -64,6 +64,16 @@ def isa() -> str:
                                       "small-batch linear kernel")
 
 
+def describe() -> str:
+    """One line for start-up reports: the width the small layout's kernel runs at, and why."""
+    lib = library()
+    if lib is None:
+        return f"small-batch linear kernel: not built here ({_kernels.why})"
+    forced = os.environ.get(cpu_elementwise.ISA_ENV)
+    how = f"forced by {cpu_elementwise.ISA_ENV}" if forced else f"the widest of {', '.join(lib.isas)}"
+    return f"small-batch linear kernel: {isa()} ({how})"
+
+
 def takes_gated(n: int) -> bool:
     """Whether a SwiGLU gate/up weight [n = 2 I, K] can be packed gated (``SmallLinear(gated=True)``):
     I a multiple of 16, at the 16-float width (the 8-float kernel has no gated mode)."""
