@@ -384,7 +384,9 @@ def parts(args) -> None:
 def linear(args) -> None:
     """The small-batch kernel on one step's linears (every layer's weights: they do not fit in
     the caches together), with and without its software prefetch, oneDNN's prepacked matmul and
-    the plain weight through F.linear; ``--preset`` the model's shapes (``--layers`` of them),
+    the plain weight through F.linear; where the kernel is built at 16-float (AVX-512) width,
+    "prefetch" is that width and "8-float" the same kernel at 8-float width (``ENGINE_KERNEL_ISA=avx2``);
+    ``--preset`` the model's shapes (``--layers`` of them),
     ``--rows`` the row counts. Beside each time: GFLOP/s, and the GB of weights each variant
     holds read per second (at one row a linear streams its weight once: compare with the memory
     bandwidth that ``course.bench.roofline.machine_limits`` measures, the one the bench's roofline uses).
@@ -394,6 +396,7 @@ def linear(args) -> None:
     has bf16 units)."""
     from course.bench.compare import MODEL_PRESETS
     from course.bench.roofline import describe, machine_limits
+    from engine.fast import cpu_elementwise
     from engine.fast.cpu_linear import SmallLinear
     from engine.fast.fused import Linear, fast_16bit_matmul
 
@@ -411,6 +414,12 @@ def linear(args) -> None:
     if dtype == torch.bfloat16:
         layers["bf16 panels"] = [SmallLinear(w) for w in weights]
     layers["prefetch"] = [SmallLinear(w) for w in wide]
+    if layers["prefetch"][0].width != "avx2":  # the kernel at 8-float width too (the widest runs above)
+        os.environ[cpu_elementwise.ISA_ENV] = "avx2"
+        try:
+            layers["8-float"] = [SmallLinear(w) for w in wide]
+        finally:
+            os.environ.pop(cpu_elementwise.ISA_ENV)
     layers["onednn"] = [Linear(w, "packed") for w in wide]
     if dtype == torch.bfloat16 and fast_16bit_matmul(dtype, torch.device("cpu")):
         layers["onednn bf16"] = [Linear(w, "packed") for w in weights]
