@@ -56,18 +56,27 @@ inline void load16(const uint16_t* p, vfloat& lo, vfloat& hi) {
 // prefetched every `every` k's, from `next` (bytes) on: each of a panel's row blocks fetches its share of
 // the next panel, so the next panel arrives spread over the whole pass (one layer's weights do not
 // fit in L2, and left to the hardware prefetcher each panel's first pass waits on L3 / memory).
+struct Paced {  // one 64-byte line from `next` on every `every` calls of step()
+  const char* next;
+  int64_t every, countdown;
+  Paced(const char* from, int64_t period) : next(from), every(period), countdown(period) {}
+  void step() {
+    if (--countdown == 0) {
+      countdown = every;
+      __builtin_prefetch(next, 0, 3);
+      next += 64;
+    }
+  }
+};
+
 template <int R, bool PREFETCH, typename P>
 void panel_rows(const float* x, int64_t ldx, const P* panel, int64_t k_dim, float* y, int64_t ldy,
                 int64_t cols, const char* next, int64_t every) {
   vfloat acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vfloat{};
-  int64_t countdown = every;
+  Paced pace(next, every);
   for (int64_t k = 0; k < k_dim; ++k) {
-    if (PREFETCH && --countdown == 0) {
-      countdown = every;
-      __builtin_prefetch(next, 0, 3);
-      next += 64;
-    }
+    if (PREFETCH) pace.step();
     vfloat b0, b1;
     load16(panel + k * 16, b0, b1);
     for (int r = 0; r < R; ++r) {
@@ -254,13 +263,9 @@ void tile(const float* x, int64_t ldx, const P* panel, int64_t stride, int64_t k
   __m512 acc[R][NP];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
-  int64_t countdown = every;
+  Paced pace(next, every);
   for (int64_t k = 0; k < k_dim; ++k) {
-    if (PREFETCH && --countdown == 0) {
-      countdown = every;
-      __builtin_prefetch(next, 0, 3);
-      next += 64;
-    }
+    if (PREFETCH) pace.step();
     __m512 b[NP];
     for (int p = 0; p < NP; ++p) b[p] = row16(panel + p * stride + k * 16);
     for (int r = 0; r < R; ++r) {
@@ -417,26 +422,18 @@ extern "C" void linear_bfloat16_avx2(const float* x, const uint16_t* packed, flo
 }
 
 #if defined(__AVX512F__)
-extern "C" void linear_float32_avx512(const float* x, const float* packed, float* y, int64_t m, int64_t k_dim,
-                                      int64_t n, int64_t threads, int64_t prefetch) {
-  w512::linear<float>(x, packed, y, m, k_dim, n, threads, prefetch, false);
-}
-
-extern "C" void linear_bfloat16_avx512(const float* x, const uint16_t* packed, float* y, int64_t m, int64_t k_dim,
-                                       int64_t n, int64_t threads, int64_t prefetch) {
-  w512::linear<uint16_t>(x, packed, y, m, k_dim, n, threads, prefetch, false);
-}
-
-// Gated (a SwiGLU gate/up weight packed gate panel, up panel, ...: n = 2 I): y [m, I] = SiLU(gate) * up.
-extern "C" void gated_float32_avx512(const float* x, const float* packed, float* y, int64_t m, int64_t k_dim,
-                                     int64_t n, int64_t threads, int64_t prefetch) {
-  w512::linear<float>(x, packed, y, m, k_dim, n, threads, prefetch, true);
-}
-
-extern "C" void gated_bfloat16_avx512(const float* x, const uint16_t* packed, float* y, int64_t m, int64_t k_dim,
-                                      int64_t n, int64_t threads, int64_t prefetch) {
-  w512::linear<uint16_t>(x, packed, y, m, k_dim, n, threads, prefetch, true);
-}
+// KIND linear: y [m, n]; KIND gated (a SwiGLU gate/up weight packed gate panel, up panel, ...:
+// n = 2 I): y [m, I] = SiLU(gate) * up.
+#define W512_ENTRY(KIND, DTYPE, T, GATED)                                                                    \
+  extern "C" void KIND##_##DTYPE##_avx512(const float* x, const T* packed, float* y, int64_t m, int64_t k_dim, \
+                                          int64_t n, int64_t threads, int64_t prefetch) {                   \
+    w512::linear<T>(x, packed, y, m, k_dim, n, threads, prefetch, GATED);                                   \
+  }
+W512_ENTRY(linear, float32, float, false)
+W512_ENTRY(linear, bfloat16, uint16_t, false)
+W512_ENTRY(gated, float32, float, true)
+W512_ENTRY(gated, bfloat16, uint16_t, true)
+#undef W512_ENTRY
 #endif
 
 extern "C" const char* linear_isas() {
