@@ -125,12 +125,26 @@ class SmallLinear:
         x = x.contiguous()
         m = x.shape[0]
         y = x.new_empty((m, self.out))
-        threads = max(1, min(torch.get_num_threads(), self.panels.shape[0] // MIN_PANELS_PER_THREAD))
-        for at in range(0, m, ROW_CHUNK):
-            rows = min(ROW_CHUNK, m - at)
-            self.fn(x[at].data_ptr(), self.panels.data_ptr(), y[at].data_ptr(), rows, self.k, self.n, threads,
-                    int(self.prefetch))
+        if m:
+            self.run(x.data_ptr(), m, y.data_ptr(), self.threads())
         return y
+
+    def threads(self, num_threads: int | None = None) -> int:
+        """The threads a call shares its panels over, of ``num_threads`` (default: torch's thread
+        count now): one unless each gets ``MIN_PANELS_PER_THREAD`` panels."""
+        if num_threads is None:
+            num_threads = torch.get_num_threads()
+        return max(1, min(num_threads, self.panels.shape[0] // MIN_PANELS_PER_THREAD))
+
+    def run(self, x_ptr: int, m: int, out_ptr: int, threads: int) -> None:
+        """``self(x)`` for a caller that checked its buffers itself and calls many times a step (no
+        checks, no new output tensor): x a contiguous float32 [m, K] at ``x_ptr``, m >= 1; the
+        output, a contiguous float32 [m, N] ([m, N / 2] gated), written at ``out_ptr``; ``threads``
+        from ``threads()``. Rows go ``ROW_CHUNK`` at a time (each chunk's rows stay in cache)."""
+        panels, k, n, prefetch = self.panels.data_ptr(), self.k, self.n, int(self.prefetch)
+        for at in range(0, m, ROW_CHUNK):
+            self.fn(x_ptr + at * k * 4, panels, out_ptr + at * self.out * 4, min(ROW_CHUNK, m - at), k, n, threads,
+                    prefetch)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [N] of the weight, [N, K] in the panels' dtype (a tied head's embedding
