@@ -42,14 +42,6 @@ from engine.fast import cpu_linear, cpu_linear_amx, probe
 LAYOUTS = ("packed", "small", "plain", "amx")  # oneDNN-prepacked, cpu_linear panels, the plain tensor, AMX tiles
 GATED_LAYOUTS = ("small", "amx")  # the layouts whose kernel can return a gate/up weight's SiLU(gate) * up
 
-
-def takes_gated(layout: str, n: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether a SwiGLU gate/up weight [n = 2 I, k] computing in ``dtype`` can be held gated in
-    ``layout`` (its call returning SiLU(gate) * up [M, I]): the AMX tiles in bfloat16, the panels'
-    16-float kernel in float32."""
-    if layout == "amx":
-        return dtype == torch.bfloat16 and cpu_linear_amx.takes(n, k, gated=True)
-    return layout == "small" and dtype == torch.float32 and cpu_linear.takes_gated(n)
 PROBE_ROWS = (16, 64, 256)  # the row counts each layout is timed at
 # An LM head runs on the rows that sample (one per request in a step, never a prompt's other
 # rows: ``logits_indices``), so it is timed at decode-sized counts.
@@ -61,6 +53,15 @@ PROBE_ROUNDS = 3  # timed rounds; the fastest counts (other processes only ever 
 MARGIN = 0.03  # a layout other than the reference wins only when it is this much faster
 ENV = "ENGINE_LINEAR_LAYOUT"
 PACK_BATCH = 256  # the row count oneDNN lays packed weights out for (a hint; any row count works)
+
+
+def takes_gated(layout: str, n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether a SwiGLU gate/up weight [n = 2 I, k] computing in ``dtype`` can be held gated in
+    ``layout`` (its call returning SiLU(gate) * up [M, I]): the AMX tiles in bfloat16, the panels'
+    16-float kernel in float32."""
+    if layout == "amx":
+        return dtype == torch.bfloat16 and cpu_linear_amx.takes(n, k, gated=True)
+    return layout == "small" and dtype == torch.float32 and cpu_linear.takes_gated(n)
 
 
 @dataclass(frozen=True)
