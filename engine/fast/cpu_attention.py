@@ -209,6 +209,31 @@ class CPUBackend(TorchBackend):
         if bad:
             raise _bad_slots(bad, num_slots)
 
+    def write_merged(self, cache: KVCache, qkv: torch.Tensor, k_at: int, v_at: int, meta: BatchMeta) -> None:
+        """``write(cache, k, v, meta)`` of the rows' K and V held side by side in one projection's
+        output: k = qkv[:, k_at:k_at + Hkv D] and v = qkv[:, v_at:v_at + Hkv D], each as [N, Hkv, D]
+        (Hkv, D: the pools'), read where they lie without making those views once ``write`` has
+        checked a call of this step (``_write_call``: the same slot mapping, row shape and dtype, and
+        pools; the rows' stride in qkv its own). qkv: [N, width], unit column stride."""
+        k_pool, v_pool, slots = *cache, meta.slot_mapping
+        call = self._write_call
+        hkv, d = k_pool.shape[2:]
+        w = hkv * d
+        if (call is not None and call[0] is slots and qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.dtype is call[2]
+                and call[1] == (qkv.shape[0], hkv, d) and 0 <= k_at and 0 <= v_at and k_at + w <= qkv.shape[1]
+                and v_at + w <= qkv.shape[1] and k_pool.shape == call[3] and v_pool.shape == call[3]
+                and k_pool.dtype is call[4] and v_pool.dtype is call[4] and call[5] == d and k_pool.is_contiguous()
+                and v_pool.is_contiguous() and torch.get_num_threads() == call[6]):
+            fn, bytes_, (n, row, num_slots, threads) = call[7], call[8], call[9]
+            base, size, stride = qkv.data_ptr(), qkv.element_size(), bytes_ * qkv.stride(0)
+            bad = fn(base + k_at * size, stride, base + v_at * size, stride, slots.data_ptr(), n, row,
+                     k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
+            if bad:
+                raise _bad_slots(bad, num_slots)
+            return
+        n = qkv.shape[0]
+        self.write(cache, qkv[:, k_at:k_at + w].view(n, hkv, d), qkv[:, v_at:v_at + w].view(n, hkv, d), meta)
+
     def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
                 window: int = 0) -> torch.Tensor:
         """q: [N, Hq, D] -> [N, Hq, D]; the same contract as ``ReferenceBackend.forward``."""
@@ -441,9 +466,10 @@ class CPUBackend(TorchBackend):
                 and q.dtype is call[3] and k_pool.dtype is call[3] and v_pool.dtype is call[3]
                 and k_pool.shape == call[4] and v_pool.shape == call[4] and scale == call[5] and window == call[6]
                 and q.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous()
-                and torch.get_num_threads() == call[7] and os.environ.get(cpu_decode_variant.ENV) == call[8]):
+                and torch.get_num_threads() == call[7]):
             # Another layer of the step whose call was checked (``_call``): rows of the same shape
-            # and dtype, the same tables and positions, pools of the same shape; only the
+            # and dtype, the same tables and positions (so the same step: its first layer read
+            # $ENGINE_ATTENTION_DECODE, ``_decode_lib``), pools of the same shape; only the
             # tensors' addresses differ.
             out = torch.empty_like(q)
             bad = call[9](q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), *call[10])

@@ -69,6 +69,11 @@ def takes(n: int, k: int, gated: bool = False) -> bool:
     return n > 0 and k > 0 and n % (4 * COLS if gated else COLS) == 0 and k % DEPTH == 0
 
 
+def _refused(status: int) -> ValueError:
+    """The kernel's refusal (a nonzero status) as the error a call raises."""
+    return ValueError(f"the AMX linear kernel refused to run (status {status}: the tile state was refused)")
+
+
 class AmxLinear:
     """A bfloat16 weight [N, K] packed once into the kernel's tile order (``packed``, [N * K]
     bfloat16: the weight's own bytes, no padding); ``__call__`` x [M, K] bfloat16 -> [M, N]
@@ -103,6 +108,8 @@ class AmxLinear:
         self.packed = torch.empty(self.n * self.k, dtype=torch.bfloat16)
         lib.linear_amx_pack(w.data_ptr(), self.n, self.k, self.packed.data_ptr())
         self._call = lib.linear_amx_bfloat16
+        self._packed_ptr = self.packed.data_ptr()  # ``run``'s: ``packed`` is made here only
+        self._groups = -(-self.n // (4 * COLS))  # 64-column groups, what ``threads`` shares out
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or not x.is_cpu:
@@ -114,13 +121,28 @@ class AmxLinear:
         m = x.shape[0]
         out = torch.empty(m, self.n // 2 if self.gated else self.n, dtype=out_dtype)
         if m:
-            groups = -(-self.n // (4 * COLS))
-            threads = max(1, min(torch.get_num_threads(), groups // MIN_GROUPS_PER_THREAD))
             mode = 2 if self.gated else int(out_dtype == torch.float32)
-            status = self._call(x.data_ptr(), m, self.k, self.packed.data_ptr(), self.n, out.data_ptr(), mode, threads)
+            status = self._call(x.data_ptr(), m, self.k, self._packed_ptr, self.n, out.data_ptr(), mode, self.threads())
             if status:
-                raise ValueError(f"the AMX linear kernel refused to run (status {status}: the tile state was refused)")
+                raise _refused(status)
         return out
+
+    def threads(self, num_threads: int | None = None) -> int:
+        """The threads a call shares its 64-column groups over, of ``num_threads`` (default: torch's
+        thread count now)."""
+        if num_threads is None:
+            num_threads = torch.get_num_threads()
+        return max(1, min(num_threads, self._groups // MIN_GROUPS_PER_THREAD))
+
+    def run(self, x_ptr: int, m: int, out_ptr: int, threads: int) -> None:
+        """``self(x)`` (bfloat16 out) for a caller that checked its buffers itself and calls many
+        times a step (``FusedFlatModel``'s layer loop: no checks, no new output tensor): x a
+        contiguous bfloat16 [m, K] at ``x_ptr``, m >= 1; the output, a contiguous bfloat16 [m, N]
+        ([m, N / 2] gated), written at ``out_ptr``; ``threads`` from ``threads()``. The same kernel
+        call as ``__call__``'s, so the same bits."""
+        status = self._call(x_ptr, m, self.k, self._packed_ptr, self.n, out_ptr, 2 if self.gated else 0, threads)
+        if status:
+            raise _refused(status)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [M] (int64) of the weight, [M, K] bfloat16: an embedding lookup in a tied

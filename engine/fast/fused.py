@@ -74,12 +74,12 @@ EMBED_DROP_ROWS = 2048  # embedding rows looked up between two hand-backs of its
 SCRATCH_VIEWS = 1024  # views of the scratch buffers kept for reuse (one per output name and step shape)
 
 
-def _check_rows(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int], layer: int, name: str) -> None:
+def _check_rows(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], layer: int, name: str) -> None:
     """ValueError unless ``t`` (layer ``layer``'s ``name``) is a contiguous ``dtype`` tensor of
     ``shape``: what a kernel is handed by its data pointer."""
     if not t.is_contiguous() or t.dtype != dtype or t.shape != shape:
         raise ValueError(f"layer {layer}: {name} {t.dtype} {tuple(t.shape)} is not a contiguous {dtype} "
-                         f"[{shape[0]}, {shape[1]}]")
+                         f"[{', '.join(map(str, shape))}]")
 
 
 def packable(dtype: torch.dtype, device: torch.device) -> bool:
@@ -263,6 +263,13 @@ class FusedFlatModel(FlatModel):
         self._rows_since_drop = 0
         self._norm_weights: dict[int, torch.Tensor] = {}
         self._kernel_plan: list[tuple] | None = None  # ``_kernel_layers``, made at the first step that takes it
+        self._amx_linears: list[tuple] = []  # with ``_kernel_plan``: each layer's AmxLinears (or Nones)
+        # (torch's thread count, per layer the four AmxLinears' ``threads()`` at it): ``_amx_threads_now``
+        self._amx_threads: tuple[int, list[tuple[int, ...]]] = (0, [])
+        self._all_amx = False  # with ``_kernel_plan``: every layer's four linears are AmxLinears
+        # With every linear in AMX tiles: ``_forward_kernels`` runs them into scratch buffers
+        # (``AmxLinear.run``); False sends them through ``Linear`` (tests check the same bits).
+        self.direct_amx = True
         # What ``forward`` reads of each layer besides its weights, looked up once here instead of
         # through nn.Module attribute lookups in every layer of every step: (input norm, post-
         # attention norm, the q/k norm's eps, attention scale, MLP block).
@@ -277,7 +284,11 @@ class FusedFlatModel(FlatModel):
         plain tensor or panels (so the embedding's own pages are not needed), else the module."""
         if self.tied and self.lm_head.layout != "packed":
             return self.lm_head.rows(input_ids).to(self.linear_dtype)
-        rows = self.model.model.embed_tokens(input_ids).to(self.linear_dtype)  # a new tensor
+        table = self.model.model.embed_tokens
+        if type(table) is nn.Embedding and table.max_norm is None:  # its lookup, without nn.Module's call machinery
+            rows = F.embedding(input_ids, table.weight).to(self.linear_dtype)  # a new tensor
+        else:
+            rows = table(input_ids).to(self.linear_dtype)
         if self._embedding_pages is not None:
             self._rows_since_drop += input_ids.shape[0]
             if self._rows_since_drop >= EMBED_DROP_ROWS:
@@ -334,6 +345,9 @@ class FusedFlatModel(FlatModel):
         ``logits_indices`` rows alone when those are not all the rows."""
         rows = batch.logits_indices
         if rows.numel() == batch.input_ids.shape[0]:
+            if not batch.prompt_spans:  # every row a sample row, in order (``Batch``): rows are 0..N-1
+                return self.compute_logits(self.forward(batch.input_ids, batch.positions, kv_caches, batch.meta,
+                                                        backend))  # [N, D] -> [N, V]
             return super().logits(batch, kv_caches, backend)
         hidden = self.forward(batch.input_ids, batch.positions, kv_caches, batch.meta, backend, keep_rows=rows)
         if rows.numel() == 0:
@@ -390,8 +404,23 @@ class FusedFlatModel(FlatModel):
                              self._norm_weight(input_norm).data_ptr(), input_norm.eps,
                              self._norm_weight(post_norm).data_ptr(), post_norm.eps,
                              weights["qk_norm"].data_ptr(), qk_eps, scale, mlp))
+            # Every layer dense with its four linears in AMX tiles: ``_forward_kernels`` calls their
+            # ``AmxLinear``s directly (``_amx_linears``: per layer, q/k/v, o, gate/up, down).
+            amx = [tuple(weights.get(name) and weights[name].amx for name in ("qkv", "o", "gate_up", "down"))
+                   for weights in self.layers]
+            self._amx_linears, self._amx_threads = amx, (0, [])
+            self._all_amx = all(all(linear is not None for linear in layer) for layer in amx)
             self._kernel_plan = plan
         return plan
+
+    def _amx_threads_now(self) -> list[tuple[int, ...]]:
+        """Per layer, the threads each of its four AmxLinears' calls share (``AmxLinear.threads``),
+        worked out again only when torch's thread count has changed."""
+        num_threads = torch.get_num_threads()
+        if self._amx_threads[0] != num_threads:
+            self._amx_threads = (num_threads, [tuple(linear.threads(num_threads) for linear in layer)
+                                               for layer in self._amx_linears])
+        return self._amx_threads[1]
 
     def _forward_kernels(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[KVCache],
                          meta: BatchMeta, backend: AttentionBackend, keep_rows: torch.Tensor | None) -> torch.Tensor:
@@ -418,16 +447,42 @@ class FusedFlatModel(FlatModel):
         residual, res_ptr, add = hidden, hidden.data_ptr(), 0  # layer 0: no add, the embeddings become the residual
         last, window = len(self.layers) - 1, cfg.sliding_window
         silu, silu_ptr, silu_threads = None, 0, 1
-        for i, (layer, kv_cache) in enumerate(zip(self._kernel_layers(), kv_caches)):
+        layers = self._kernel_layers()
+        # Every linear in AMX tiles (a bfloat16 model, its pool in bfloat16): each writes into a
+        # scratch buffer through ``AmxLinear.run`` (no checks, no new tensor per call).
+        amx = self.direct_amx and not cast_q and self._all_amx
+        if amx:
+            amx_threads = self._amx_threads_now()
+            qkv_buf = self._scratch("qkv", (n, width), work)  # [N, (Hq + 2 Hkv) Dh]
+            out_buf = self._scratch("hidden", (n, d), work)  # [N, D] the o and down projections' output
+            qkv_ptr, out_ptr = qkv_buf.data_ptr(), out_buf.data_ptr()
+            inter = layers[0][2].n // 2  # gate/up [2I, D]
+            silu = self._scratch("silu", (n, inter), work)  # [N, I]
+            silu_ptr, silu_threads = silu.data_ptr(), cpu_elementwise.threads_for("silu_mul", work, n * inter)
+            gu_ptr = 0 if self._amx_linears[0][2].gated else self._scratch("gate_up", (n, 2 * inter), work).data_ptr()
+        # K and V rows straight from the merged qkv rows where the backend takes them so (no views)
+        write_merged = getattr(backend, "write_merged", None)
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
             qkv_linear, o_linear, gate_up, down, in_w, in_eps, post_w, post_eps, qk_w, qk_eps, scale, mlp = layer
-            _check_rows(hidden, work, (n, d), i, "hidden")
+            if amx:
+                qkv_amx, o_amx, gate_up_amx, down_amx = self._amx_linears[i]
+                qkv_t, o_t, gate_up_t, down_t = amx_threads[i]
+            if not amx or i == 0:
+                _check_rows(hidden, work, (n, d), i, "hidden")
             add_rms_norm(hidden.data_ptr(), res_ptr, in_w, x_ptr, n, d, in_eps, add, add_threads)
             add = 1
-            qkv = qkv_linear(x)  # [N, (Hq + 2 Hkv) Dh]
-            _check_rows(qkv, work, (n, width), i, "qkv")
+            if amx:
+                qkv_amx.run(x_ptr, n, qkv_ptr, qkv_t)
+                qkv = qkv_buf
+            else:
+                qkv = qkv_linear(x)  # [N, (Hq + 2 Hkv) Dh]
+                _check_rows(qkv, work, (n, width), i, "qkv")
             qk_norm_rope(qkv.data_ptr(), width, n, hq, hkv, dh, qk_w, cos_ptr, sin_ptr, q_ptr, qk_eps, qk_threads)
             q_attn = q.to(kv_cache[0].dtype) if cast_q else q  # [N, Hq, Dh]
-            backend.write(kv_cache, qkv[:, k_at:v_at].view(n, hkv, dh), qkv[:, v_at:].view(n, hkv, dh), meta)
+            if write_merged is not None:
+                write_merged(kv_cache, qkv, k_at, v_at, meta)
+            else:
+                backend.write(kv_cache, qkv[:, k_at:v_at].view(n, hkv, dh), qkv[:, v_at:].view(n, hkv, dh), meta)
             if i == last and keep_rows is not None:  # from here on only the kept rows: [M, ...]
                 o = attend_rows(backend, q_attn, kv_cache, meta, keep_rows, scale, window)
                 residual, m = residual.index_select(0, keep_rows), keep_rows.shape[0]
@@ -438,7 +493,19 @@ class FusedFlatModel(FlatModel):
                 else:
                     hidden = mlp(post_x.to(self.dtype)).to(work)
                 break
-            o = backend.forward(q_attn, kv_cache, meta, scale=scale, window=window)
+            o = backend.forward(q_attn, kv_cache, meta, scale=scale, window=window)  # [N, Hq, Dh]
+            if amx:
+                _check_rows(o, work, (n, hq, dh), i, "attention output")
+                o_amx.run(o.data_ptr(), n, out_ptr, o_t)
+                add_rms_norm(out_ptr, res_ptr, post_w, x_ptr, n, d, post_eps, 1, add_threads)
+                if gate_up_amx.gated:  # SiLU(gate) * up as the gate/up linear's tiles are written out: [N, I]
+                    gate_up_amx.run(x_ptr, n, silu_ptr, gate_up_t)
+                else:
+                    gate_up_amx.run(x_ptr, n, gu_ptr, gate_up_t)  # [N, 2I]
+                    silu_mul(gu_ptr, silu_ptr, n, inter, silu_threads)
+                down_amx.run(silu_ptr, n, out_ptr, down_t)  # [N, D]
+                hidden = out_buf
+                continue
             o = o.reshape(n, hq * dh)  # [N, Hq Dh]
             hidden = o_linear(o if o.dtype == work else o.to(work))  # [N, D]
             _check_rows(hidden, work, (n, d), i, "hidden")

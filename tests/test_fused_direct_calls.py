@@ -1,0 +1,139 @@
+"""The fused CPU model's direct calls (issue 40: the step's Python): the same bits as the checked calls.
+
+``FusedFlatModel._forward_kernels`` runs a bfloat16 model's AMX linears into scratch buffers
+(``AmxLinear.run``), writes each layer's K and V rows straight from the merged q/k/v rows
+(``CPUBackend.write_merged``) and, on a step whose every row samples, takes the LM head on the final
+hidden rows without selecting them. Each is checked here against what it replaces: ``AmxLinear``'s
+call, ``write_kv`` (the reference's store), ``FlatModel.logits``' selection, and ``generate()``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.generate import generate
+from engine.models.tiny import tiny_model
+from engine.serve import EngineConfig, EngineCore, FlatModel, SamplingParams
+from engine.fast import cpu_linear_amx, linear_layout
+from engine.fast.fused import FusedFlatModel
+
+from tests.test_backends import random_paged_batch
+from tests.test_fused import CONFIGS, MAX_TOKENS, prompts_for
+
+pytestmark = pytest.mark.given  # complete code the chapter gives; the reference holes serve as oracle
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("gated", [False, True])
+def test_amx_run_writes_the_calls_bits(gated, threads, monkeypatch):
+    """``AmxLinear.run`` into a buffer gives ``AmxLinear(x)``'s bfloat16 bits (plain and gated), at
+    the thread count ``threads()`` gives, and leaves the rest of the buffer alone."""
+    if not cpu_linear_amx.available():
+        assert cpu_linear_amx.takes(128, 64, gated=True), "the shape rule holds anyway"
+        return
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(512, 96, generator=gen).bfloat16()
+    lin = cpu_linear_amx.AmxLinear(w, gated=gated)
+    width = 256 if gated else 512
+    assert lin.threads() == lin.threads(threads) == max(1, min(threads, 8 // cpu_linear_amx.MIN_GROUPS_PER_THREAD))
+    for m in (1, 7, 16, 33):
+        x = torch.randn(m, 96, generator=gen).bfloat16()
+        buf = torch.full((m + 1, width), 3.0, dtype=torch.bfloat16)  # one row past the output
+        lin.run(x.data_ptr(), m, buf.data_ptr(), lin.threads())
+        assert torch.equal(buf[:m].view(torch.int16), lin(x).view(torch.int16)), f"{m} rows, gated={gated}"
+        assert bool((buf[m] == 3.0).all()), "run wrote past its m output rows"
+
+
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
+def test_write_merged_stores_what_write_kv_stores(source, monkeypatch):
+    """``CPUBackend.write_merged`` of the K and V columns of merged q/k/v rows stores what
+    ``write_kv`` stores for those columns: its first call of a step through ``write`` (views), the
+    step's later calls (other pools, other rows) without it; a slot mapping of another step goes
+    through ``write`` again."""
+    from engine.serve.attention import write_kv
+    from engine.fast.cpu_attention import CPUBackend
+
+    _, cache, meta = random_paged_batch(13, 4, 4, 2, head_dim=8)
+    n = meta.slot_mapping.shape[0]
+    backend, calls = CPUBackend(), []
+    write = backend.write
+    backend.write = lambda *a: calls.append(1) or write(*a)
+    pool_dtype = torch.bfloat16 if source == torch.bfloat16 else torch.float32
+    for layer in range(3):
+        qkv = torch.randn(n, (4 + 2 + 2) * 8, generator=torch.Generator().manual_seed(layer)).to(source)
+        k, v = qkv[:, 32:48].view(n, 2, 8), qkv[:, 48:].view(n, 2, 8)
+        want = tuple(p.to(pool_dtype).clone() for p in cache)
+        write_kv(*want, k.to(pool_dtype), v.to(pool_dtype), meta.slot_mapping)
+        got = tuple(p.to(pool_dtype).clone() for p in cache)
+        backend.write_merged(got, qkv, 32, 48, meta)
+        for name, g, w in zip("kv", got, want):
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), \
+                f"layer {layer}: write_merged stored different {name} than write_kv ({source} rows)"
+    assert len(calls) == 1, "only the step's first write_merged goes through write"
+    other = dataclasses.replace(meta, slot_mapping=meta.slot_mapping.clone())
+    backend.write_merged(tuple(p.to(pool_dtype).clone() for p in cache), qkv, 32, 48, other)
+    assert len(calls) == 2, "another step's slot mapping must be checked again"
+
+
+@pytest.mark.parametrize("fuse_silu", [True, False])
+def test_direct_amx_linears_give_the_linears_bits(fuse_silu, monkeypatch):
+    """A bfloat16 model with every linear in AMX tiles (forced): the layer loop's direct
+    ``AmxLinear.run`` calls into scratch buffers give every step's logits bit for bit as the same
+    linears called through ``Linear`` (``direct_amx=False``), under chunked prefill with prompt
+    logprobs (the last layer's kept rows), with the gate/up pass gated (SiLU-mul in its tiles) or
+    not; and generate()'s greedy tokens in bfloat16."""
+    from engine.serve import engine as engine_module
+
+    monkeypatch.setenv(linear_layout.ENV, "amx")
+    monkeypatch.setattr(engine_module, "get_flat_model", lambda name, model: FusedFlatModel(model, fuse_silu=fuse_silu))
+    model = tiny_model(seed=3, dtype=torch.bfloat16)
+    prompts = prompts_for(model)
+    runs = []
+    amx = cpu_linear_amx.available()
+    for direct in (True, False):
+        core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused",
+                                              **CONFIGS["chunked"]))
+        core.flat.direct_amx = direct
+        logits, runs_of_amx = [], []
+        execute = core.runner.execute
+        core.runner.execute = lambda batch: logits.append(execute(batch)) or logits[-1]
+        if amx:
+            run = cpu_linear_amx.AmxLinear.run
+            monkeypatch.setattr(cpu_linear_amx.AmxLinear, "run", lambda self, *a: runs_of_amx.append(1) or run(self, *a))
+        for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+            core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0,
+                                                        prompt_logprobs=2 if i == 1 else None))
+        runs.append((core.run_until_done(), logits))
+        assert bool(runs_of_amx) == (direct and amx), "direct_amx picks the path where every linear is amx"
+        if amx:
+            assert all(entry["gate_up"].gated == fuse_silu for entry in core.flat.layers)
+    (tokens, logits), (want_tokens, want_logits) = runs
+    assert tokens == want_tokens and len(logits) == len(want_logits)
+    for step, (got, want) in enumerate(zip(logits, want_logits)):
+        assert torch.equal(got, want), f"step {step}: the direct AMX calls changed the logits"
+    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+        assert tokens[f"r{i}"] == generate(model, p, m), f"request r{i} differs from generate()"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_sample_rows_skip_the_selection_with_its_bits(dtype):
+    """A step whose every row samples (decodes, and a prefill's one-row chunks): the fused model's
+    ``logits`` (the head on the final hidden rows as they are) gives ``FlatModel.logits``' bits (the
+    head on the rows ``logits_indices`` selects)."""
+    model = tiny_model(seed=3, dtype=dtype)
+    core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused"))
+    batches = []
+    prepare = core.runner.prepare
+    core.runner.prepare = lambda *a: batches.append(prepare(*a)) or batches[-1]
+    for i, p in enumerate(prompts_for(model)):
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
+    core.run_until_done()
+    decodes = [b for b in batches if b.logits_indices.numel() == b.input_ids.shape[0] and not b.prompt_spans]
+    assert decodes, "the run must have steps whose every row samples"
+    for batch in decodes[:3]:  # the two calls see one pool: each writes the batch's same K/V rows first
+        got = core.flat.logits(batch, core.runner.kv_caches, core.runner.backend)
+        want = FlatModel.logits(core.flat, batch, core.runner.kv_caches, core.runner.backend)
+        assert got.dtype == want.dtype and torch.equal(got, want), "the skipped selection changed the logits"
