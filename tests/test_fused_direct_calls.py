@@ -137,3 +137,25 @@ def test_all_sample_rows_skip_the_selection_with_its_bits(dtype):
         got = core.flat.logits(batch, core.runner.kv_caches, core.runner.backend)
         want = FlatModel.logits(core.flat, batch, core.runner.kv_caches, core.runner.backend)
         assert got.dtype == want.dtype and torch.equal(got, want), "the skipped selection changed the logits"
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_forward_into_writes_forwards_bits(decode_only):
+    """``CPUBackend.forward_into``: ``forward``'s bits, written into the buffer given when every
+    row takes the row kernel (decode rows, twice: the step's later layers reuse the checked call),
+    else a new tensor (a prefill's requests on the matrix path); a buffer unlike q is refused."""
+    from engine.fast.cpu_attention import CPUBackend
+
+    for seed, window in ((0, 0), (3, 5)):
+        q, cache, meta = random_paged_batch(seed, 4, 4, 2, head_dim=16, decode_only=decode_only)
+        backend = CPUBackend(prefill="sdpa")
+        want = CPUBackend(prefill="sdpa").forward(q, cache, meta, window=window)
+        for _ in range(2):
+            buf = torch.full_like(q, float("nan"))
+            got = backend.forward_into(q, cache, meta, buf, window=window)
+            assert (got is buf) == decode_only, "the buffer is the result exactly when every row takes the kernel"
+            assert torch.equal(got, want), f"forward_into differs from forward (seed {seed}, window {window})"
+        if decode_only:  # refused by the step's first call (checked) and by a later one (reused)
+            for b in (CPUBackend(prefill="sdpa"), backend):
+                with pytest.raises(ValueError, match="contiguous"):
+                    b.forward_into(q, cache, meta, torch.empty(q.shape[0], q.shape[1] * q.shape[2]), window=window)

@@ -113,6 +113,12 @@ def _bad_rows(bad: int, num_blocks: int, width: int) -> ValueError:
                       f"or past their block table's {width} columns (a corrupt block table)")
 
 
+def _bad_out(out: torch.Tensor, q: torch.Tensor) -> ValueError:
+    """``forward_into``'s refusal: an output buffer that is not a contiguous tensor like q."""
+    return ValueError(f"attention out must be a contiguous {q.dtype} tensor of q's shape {tuple(q.shape)}, "
+                      f"not {out.dtype} {tuple(out.shape)}")
+
+
 class CPUBackend(TorchBackend):
     """TorchBackend whose rows read the pool in place through a C++ kernel (name "cpu"); same
     contract and results as the reference. Cascade attention is off: with no per-request copy
@@ -249,9 +255,19 @@ class CPUBackend(TorchBackend):
             return self.forward(q, cache, meta, scale=scale, window=window).index_select(0, rows)
         return self._in_place(q, cache, meta, rows, scale, window)
 
+    def forward_into(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, out: torch.Tensor,
+                     scale: float | None = None, window: int = 0) -> torch.Tensor:
+        """``forward(q, cache, meta)``, written into ``out`` (a contiguous tensor of q's shape and
+        dtype: ValueError otherwise) when every row takes the row kernel, as a decode step's do; the
+        returned tensor is the result (``out``, or a new one where rows took a matrix path)."""
+        if not self.prefill_in_place:
+            return super().forward(q, cache, meta, scale=scale, window=window)
+        return self._in_place(q, cache, meta, None, scale, window, out)
+
     def _in_place(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, rows: torch.Tensor | None,
-                scale: float | None, window: int) -> torch.Tensor:
-        """Every row through the kernel (``rows``: only those rows of the batch)."""
+                scale: float | None, window: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every row through the kernel (``rows``: only those rows of the batch; ``out``: where the
+        row kernel writes when it serves every row)."""
         n, hq, d = q.shape
         if hq % cache[0].shape[2] != 0:
             raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({cache[0].shape[2]})")
@@ -264,7 +280,7 @@ class CPUBackend(TorchBackend):
             choice = self.prefill_choice(q.dtype, hq, cache)
             if choice.steps:
                 return self._with_matrices(q, cache, meta, tables, q_pos, choice, scale, window)
-        return self._run(q, cache, tables, q_pos, scale, window)
+        return self._run(q, cache, tables, q_pos, scale, window, out=out)
 
     def decode_choice(self, dtype: torch.dtype, hq: int, cache: KVCache) -> cpu_decode_variant.DecodeChoice:
         """Which kernel build serves rows of this attention shape (``cpu_decode_variant.choose``:
@@ -457,9 +473,10 @@ class CPUBackend(TorchBackend):
         return self._run(q, cache, group.tables, group.q_pos[:, 0], scale, window)
 
     def _run(self, q: torch.Tensor, cache: KVCache, tables: torch.Tensor, q_pos: torch.Tensor, scale: float,
-             window: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+             window: int, lib: ctypes.CDLL | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The kernel on rows q [G, Hq, D] with their tables [G, W] and positions [G] -> [G, Hq, D]
-        (``lib``: that build; default: the one chosen for this shape, ``decode_choice``)."""
+        (``lib``: that build; default: the one chosen for this shape, ``decode_choice``), written
+        into ``out`` when given (contiguous, q's shape and dtype), else into a new tensor."""
         k_pool, v_pool = cache
         call = self._call
         if (lib is None and call is not None and call[0] is tables and call[1] is q_pos and q.shape == call[2]
@@ -471,7 +488,10 @@ class CPUBackend(TorchBackend):
             # and dtype, the same tables and positions (so the same step: its first layer read
             # $ENGINE_ATTENTION_DECODE, ``_decode_lib``), pools of the same shape; only the
             # tensors' addresses differ.
-            out = torch.empty_like(q)
+            if out is None:
+                out = torch.empty_like(q)
+            elif out.shape != q.shape or out.dtype is not q.dtype or not out.is_contiguous():
+                raise _bad_out(out, q)
             bad = call[9](q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), *call[10])
             if bad:
                 raise _bad_rows(bad, call[4][0], tables.shape[1])
@@ -493,7 +513,10 @@ class CPUBackend(TorchBackend):
             tables = tables.to(torch.int32).contiguous()
         if q_pos.dtype != torch.int64 or not q_pos.is_contiguous():
             q_pos = q_pos.to(torch.int64).contiguous()  # int64 [G]
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
+        elif out.shape != q.shape or out.dtype is not q.dtype or not out.is_contiguous():
+            raise _bad_out(out, q)
         chosen = lib is None
         if chosen:
             lib = self._decode_lib(q.dtype, hq, cache)

@@ -267,6 +267,7 @@ class FusedFlatModel(FlatModel):
         # (torch's thread count, per layer the four AmxLinears' ``threads()`` at it): ``_amx_threads_now``
         self._amx_threads: tuple[int, list[tuple[int, ...]]] = (0, [])
         self._all_amx = False  # with ``_kernel_plan``: every layer's four linears are AmxLinears
+        self._final_norm: tuple[int, float] = (0, 0.0)  # with ``_kernel_plan``: its weight's data_ptr, its eps
         # With every linear in AMX tiles: ``_forward_kernels`` runs them into scratch buffers
         # (``AmxLinear.run``); False sends them through ``Linear`` (tests check the same bits).
         self.direct_amx = True
@@ -409,6 +410,8 @@ class FusedFlatModel(FlatModel):
             amx = [tuple(weights.get(name) and weights[name].amx for name in ("qkv", "o", "gate_up", "down"))
                    for weights in self.layers]
             self._amx_linears, self._amx_threads = amx, (0, [])
+            final = self.model.model.norm
+            self._final_norm = (self._norm_weight(final).data_ptr(), final.eps)  # the model's last norm
             self._all_amx = all(all(linear is not None for linear in layer) for layer in amx)
             self._kernel_plan = plan
         return plan
@@ -430,8 +433,13 @@ class FusedFlatModel(FlatModel):
         ``_add_norm``, ``_qk_norm_rope`` and ``_silu_mul`` (so the same values), their checks
         done once per step here, the scratch buffers and their pointers looked up once. Every
         tensor handed to a kernel is a fresh matmul output (contiguous [N, out] in
-        ``linear_dtype``), a scratch buffer, or checked here. The last layer with ``keep_rows``
-        runs its tail (from the kept rows' attention on) through ``_add_norm`` and ``_silu_mul``."""
+        ``linear_dtype``), a scratch buffer, or checked here. With every linear in AMX tiles
+        (``direct_amx``, a bfloat16 pool) the linears write into scratch buffers too
+        (``AmxLinear.run``), and so does the backend's attention where it offers
+        ``forward_into``; K and V go to the pool from the merged q/k/v rows (``write_merged``,
+        where offered). The last layer with ``keep_rows`` runs its tail (from the kept rows'
+        attention on) through ``_add_norm`` and ``_silu_mul``; without, the final norm is one
+        more direct call (into a new tensor: the result)."""
         cfg, work = self.cfg, self.linear_dtype
         hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         n, d = hidden.shape
@@ -460,6 +468,8 @@ class FusedFlatModel(FlatModel):
             silu = self._scratch("silu", (n, inter), work)  # [N, I]
             silu_ptr, silu_threads = silu.data_ptr(), cpu_elementwise.threads_for("silu_mul", work, n * inter)
             gu_ptr = 0 if self._amx_linears[0][2].gated else self._scratch("gate_up", (n, 2 * inter), work).data_ptr()
+            attn_buf = self._scratch("attn", (n, hq, dh), work)  # [N, Hq, Dh] attention's output
+        forward_into = getattr(backend, "forward_into", None) if amx else None  # attention into attn_buf
         # K and V rows straight from the merged qkv rows where the backend takes them so (no views)
         write_merged = getattr(backend, "write_merged", None)
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
@@ -493,9 +503,13 @@ class FusedFlatModel(FlatModel):
                 else:
                     hidden = mlp(post_x.to(self.dtype)).to(work)
                 break
-            o = backend.forward(q_attn, kv_cache, meta, scale=scale, window=window)  # [N, Hq, Dh]
+            if forward_into is not None:
+                o = forward_into(q_attn, kv_cache, meta, attn_buf, scale=scale, window=window)  # [N, Hq, Dh]
+            else:
+                o = backend.forward(q_attn, kv_cache, meta, scale=scale, window=window)  # [N, Hq, Dh]
             if amx:
-                _check_rows(o, work, (n, hq, dh), i, "attention output")
+                if o is not attn_buf:
+                    _check_rows(o, work, (n, hq, dh), i, "attention output")
                 o_amx.run(o.data_ptr(), n, out_ptr, o_t)
                 add_rms_norm(out_ptr, res_ptr, post_w, x_ptr, n, d, post_eps, 1, add_threads)
                 if gate_up_amx.gated:  # SiLU(gate) * up as the gate/up linear's tiles are written out: [N, I]
@@ -524,6 +538,13 @@ class FusedFlatModel(FlatModel):
             _check_rows(gu, work, (n, 2 * silu.shape[1]), i, "gate_up")
             silu_mul(gu.data_ptr(), silu_ptr, n, silu.shape[1], silu_threads)
             hidden = down(silu)  # [N, D]
+        else:  # every layer on all N rows: the final residual add and norm by the same kernel, into a new tensor
+            if not amx:
+                _check_rows(hidden, work, (n, d), last, "hidden")
+            norm_w, norm_eps = self._final_norm
+            out = torch.empty((n, d), dtype=work, device=hidden.device)
+            add_rms_norm(hidden.data_ptr(), res_ptr, norm_w, out.data_ptr(), n, d, norm_eps, 1, add_threads)
+            return out
         return self._add_norm(hidden, residual, self.model.model.norm)[0]
 
     def _add_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
