@@ -3,7 +3,8 @@
 ``FusedFlatModel._forward_kernels`` runs a bfloat16 model's AMX linears into scratch buffers
 (``AmxLinear.run``), writes each layer's K and V rows straight from the merged q/k/v rows
 (``CPUBackend.write_merged``) and, on a step whose every row samples, takes the LM head on the final
-hidden rows without selecting them. Each is checked here against what it replaces: ``AmxLinear``'s
+hidden rows without selecting them, and writes each step's attention into a scratch buffer
+(``CPUBackend.forward_into``). Each is checked here against what it replaces: ``AmxLinear``'s
 call, ``write_kv`` (the reference's store), ``FlatModel.logits``' selection, and ``generate()``.
 """
 from __future__ import annotations

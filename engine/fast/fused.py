@@ -285,11 +285,7 @@ class FusedFlatModel(FlatModel):
         plain tensor or panels (so the embedding's own pages are not needed), else the module."""
         if self.tied and self.lm_head.layout != "packed":
             return self.lm_head.rows(input_ids).to(self.linear_dtype)
-        table = self.model.model.embed_tokens
-        if type(table) is nn.Embedding and table.max_norm is None:  # its lookup, without nn.Module's call machinery
-            rows = F.embedding(input_ids, table.weight).to(self.linear_dtype)  # a new tensor
-        else:
-            rows = table(input_ids).to(self.linear_dtype)
+        rows = self.model.model.embed_tokens(input_ids).to(self.linear_dtype)  # a new tensor
         if self._embedding_pages is not None:
             self._rows_since_drop += input_ids.shape[0]
             if self._rows_since_drop >= EMBED_DROP_ROWS:
