@@ -5,7 +5,8 @@
 (``CPUBackend.write_merged``) and, on a step whose every row samples, takes the LM head on the final
 hidden rows without selecting them, and writes each step's attention into a scratch buffer
 (``CPUBackend.forward_into``). Each is checked here against what it replaces: ``AmxLinear``'s
-call, ``write_kv`` (the reference's store), ``FlatModel.logits``' selection, and ``generate()``.
+call, ``write_kv`` (the reference's store), ``forward``, ``FlatModel.logits``' selection, and
+``generate()``.
 """
 from __future__ import annotations
 

@@ -431,9 +431,9 @@ class FusedFlatModel(FlatModel):
         tensor handed to a kernel is a fresh matmul output (contiguous [N, out] in
         ``linear_dtype``), a scratch buffer, or checked here. With every linear in AMX tiles
         (``direct_amx``, a bfloat16 pool) the linears write into scratch buffers too
-        (``AmxLinear.run``), and so does the backend's attention where it offers
-        ``forward_into``; K and V go to the pool from the merged q/k/v rows (``write_merged``,
-        where offered). The last layer with ``keep_rows`` runs its tail (from the kept rows'
+        (``AmxLinear.run``). The backend's attention writes into a scratch buffer where it offers
+        ``forward_into``, and K and V go to the pool from the merged q/k/v rows where it offers
+        ``write_merged``. The last layer with ``keep_rows`` runs its tail (from the kept rows'
         attention on) through ``_add_norm`` and ``_silu_mul``; without, the final norm is one
         more direct call (into a new tensor: the result)."""
         cfg, work = self.cfg, self.linear_dtype
@@ -464,8 +464,10 @@ class FusedFlatModel(FlatModel):
             silu = self._scratch("silu", (n, inter), work)  # [N, I]
             silu_ptr, silu_threads = silu.data_ptr(), cpu_elementwise.threads_for("silu_mul", work, n * inter)
             gu_ptr = 0 if self._amx_linears[0][2].gated else self._scratch("gate_up", (n, 2 * inter), work).data_ptr()
-            attn_buf = self._scratch("attn", (n, hq, dh), work)  # [N, Hq, Dh] attention's output
-        forward_into = getattr(backend, "forward_into", None) if amx else None  # attention into attn_buf
+        # Attention into a scratch buffer where the backend offers it ([N, Hq, Dh], the pool's dtype)
+        forward_into = getattr(backend, "forward_into", None)
+        if forward_into is not None:
+            attn_buf = self._scratch("attn", (n, hq, dh), kv_caches[0][0].dtype)
         # K and V rows straight from the merged qkv rows where the backend takes them so (no views)
         write_merged = getattr(backend, "write_merged", None)
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
@@ -504,7 +506,7 @@ class FusedFlatModel(FlatModel):
             else:
                 o = backend.forward(q_attn, kv_cache, meta, scale=scale, window=window)  # [N, Hq, Dh]
             if amx:
-                if o is not attn_buf:
+                if forward_into is None or o is not attn_buf:
                     _check_rows(o, work, (n, hq, dh), i, "attention output")
                 o_amx.run(o.data_ptr(), n, out_ptr, o_t)
                 add_rms_norm(out_ptr, res_ptr, post_w, x_ptr, n, d, post_eps, 1, add_threads)
