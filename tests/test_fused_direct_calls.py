@@ -161,3 +161,17 @@ def test_forward_into_writes_forwards_bits(decode_only):
             for b in (CPUBackend(prefill="sdpa"), backend):
                 with pytest.raises(ValueError, match="contiguous"):
                     b.forward_into(q, cache, meta, torch.empty(q.shape[0], q.shape[1] * q.shape[2]), window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_lookup_is_the_modules(dtype):
+    """An untied model's embeddings (``FusedFlatModel.embed``: the weight's rows as one op) are the
+    embedding module's bits, repeated ids included; an id outside the vocabulary is refused."""
+    model = tiny_model(seed=3, dtype=dtype)
+    flat = FusedFlatModel(model)
+    assert not flat.tied
+    ids = torch.tensor([0, 5, 5, model.cfg.vocab_size - 1, 17])
+    got, want = flat.embed(ids), model.model.embed_tokens(ids).to(flat.linear_dtype)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    with pytest.raises(IndexError):
+        flat.embed(torch.tensor([model.cfg.vocab_size]))

@@ -143,10 +143,15 @@ def _kernel(name: str, *tensors: torch.Tensor):
         if t.dtype != dtype or dtype not in DTYPES or not t.is_cpu or not t.is_contiguous():
             raise ValueError(f"the elementwise kernels take contiguous CPU tensors of one dtype, float32 or "
                              f"bfloat16, not {t.dtype} {tuple(t.shape)} on {t.device} (with {dtype})")
-    key = (name, dtype, isa())
+    return _function(name, dtype, isa())
+
+
+def _function(name: str, dtype: torch.dtype, width: str):
+    """The ``name`` kernel's C function for ``dtype`` (one of ``DTYPES``) at ``width``."""
+    key = (name, dtype, width)
     fn = _functions.get(key)
     if fn is None:
-        fn = _functions[key] = getattr(library(), f"{name}_{DTYPES[dtype]}_{key[2]}")
+        fn = _functions[key] = getattr(library(), f"{name}_{DTYPES[dtype]}_{width}")
     return fn
 
 
@@ -162,8 +167,8 @@ def functions(dtype: torch.dtype) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, c
     ``threads_for``."""
     if dtype not in DTYPES:
         raise ValueError(f"the elementwise kernels take float32 or bfloat16, not {dtype}")
-    probe = torch.empty(0, dtype=dtype)
-    return tuple(_kernel(name, probe) for name in KERNELS)
+    width = isa()  # once for the three (it reads $ENGINE_KERNEL_ISA)
+    return tuple(_function(name, dtype, width) for name in KERNELS)
 
 
 def threads_for(kernel: str, dtype: torch.dtype, elements: int) -> int:

@@ -285,7 +285,13 @@ class FusedFlatModel(FlatModel):
         plain tensor or panels (so the embedding's own pages are not needed), else the module."""
         if self.tied and self.lm_head.layout != "packed":
             return self.lm_head.rows(input_ids).to(self.linear_dtype)
-        rows = self.model.model.embed_tokens(input_ids).to(self.linear_dtype)  # a new tensor
+        table = self.model.model.embed_tokens
+        if type(table) is nn.Embedding and table.max_norm is None and input_ids.dim() == 1:
+            # The module's lookup as the one op it is on these rows (measured in an engine step:
+            # ~25 us against ~50 through nn.Module's call and F.embedding's checks)
+            rows = table.weight.index_select(0, input_ids).to(self.linear_dtype)  # a new tensor
+        else:
+            rows = table(input_ids).to(self.linear_dtype)
         if self._embedding_pages is not None:
             self._rows_since_drop += input_ids.shape[0]
             if self._rows_since_drop >= EMBED_DROP_ROWS:
