@@ -95,6 +95,7 @@ def test_direct_amx_linears_give_the_linears_bits(fuse_silu, monkeypatch):
     prompts = prompts_for(model)
     runs = []
     amx = cpu_linear_amx.available()
+    run = cpu_linear_amx.AmxLinear.run
     for direct in (True, False):
         core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused",
                                               **CONFIGS["chunked"]))
@@ -103,7 +104,6 @@ def test_direct_amx_linears_give_the_linears_bits(fuse_silu, monkeypatch):
         execute = core.runner.execute
         core.runner.execute = lambda batch: logits.append(execute(batch)) or logits[-1]
         if amx:
-            run = cpu_linear_amx.AmxLinear.run
             monkeypatch.setattr(cpu_linear_amx.AmxLinear, "run", lambda self, *a: runs_of_amx.append(1) or run(self, *a))
         for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
             core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0,
@@ -175,3 +175,4 @@ def test_embedding_lookup_is_the_modules(dtype):
     assert got.dtype == want.dtype and torch.equal(got, want)
     with pytest.raises(IndexError):
         flat.embed(torch.tensor([model.cfg.vocab_size]))
+
