@@ -1,12 +1,12 @@
 """The fused CPU model's direct calls (issue 40: the step's Python): the same bits as the checked calls.
 
-``FusedFlatModel._forward_kernels`` runs a bfloat16 model's AMX linears into scratch buffers
-(``AmxLinear.run``), writes each layer's K and V rows straight from the merged q/k/v rows
-(``CPUBackend.write_merged``) and, on a step whose every row samples, takes the LM head on the final
-hidden rows without selecting them, and writes each step's attention into a scratch buffer
-(``CPUBackend.forward_into``). Each is checked here against what it replaces: ``AmxLinear``'s
-call, ``write_kv`` (the reference's store), ``forward``, ``FlatModel.logits``' selection, and
-``generate()``.
+``FusedFlatModel._forward_kernels`` runs the linears into scratch buffers (``AmxLinear.run`` in
+bfloat16, ``SmallLinear.run`` in float32), writes each layer's K and V rows straight from the
+merged q/k/v rows (``CPUBackend.write_merged``) and its attention into a scratch buffer
+(``CPUBackend.forward_into``), and, on a step whose every row samples, takes the LM head on the
+final hidden rows without selecting them. Each is checked here against what it replaces: the
+linears' calls, ``write_kv`` (the reference's store), ``forward``, ``FlatModel.logits``'
+selection, and ``generate()``.
 """
 from __future__ import annotations
 
@@ -81,43 +81,43 @@ def test_write_merged_stores_what_write_kv_stores(source, monkeypatch):
 
 
 @pytest.mark.parametrize("fuse_silu", [True, False])
-def test_direct_amx_linears_give_the_linears_bits(fuse_silu, monkeypatch):
-    """A bfloat16 model with every linear in AMX tiles (forced): the layer loop's direct
-    ``AmxLinear.run`` calls into scratch buffers give every step's logits bit for bit as the same
-    linears called through ``Linear`` (``direct_amx=False``), under chunked prefill with prompt
-    logprobs (the last layer's kept rows), with the gate/up pass gated (SiLU-mul in its tiles) or
-    not; and generate()'s greedy tokens in bfloat16."""
+@pytest.mark.parametrize("dtype, layout", [(torch.bfloat16, "amx"), (torch.float32, "small")])
+def test_direct_linear_calls_give_the_linears_bits(dtype, layout, fuse_silu, monkeypatch):
+    """Every linear in AMX tiles (bfloat16) or the small kernel's panels (float32), forced: the
+    layer loop's direct ``run`` calls into scratch buffers give every step's logits bit for bit as
+    the same linears called through ``Linear`` (``direct_linears=False``), under chunked prefill
+    with prompt logprobs (the last layer's kept rows), with the gate/up pass gated (SiLU-mul in
+    the kernel) or not; and generate()'s greedy tokens."""
     from engine.serve import engine as engine_module
 
-    monkeypatch.setenv(linear_layout.ENV, "amx")
+    monkeypatch.setenv(linear_layout.ENV, layout)
     monkeypatch.setattr(engine_module, "get_flat_model", lambda name, model: FusedFlatModel(model, fuse_silu=fuse_silu))
-    model = tiny_model(seed=3, dtype=torch.bfloat16)
+    model = tiny_model(seed=3, dtype=dtype)
     prompts = prompts_for(model)
     runs = []
-    amx = cpu_linear_amx.available()
-    run = cpu_linear_amx.AmxLinear.run
     for direct in (True, False):
         core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused",
                                               **CONFIGS["chunked"]))
-        core.flat.direct_amx = direct
-        logits, runs_of_amx = [], []
-        execute = core.runner.execute
+        core.flat.direct_linears = direct
+        held = {entry[name].layout for entry in core.flat.layers for name in ("qkv", "o", "gate_up", "down")}
+        logits, steps = [], []
+        execute, threads_now = core.runner.execute, core.flat._direct_threads_now
         core.runner.execute = lambda batch: logits.append(execute(batch)) or logits[-1]
-        if amx:
-            monkeypatch.setattr(cpu_linear_amx.AmxLinear, "run", lambda self, *a: runs_of_amx.append(1) or run(self, *a))
+        core.flat._direct_threads_now = lambda: steps.append(1) or threads_now()  # only the direct path asks
         for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
             core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0,
                                                         prompt_logprobs=2 if i == 1 else None))
         runs.append((core.run_until_done(), logits))
-        assert bool(runs_of_amx) == (direct and amx), "direct_amx picks the path where every linear is amx"
-        if amx:
-            assert all(entry["gate_up"].gated == fuse_silu for entry in core.flat.layers)
+        # The layout runs here (AMX: a CPU with AMX-BF16; small: a C++ compiler): the path is the switch's
+        assert bool(steps) == (direct and held == {layout}), f"direct_linears={direct} with {held} layouts"
+        if not fuse_silu:  # fused: gated where the kernel's build takes it (its own tests check which)
+            assert not any(entry["gate_up"].gated for entry in core.flat.layers)
     (tokens, logits), (want_tokens, want_logits) = runs
     assert tokens == want_tokens and len(logits) == len(want_logits)
     for step, (got, want) in enumerate(zip(logits, want_logits)):
-        assert torch.equal(got, want), f"step {step}: the direct AMX calls changed the logits"
+        assert torch.equal(got, want), f"step {step}: the direct linear calls changed the logits ({layout})"
     for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
-        assert tokens[f"r{i}"] == generate(model, p, m), f"request r{i} differs from generate()"
+        assert tokens[f"r{i}"] == generate(model, p, m), f"request r{i} differs from generate() ({layout})"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
