@@ -80,14 +80,16 @@ def test_write_merged_stores_what_write_kv_stores(source, monkeypatch):
     assert len(calls) == 2, "another step's slot mapping must be checked again"
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("fuse_silu", [True, False])
 @pytest.mark.parametrize("dtype, layout", [(torch.bfloat16, "amx"), (torch.float32, "small")])
-def test_direct_linear_calls_give_the_linears_bits(dtype, layout, fuse_silu, monkeypatch):
+def test_direct_linear_calls_give_the_linears_bits(dtype, layout, fuse_silu, backend, monkeypatch):
     """Every linear in AMX tiles (bfloat16) or the small kernel's panels (float32), forced: the
     layer loop's direct ``run`` calls into scratch buffers give every step's logits bit for bit as
     the same linears called through ``Linear`` (``direct_linears=False``), under chunked prefill
     with prompt logprobs (the last layer's kept rows), with the gate/up pass gated (SiLU-mul in
-    the kernel) or not; and generate()'s greedy tokens."""
+    the kernel) or not, on the CPU backend (attention into a scratch buffer, K/V from the merged
+    rows) and on the torch one (neither); and generate()'s greedy tokens."""
     from engine.serve import engine as engine_module
 
     monkeypatch.setenv(linear_layout.ENV, layout)
@@ -96,7 +98,7 @@ def test_direct_linear_calls_give_the_linears_bits(dtype, layout, fuse_silu, mon
     prompts = prompts_for(model)
     runs = []
     for direct in (True, False):
-        core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused",
+        core = EngineCore(model, EngineConfig(block_size=8, attention_backend=backend, flat_model="fused",
                                               **CONFIGS["chunked"]))
         core.flat.direct_linears = direct
         held = {entry[name].layout for entry in core.flat.layers for name in ("qkv", "o", "gate_up", "down")}
@@ -176,3 +178,40 @@ def test_embedding_lookup_is_the_modules(dtype):
     with pytest.raises(IndexError):
         flat.embed(torch.tensor([model.cfg.vocab_size]))
 
+
+
+@pytest.mark.parametrize("fuse_silu", [True, False])
+@pytest.mark.parametrize("dtype, layout", [(torch.bfloat16, "amx"), (torch.float32, "small")])
+def test_some_linears_direct_others_through_linear(dtype, layout, fuse_silu, monkeypatch):
+    """A step whose linears mix the two ways (as when the layout probe keeps one shape in oneDNN's
+    packed layout, which has no ``run``): each linear without a direct kernel is called through
+    its ``Linear`` and its output checked, the others run into scratch buffers; every step's
+    logits are the all-``Linear`` engine's bits, for either half of each layer's linears direct."""
+    from engine.serve import engine as engine_module
+
+    monkeypatch.setenv(linear_layout.ENV, layout)
+    monkeypatch.setattr(engine_module, "get_flat_model", lambda name, model: FusedFlatModel(model, fuse_silu=fuse_silu))
+    model = tiny_model(seed=3, dtype=dtype)
+    prompts = prompts_for(model)
+    results = []
+    for keep in (None, (0, 2), (1, 3)):  # None: every linear through Linear (the oracle)
+        core = EngineCore(model, EngineConfig(block_size=8, attention_backend="cpu", flat_model="fused",
+                                              **CONFIGS["chunked"]))
+        flat = core.flat
+        flat._kernel_layers()
+        if keep is None:
+            flat.direct_linears = False
+        else:  # only the linears at ``keep`` (of q/k/v, o, gate/up, down) keep their direct kernel
+            flat._direct = [tuple(k if j in keep else None for j, k in enumerate(layer)) for layer in flat._direct]
+            flat._any_direct = any(k is not None for layer in flat._direct for k in layer)
+        logits = []
+        execute = core.runner.execute
+        core.runner.execute = lambda batch: logits.append(execute(batch)) or logits[-1]
+        for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+            core.add_request(f"r{i}", p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
+        results.append((keep, core.run_until_done(), logits))
+    (_, want_tokens, want_logits), *rest = results
+    for keep, tokens, logits in rest:
+        assert tokens == want_tokens and len(logits) == len(want_logits), f"direct linears {keep}"
+        for step, (got, want) in enumerate(zip(logits, want_logits)):
+            assert torch.equal(got, want), f"step {step}: direct linears {keep} of 4 changed the logits ({layout})"

@@ -264,9 +264,9 @@ class FusedFlatModel(FlatModel):
         self._norm_weights: dict[int, torch.Tensor] = {}
         self._kernel_plan: list[tuple] | None = None  # ``_kernel_layers``, made at the first step that takes it
         # With ``_kernel_plan``: each layer's four linears' kernels that take a caller's buffer
-        # (``AmxLinear`` or ``SmallLinear``, else None), and whether every layer has all four
+        # (``AmxLinear`` or ``SmallLinear``, else None), and whether any layer has one
         self._direct: list[tuple] = []
-        self._all_direct = False
+        self._any_direct = False
         # (torch's thread count, per layer the four kernels' ``threads()`` at it): ``_direct_threads_now``
         self._direct_threads: tuple[int, list[tuple[int, ...]]] = (0, [])
         self._final_norm: tuple[int, float] = (0, 0.0)  # with ``_kernel_plan``: its weight's data_ptr, its eps
@@ -410,24 +410,24 @@ class FusedFlatModel(FlatModel):
                              self._norm_weight(input_norm).data_ptr(), input_norm.eps,
                              self._norm_weight(post_norm).data_ptr(), post_norm.eps,
                              weights["qk_norm"].data_ptr(), qk_eps, scale, mlp))
-            # Every layer dense with its four linears in AMX tiles or panels: ``_forward_kernels``
-            # calls their kernels' ``run`` directly (``_direct``: per layer, q/k/v, o, gate/up, down).
+            # The linears in AMX tiles or panels: ``_forward_kernels`` calls their kernels' ``run``
+            # directly (``_direct``: per layer, q/k/v, o, gate/up, down; None for another layout).
             direct = [tuple(weights[name].amx or weights[name].small if name in weights else None
                             for name in ("qkv", "o", "gate_up", "down")) for weights in self.layers]
             self._direct, self._direct_threads = direct, (0, [])
-            self._all_direct = all(all(linear is not None for linear in layer) for layer in direct)
+            self._any_direct = any(linear is not None for layer in direct for linear in layer)
             final = self.model.model.norm
             self._final_norm = (self._norm_weight(final).data_ptr(), final.eps)  # the model's last norm
             self._kernel_plan = plan
         return plan
 
     def _direct_threads_now(self) -> list[tuple[int, ...]]:
-        """Per layer, the threads each of its four linears' kernel calls share (their ``threads``),
-        worked out again only when torch's thread count has changed."""
+        """Per layer, the threads each of its four linears' kernel calls share (their ``threads``; 0
+        for a linear without one), worked out again only when torch's thread count has changed."""
         num_threads = torch.get_num_threads()
         if self._direct_threads[0] != num_threads:
-            self._direct_threads = (num_threads, [tuple(linear.threads(num_threads) for linear in layer)
-                                                  for layer in self._direct])
+            self._direct_threads = (num_threads, [tuple(0 if linear is None else linear.threads(num_threads)
+                                                        for linear in layer) for layer in self._direct])
         return self._direct_threads[1]
 
     def _forward_kernels(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[KVCache],
@@ -438,9 +438,9 @@ class FusedFlatModel(FlatModel):
         ``_add_norm``, ``_qk_norm_rope`` and ``_silu_mul`` (so the same values), their checks
         done once per step here, the scratch buffers and their pointers looked up once. Every
         tensor handed to a kernel is a fresh matmul output (contiguous [N, out] in
-        ``linear_dtype``), a scratch buffer, or checked here. With every linear in AMX tiles or
-        the small kernel's panels (``direct_linears``; the pool in ``linear_dtype``) the linears
-        write into scratch buffers too (``AmxLinear.run``, ``SmallLinear.run``). The backend's attention writes into a scratch buffer where it offers
+        ``linear_dtype``), a scratch buffer, or checked here. A linear in AMX tiles or the small
+        kernel's panels (``direct_linears``; the pool in ``linear_dtype``) writes into a scratch
+        buffer too (``AmxLinear.run``, ``SmallLinear.run``). The backend's attention writes into a scratch buffer where it offers
         ``forward_into``, and K and V go to the pool from the merged q/k/v rows where it offers
         ``write_merged``. The last layer with ``keep_rows`` runs its tail (from the kept rows'
         attention on) through ``_add_norm`` and ``_silu_mul``; without, the final norm is one
@@ -461,18 +461,15 @@ class FusedFlatModel(FlatModel):
         last, window = len(self.layers) - 1, cfg.sliding_window
         silu, silu_ptr, silu_threads = None, 0, 1
         layers = self._kernel_layers()
-        # Every linear's kernel takes a caller's buffer (and the pool is in ``linear_dtype``): each
-        # writes into a scratch buffer through its ``run`` (no checks, no new tensor per call).
-        direct = self.direct_linears and not cast_q and self._all_direct
+        # Each linear whose kernel takes a caller's buffer (``_direct``; the pool in
+        # ``linear_dtype``) writes into a scratch buffer through its ``run``: no checks, no new
+        # tensor per call. Another (a layout without one) is called through its ``Linear``.
+        direct = self.direct_linears and not cast_q and self._any_direct
         if direct:
             direct_threads = self._direct_threads_now()
             qkv_buf = self._scratch("qkv", (n, width), work)  # [N, (Hq + 2 Hkv) Dh]
             out_buf = self._scratch("hidden", (n, d), work)  # [N, D] the o and down projections' output
             qkv_ptr, out_ptr = qkv_buf.data_ptr(), out_buf.data_ptr()
-            inter = layers[0][2].n // 2  # gate/up [2I, D]
-            silu = self._scratch("silu", (n, inter), work)  # [N, I]
-            silu_ptr, silu_threads = silu.data_ptr(), cpu_elementwise.threads_for("silu_mul", work, n * inter)
-            gu_ptr = 0 if self._direct[0][2].gated else self._scratch("gate_up", (n, 2 * inter), work).data_ptr()
         # Attention into a scratch buffer where the backend offers it ([N, Hq, Dh], the pool's dtype)
         forward_into = getattr(backend, "forward_into", None)
         if forward_into is not None:
@@ -481,14 +478,14 @@ class FusedFlatModel(FlatModel):
         write_merged = getattr(backend, "write_merged", None)
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
             qkv_linear, o_linear, gate_up, down, in_w, in_eps, post_w, post_eps, qk_w, qk_eps, scale, mlp = layer
+            qkv_run, o_run, gate_up_run, down_run = self._direct[i] if direct else (None,) * 4
             if direct:
-                qkv_run, o_run, gate_up_run, down_run = self._direct[i]
                 qkv_t, o_t, gate_up_t, down_t = direct_threads[i]
-            if not direct or i == 0:
+            if not (direct and hidden is out_buf):  # out_buf: the previous layer's direct down wrote it
                 _check_rows(hidden, work, (n, d), i, "hidden")
             add_rms_norm(hidden.data_ptr(), res_ptr, in_w, x_ptr, n, d, in_eps, add, add_threads)
             add = 1
-            if direct:
+            if qkv_run is not None:
                 qkv_run.run(x_ptr, n, qkv_ptr, qkv_t)
                 qkv = qkv_buf
             else:
@@ -514,39 +511,47 @@ class FusedFlatModel(FlatModel):
                 o = forward_into(q_attn, kv_cache, meta, attn_buf, scale=scale, window=window)  # [N, Hq, Dh]
             else:
                 o = backend.forward(q_attn, kv_cache, meta, scale=scale, window=window)  # [N, Hq, Dh]
-            if direct:
+            if o_run is not None:
                 if forward_into is None or o is not attn_buf:
                     _check_rows(o, work, (n, hq, dh), i, "attention output")
                 o_run.run(o.data_ptr(), n, out_ptr, o_t)
-                add_rms_norm(out_ptr, res_ptr, post_w, x_ptr, n, d, post_eps, 1, add_threads)
-                if gate_up_run.gated:  # SiLU(gate) * up as the gate/up linear's outputs are written: [N, I]
-                    gate_up_run.run(x_ptr, n, silu_ptr, gate_up_t)
-                else:
-                    gate_up_run.run(x_ptr, n, gu_ptr, gate_up_t)  # [N, 2I]
-                    silu_mul(gu_ptr, silu_ptr, n, inter, silu_threads)
-                down_run.run(silu_ptr, n, out_ptr, down_t)  # [N, D]
-                hidden = out_buf
-                continue
-            o = o.reshape(n, hq * dh)  # [N, Hq Dh]
-            hidden = o_linear(o if o.dtype == work else o.to(work))  # [N, D]
-            _check_rows(hidden, work, (n, d), i, "hidden")
+                hidden = out_buf  # [N, D]
+            else:
+                o = o.reshape(n, hq * dh)  # [N, Hq Dh]
+                hidden = o_linear(o if o.dtype == work else o.to(work))  # [N, D]
+                _check_rows(hidden, work, (n, d), i, "hidden")
             add_rms_norm(hidden.data_ptr(), res_ptr, post_w, x_ptr, n, d, post_eps, 1, add_threads)
             if gate_up is None:  # MoE: the block itself
                 hidden = mlp(x.to(self.dtype)).to(work)
                 continue
-            if gate_up.gated:  # SiLU(gate) * up as the gate/up linear's tiles are written out: [N, I]
-                hidden = down(gate_up(x))
-                continue
-            gu = gate_up(x)  # [N, 2I]
-            if silu is None:
-                inter = gu.shape[1] // 2
-                silu = self._scratch("silu", (n, inter), work)
+            inter = gate_up.n // 2
+            if silu is None or silu.shape[1] != inter:
+                silu = self._scratch("silu", (n, inter), work)  # [N, I]
                 silu_ptr, silu_threads = silu.data_ptr(), cpu_elementwise.threads_for("silu_mul", work, n * inter)
-            _check_rows(gu, work, (n, 2 * silu.shape[1]), i, "gate_up")
-            silu_mul(gu.data_ptr(), silu_ptr, n, silu.shape[1], silu_threads)
-            hidden = down(silu)  # [N, D]
+            if gate_up.gated:  # SiLU(gate) * up as the gate/up linear's outputs are written: [N, I]
+                if gate_up_run is not None:
+                    gate_up_run.run(x_ptr, n, silu_ptr, gate_up_t)
+                    act = silu
+                else:
+                    act = gate_up(x)
+            else:
+                if gate_up_run is not None:
+                    gu = self._scratch("gate_up", (n, 2 * inter), work)  # [N, 2I]
+                    gate_up_run.run(x_ptr, n, gu.data_ptr(), gate_up_t)
+                else:
+                    gu = gate_up(x)  # [N, 2I]
+                    _check_rows(gu, work, (n, 2 * inter), i, "gate_up")
+                silu_mul(gu.data_ptr(), silu_ptr, n, inter, silu_threads)
+                act = silu
+            if down_run is not None:
+                if act is not silu:
+                    _check_rows(act, work, (n, inter), i, "gate_up")
+                down_run.run(act.data_ptr(), n, out_ptr, down_t)
+                hidden = out_buf  # [N, D]
+            else:
+                hidden = down(act)  # [N, D]
         else:  # every layer on all N rows: the final residual add and norm by the same kernel, into a new tensor
-            if not direct:
+            if not (direct and hidden is out_buf):
                 _check_rows(hidden, work, (n, d), last, "hidden")
             norm_w, norm_eps = self._final_norm
             out = torch.empty((n, d), dtype=work, device=hidden.device)
