@@ -440,7 +440,8 @@ class FusedFlatModel(FlatModel):
         tensor handed to a kernel is a fresh matmul output (contiguous [N, out] in
         ``linear_dtype``), a scratch buffer, or checked here. A linear in AMX tiles or the small
         kernel's panels (``direct_linears``; the pool in ``linear_dtype``) writes into a scratch
-        buffer too (``AmxLinear.run``, ``SmallLinear.run``). The backend's attention writes into a scratch buffer where it offers
+        buffer too (``AmxLinear.run``, ``SmallLinear.run``); the others go through their
+        ``Linear``. The backend's attention writes into a scratch buffer where it offers
         ``forward_into``, and K and V go to the pool from the merged q/k/v rows where it offers
         ``write_merged``. The last layer with ``keep_rows`` runs its tail (from the kept rows'
         attention on) through ``_add_norm`` and ``_silu_mul``; without, the final norm is one
