@@ -51,6 +51,47 @@ void share(int64_t total, int64_t threads, F&& run) {
   }
 }
 
+// share() preceded by a first phase every chunk of the second needs done, and with a scope per
+// thread: prep(begin, end) over [0, prep_total) shared the same way, then (all of it done) each
+// thread of the team calls per_thread(next) once, where next(begin, end) hands it the next chunk of
+// [0, total) (false when none is left). One team for both phases (one fork and join, a barrier
+// between), so a call's preparation (the AMX linear packing its input rows into tiles) is not left
+// to one thread, and what a thread sets up for its chunks (the AMX tile configuration, a write-out
+// pipeline) is set up once per thread, not once per chunk.
+template <typename Prep, typename F>
+void share_after(int64_t prep_total, Prep&& prep, int64_t total, int64_t threads, F&& per_thread) {
+  if (threads <= 1 || total < 2) {
+    prep(0, prep_total);
+    bool given = false;
+    per_thread([&](int64_t& begin, int64_t& end) {
+      if (given || total <= 0) return false;
+      given = true, begin = 0, end = total;
+      return true;
+    });
+    return;
+  }
+  auto cut = [threads](int64_t n) {
+    return std::max<int64_t>(1, (n + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
+  };
+  const int64_t prep_chunk = cut(prep_total), chunk = cut(total);
+  const int64_t prep_chunks = (prep_total + prep_chunk - 1) / prep_chunk, chunks = (total + chunk - 1) / chunk;
+  int64_t taken = 0;  // chunks handed out (under the atomic capture below)
+#pragma omp parallel num_threads(share_team(threads))
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < prep_chunks; ++c) prep(c * prep_chunk, std::min(prep_total, (c + 1) * prep_chunk));
+    // the loop's implicit barrier: every chunk prepared before any runs
+    per_thread([&](int64_t& begin, int64_t& end) {
+      int64_t c;
+#pragma omp atomic capture
+      c = taken++;
+      if (c >= chunks) return false;
+      begin = c * chunk, end = std::min(total, (c + 1) * chunk);
+      return true;
+    });
+  }
+}
+
 }  // namespace
 
 // What the kernels' OpenMP runtime says, for engine/fast/openmp.py (one runtime, one thread count).

@@ -344,23 +344,34 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
   const int64_t chunk = std::clamp<int64_t>(kChunkBytes / (2 * k) / (2 * kRows) * (2 * kRows), 2 * kRows, kChunkRows);
   for (int64_t c0 = 0; c0 < m; c0 += chunk) {
     const int64_t c1 = std::min(m, c0 + chunk);
-    std::vector<uint16_t> apack;  // several row blocks: the chunk's rows as A tiles, each 1 KiB contiguous
+    // Several row blocks: the chunk's rows as A tiles, each 1 KiB contiguous (the last block's rows
+    // past the chunk zero), packed by the call's threads before any of them multiplies.
+    static thread_local std::vector<uint16_t> apack;
     uint16_t* a_tiles = nullptr;  // apack's first 64-byte line
-    if (c1 - c0 > kRows) {
-      const int64_t rbs = (c1 - c0 + kRows - 1) / kRows;
-      apack.assign(rbs * kRows * k + 32, 0);
+    const int64_t rbs = c1 - c0 > kRows ? (c1 - c0 + kRows - 1) / kRows : 0;
+    if (rbs) {
+      apack.resize(rbs * kRows * k + 32);
       a_tiles = line_aligned(apack.data());
-      for (int64_t rb = 0; rb < rbs; ++rb)
-        for (int64_t kb = 0; kb < slices; ++kb)
-          for (int64_t i = 0; i < kRows && c0 + rb * kRows + i < c1; ++i)
-            std::memcpy(a_tiles + (rb * slices + kb) * kTile + i * kDepth, x + (c0 + rb * kRows + i) * k + kb * kDepth,
-                        kDepth * sizeof(uint16_t));
     }
-    share(groups, threads, [&](int64_t begin, int64_t end) {
+    auto pack = [&](int64_t rb_begin, int64_t rb_end) {
+      for (int64_t rb = rb_begin; rb < rb_end; ++rb)
+        for (int64_t kb = 0; kb < slices; ++kb)
+          for (int64_t i = 0; i < kRows; ++i) {
+            uint16_t* dst = a_tiles + (rb * slices + kb) * kTile + i * kDepth;
+            const int64_t row = c0 + rb * kRows + i;
+            if (row < c1)
+              std::memcpy(dst, x + row * k + kb * kDepth, kDepth * sizeof(uint16_t));
+            else
+              std::memset(dst, 0, kDepth * sizeof(uint16_t));
+          }
+    };
+    share_after(rbs, pack, groups, threads, [&](auto&& next) {
       OwnTiles tiles(8);
       Pending pend;
       pend.out = out, pend.mode = mode, pend.n = ldo;
       pend.stream = m * ldo * (mode == kF32 ? 4 : 2) >= kStreamBytes;
+      int64_t begin, end;
+      while (next(begin, end)) {
       if (c1 - c0 > kRows) {  // several row blocks
         several(a_tiles, c0, c1, m, slices, blocks, w, begin, end, pend);
       } else {
@@ -379,6 +390,7 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
             emit(acc, std::min(kRows, m - r0), width * kCols, out, mode, ldo, r0, nb0 * kCols);
           }
         }
+      }
       }
       pend.flush();
       if (pend.stream) _mm_sfence();  // the streamed lines visible before the call returns
