@@ -13,6 +13,7 @@
     python -m course.tuning.levers linear-pages --requests 1 --rounds 5         0.6B-shape weights streamed: torch's allocator on huge pages or not
     python -m course.tuning.levers ew-step [--preset qwen3-0.6b] [--rows 2048] [--before 6ddabc4]   one step's elementwise kernels: torch ops / avx2 / avx512 / a revision's
     python -m course.tuning.levers linear-amx [--preset qwen3-0.6b] [--rows 1,16,64,256]   bf16 linears: oneDNN packed vs the AMX kernel
+    python -m course.tuning.levers linear-threads [--rows 16,64]   each weight shape's kernel (panels, AMX) at one thread and two
 
 ``attention`` times one layer's decode attention on the bench's small-model shapes (8 query / 4
 kv heads of 64, blocks of 16): TorchBackend (gather, then bmm), CPUBackend (the C++ kernel reading
@@ -765,10 +766,56 @@ def linear_amx(args) -> None:
               f"(amx {res['oneDNN packed'] / res['amx']:.2f}x; {size / res['amx'] / 1e6:.1f} GB/s)")
 
 
+def linear_threads(args) -> None:
+    """Each weight shape of ``--preset`` (``--layers`` copies of it, so that they do not stay in
+    cache), one pass of ``run`` calls at each of ``--rows``, at one thread and at two, interleaved
+    rounds, median ms of a call: the float32 panels (``SmallLinear``, its gate/up gated where the
+    16-float kernel runs) and, where the CPU has AMX, the bfloat16 tiles (``AmxLinear``). The ratio is
+    what a second thread buys that call."""
+    from course.bench.compare import MODEL_PRESETS
+    from course.bench.machine import machine_line
+    from engine.fast import cpu_linear, cpu_linear_amx
+    from engine.models.tiny import tiny_config
+
+    print(machine_line(2))
+    cfg = tiny_config(False, **MODEL_PRESETS[args.preset])
+    d, inter, heads, dh = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.head_dim
+    shapes = [((heads + 2 * cfg.num_key_value_heads) * dh, d, False), (d, heads * dh, False),
+              (2 * inter, d, True), (d, inter, False)]  # (out, in, gate/up)
+    copies = args.layers or 8
+    gen = torch.Generator().manual_seed(0)
+    kinds = {"float32 panels": (torch.float32, lambda w, g: cpu_linear.SmallLinear(
+        w, gated=g and cpu_linear.takes_gated(w.shape[0])))}
+    if cpu_linear_amx.available():
+        kinds["bfloat16 amx"] = (torch.bfloat16, lambda w, g: cpu_linear_amx.AmxLinear(
+            w, gated=g and cpu_linear_amx.takes(*w.shape, gated=True)))
+    for kind, (dtype, make) in kinds.items():
+        for n, k, gate_up in shapes:
+            lins = [make((torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype), gate_up) for _ in range(copies)]
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(rows, k, generator=gen).to(dtype)
+                out = torch.empty(rows, n, dtype=dtype)
+                times: dict[int, list[float]] = {1: [], 2: []}
+                for round_ in range(args.rounds + 1):  # round 0 warms up
+                    for threads in (1, 2):
+                        torch.set_num_threads(threads)
+                        counts = [lin.threads(threads) for lin in lins]
+                        start = time.perf_counter()
+                        for lin, count in zip(lins, counts):
+                            lin.run(x.data_ptr(), rows, out.data_ptr(), count)
+                        if round_:
+                            times[threads].append((time.perf_counter() - start) / copies * 1000)
+                one, two = statistics.median(times[1]), statistics.median(times[2])
+                print(f"{kind} [{n}, {k}]{' gated' if lins[0].gated else ''}, {rows} rows: 1 thread {one:.3f} ms, "
+                      f"2 threads {two:.3f} ms ({one / two:.2f}x)", flush=True)
+    torch.set_num_threads(args.threads)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("attention", "prefill-attention", "step", "parts", "linear", "elementwise",
-                                     "ew-step", "argmax", "pages", "linear-pages", "linear-amx"))
+                                     "ew-step", "argmax", "pages", "linear-pages", "linear-amx",
+                                     "linear-threads"))
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--dtype", default="float32")
@@ -794,7 +841,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     {"attention": attention, "prefill-attention": prefill_attention, "step": step, "parts": parts, "linear": linear,
      "elementwise": elementwise, "ew-step": ew_step, "argmax": argmax, "pages": pages,
-     "linear-pages": linear_pages, "linear-amx": linear_amx}[args.what](args)
+     "linear-pages": linear_pages, "linear-amx": linear_amx, "linear-threads": linear_threads}[args.what](args)
     return 0
 
 
