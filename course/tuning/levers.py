@@ -335,31 +335,41 @@ def step(args) -> None:
 
 
 def parts(args) -> None:
-    """Where the fast core's decode step goes: timers around the small-batch linears, the cpu
-    backend's attention and its K/V write (the rest: the elementwise work, embedding, LM head's
-    Python, schedule, build, sample, bookkeeping). Median of ``--rounds`` steps after 5 settled."""
+    """Where the fast core's decode step goes (the fused flat model, the cpu backend): timers around
+    the linears (every layout's kernel: the panels', the AMX tiles', oneDNN's through ``Linear``),
+    the cpu backend's attention and its K/V write (the rest: the elementwise work, embedding, the
+    Python of the layer loop, schedule, build, sample, bookkeeping). A call inside another timed
+    call counts once. Median of ``--rounds`` steps after 5 settled."""
     from course.bench.compare import MODEL_PRESETS
     from engine.models import tiny_model
     from engine.serve import EngineConfig, EngineCore, SamplingParams
-    from engine.fast import cpu_attention, cpu_linear
+    from engine.fast import cpu_attention, cpu_linear, cpu_linear_amx, linear_layout
 
     spent = {"linears": 0.0, "attention": 0.0, "write": 0.0}
+    depth = [0]
 
     def timed(cls, name, part):
         inner = getattr(cls, name)
 
         def call(self, *a, **k):
+            depth[0] += 1
             start = time.perf_counter()
             try:
                 return inner(self, *a, **k)
             finally:
-                spent[part] += time.perf_counter() - start
+                depth[0] -= 1
+                if depth[0] == 0:
+                    spent[part] += time.perf_counter() - start
         setattr(cls, name, call)
-    timed(cpu_linear.SmallLinear, "__call__", "linears")
+    for cls, name in ((linear_layout.Linear, "__call__"), (cpu_linear.SmallLinear, "run"),
+                      (cpu_linear_amx.AmxLinear, "run"), (cpu_linear_amx.AmxLinear, "__call__")):
+        timed(cls, name, "linears")
     timed(cpu_attention.CPUBackend, "forward", "attention")
+    timed(cpu_attention.CPUBackend, "forward_into", "attention")
     timed(cpu_attention.CPUBackend, "write", "write")
+    timed(cpu_attention.CPUBackend, "write_merged", "write")
     model = tiny_model(seed=0, **MODEL_PRESETS["small"]).to(getattr(torch, args.dtype))
-    core = EngineCore(model, EngineConfig(attention_backend="cpu", flat_model="compiled", max_num_seqs=256,
+    core = EngineCore(model, EngineConfig(attention_backend="cpu", flat_model="fused", max_num_seqs=256,
                                           num_blocks=args.requests * (-(-(args.context + 80) // 16) + 1) + 1))
     rng = random.Random(0)
     for i in range(args.requests):
