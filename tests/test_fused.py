@@ -242,6 +242,14 @@ def test_layout_choice_is_measured_and_decided_by_rule(monkeypatch):
     assert first.layout == again.layout == "small" and calls == [(96, 40)], "measured once per shape"
     assert ll.choose(96, 40, torch.float32, ("packed",)).layout == "packed" and len(calls) == 1
     assert ll.choose(96, 40, torch.float32, ("packed", "small"), layout="packed").forced
+    monkeypatch.setattr(ll, "_made", {})
+    ll.choose(96, 40, torch.float32, ("packed", "small"))
+    ll.choose(96, 40, torch.float32, ("packed", "small"), weight_dtype=torch.bfloat16)  # a bf16 model's fp32 linears
+    threads = torch.get_num_threads()
+    assert ll.chosen_report(torch.float32, threads) == ["[96, 40] small (ms at 16/64/256 rows: packed 2.00/2.00/2.00; "
+                                                        f"small 1.00/1.00/1.00) [measured; float32, {threads} thread(s)]"]
+    assert [line.endswith(f"bfloat16 weights, {threads} thread(s)]") for line in ll.chosen_report(torch.bfloat16)] == [True]
+    assert len(ll.chosen_report()) == 2 and ll.chosen_report(threads=threads + 1) == []
     with pytest.raises(ValueError, match="linear layout must be one of"):
         FusedFlatModel(tiny_model(seed=3), layout="fastest")
 

@@ -319,11 +319,8 @@ def sitting(preset: str, dtype: torch.dtype, threads: int, workloads: list[str],
         print(f"  prefix cache: {CACHE_POLICY}", flush=True)
         # The kernels the core's figures came from (the layouts measured at load; ENGINE_LINEAR_LAYOUT
         # and ENGINE_KERNEL_ISA force them): this dtype and thread count's lines.
-        name = str(dtype).removeprefix("torch.")
-        for line in linear_layout.chosen_report():
-            context = line.rsplit("[", 1)[-1]  # "measured; float32, 1 thread(s)]" (", bfloat16 weights" where held so)
-            if context.endswith(f" {threads} thread(s)]") and (f" {name}," in context or f"{name} weights" in context):
-                print(f"  linear layout {line}", flush=True)
+        for line in linear_layout.chosen_report(dtype, threads):
+            print(f"  linear layout {line}", flush=True)
         if cores:
             print(f"  {cpu_linear.describe()}; {cpu_elementwise.describe()}", flush=True)
         factories = {**cores, **{k: guarded(k, lambda r=r: r.fresh()) for k, r in peers.items()}}

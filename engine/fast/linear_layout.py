@@ -165,16 +165,20 @@ def choose(n: int, k: int, dtype: torch.dtype, candidates: tuple[str, ...], layo
     return choice
 
 
-def chosen_report() -> list[str]:
+def chosen_report(model_dtype: torch.dtype | None = None, threads: int | None = None) -> list[str]:
     """One line per (weight shape, compute dtype, thread count) this process chose a layout for:
     the layout and how it was decided (measured, with the times; the only candidate; forced).
     ``run.py bench`` prints it, so that a sitting says which kernels its figures came from: a
     measured choice can differ between thread counts or between starts on a busy machine (never
-    the tokens, only the speed); ``ENGINE_LINEAR_LAYOUT`` makes it the same everywhere."""
+    the tokens, only the speed); ``ENGINE_LINEAR_LAYOUT`` makes it the same everywhere.
+    ``model_dtype``, ``threads``: only the choices for a model of that dtype, at that thread count."""
     lines = []
-    for (n, k, dtype, weight_dtype, threads, _, _), choice in _made.items():
+    for (n, k, dtype, weight_dtype, count, _, _), choice in _made.items():
+        if ((model_dtype is not None and (weight_dtype or dtype) != model_dtype)
+                or (threads is not None and count != threads)):
+            continue
         held = "" if weight_dtype in (None, dtype) else f", {str(weight_dtype).removeprefix('torch.')} weights"
-        context = f"{str(dtype).removeprefix('torch.')}{held}, {threads} thread(s)"
+        context = f"{str(dtype).removeprefix('torch.')}{held}, {count} thread(s)"
         how = "measured" if choice.ms else "forced" if choice.forced else "the only candidate"
         line = choice.describe(n, k).replace(" (forced)", "")
         lines.append(f"{line} [{how}; {context}]")
