@@ -114,8 +114,14 @@ def describe() -> str:
     """One line for start-up reports: which width the elementwise kernels run at, and why."""
     if library() is None:
         return f"elementwise kernels: not built here ({_kernels.why})"
-    how = f"forced by {ISA_ENV}" if os.environ.get(ISA_ENV) else f"the widest of {', '.join(built_isas())}"
-    return f"elementwise kernels: {isa()} ({how})"
+    return describe_isa("elementwise kernels", isa(), built_isas())
+
+
+def describe_isa(what: str, chosen: str, built: tuple[str, ...]) -> str:
+    """``what`` (a built kernel library) runs at width ``chosen`` of ``built``: the start-up line
+    saying so, and why (``$ENGINE_KERNEL_ISA``, or the widest built)."""
+    how = f"forced by {ISA_ENV}" if os.environ.get(ISA_ENV) else f"the widest of {', '.join(built)}"
+    return f"{what}: {chosen} ({how})"
 
 
 def takes_head_dim(dh: int) -> bool:

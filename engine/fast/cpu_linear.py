@@ -69,9 +69,7 @@ def describe() -> str:
     lib = library()
     if lib is None:
         return f"small-batch linear kernel: not built here ({_kernels.why})"
-    forced = os.environ.get(cpu_elementwise.ISA_ENV)
-    how = f"forced by {cpu_elementwise.ISA_ENV}" if forced else f"the widest of {', '.join(lib.isas)}"
-    return f"small-batch linear kernel: {isa()} ({how})"
+    return cpu_elementwise.describe_isa("small-batch linear kernel", isa(), lib.isas)
 
 
 def takes_gated(n: int) -> bool:
