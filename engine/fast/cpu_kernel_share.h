@@ -51,6 +51,21 @@ void share(int64_t total, int64_t threads, F&& run) {
   }
 }
 
+// share() with one run of neighbours per thread: run(begin, end) over [0, total) in as many
+// contiguous runs as threads. For work where each item prefetches the next (the small-batch linear's
+// panels): within its run the next is read by the same thread. (Cut finer, as share() does, the next
+// is often another core's and its prefetch wasted: two threads ran the float32 [512, 512] linear at
+// 16 rows 1.13x one thread; in one run each, 1.84x; two runs each, 1.72x.) A thread that starts late
+// finds its run taken.
+template <typename F>
+void share_runs(int64_t total, int64_t threads, F&& run) {
+  const int64_t teams = std::max<int64_t>(1, threads);
+  const int64_t span = std::max<int64_t>(1, (total + teams - 1) / teams);
+  share((total + span - 1) / span, threads, [&](int64_t begin, int64_t end) {
+    run(begin * span, std::min(total, end * span));
+  });
+}
+
 // share() preceded by a first phase every chunk of the second needs done, and with a scope per
 // thread: prep(begin, end) over [0, prep_total) shared as share() does, then (all of it done) each
 // thread of the team calls per_thread(next) once, where next(begin, end) hands it the next chunk of

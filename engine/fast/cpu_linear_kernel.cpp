@@ -152,18 +152,6 @@ constexpr int64_t kOneRowGroup = 4;  // panels read side by side for a one-row i
 // 24-32, and widening once the faster from 64.
 constexpr int64_t kWidenOnceAfter = 18;
 
-// The panels (or pairs) of a call in one run of neighbours per thread: within its run each prefetches
-// the next, which the same thread then reads. (Cut finer, as share() does, the next one is often
-// another core's and its prefetch wasted: two threads ran [512, 512] at 16 rows 1.13x one thread;
-// in one run each, 1.84x; two runs each, 1.72x.) A thread that starts late finds its run taken.
-template <typename F>
-void share_runs(int64_t total, int64_t threads, F&& run) {
-  const int64_t span = std::max<int64_t>(1, (total + std::max<int64_t>(1, threads) - 1) / std::max<int64_t>(1, threads));
-  share((total + span - 1) / span, threads, [&](int64_t begin, int64_t end) {
-    run(begin * span, std::min(total, end * span));
-  });
-}
-
 // prefetch = 0: no software prefetch (the hardware's alone; course/tuning/levers.py linear measures both).
 // Above kPrefetchMaxRows rows a panel's first pass is a small part of its time, and the prefetch
 // measured slower (256 rows) or even (64 rows): it is used at most up to there.
