@@ -107,16 +107,32 @@ def _bad_slots(bad: int, num_slots: int) -> ValueError:
     return ValueError(f"write: {bad} slot(s) of the slot mapping lie outside the pool's {num_slots} slots")
 
 
+def _write_rows(call: tuple, k_ptr: int, k_stride: int, v_ptr: int, v_stride: int, cache: KVCache) -> None:
+    """The write kernel of ``call`` (``CPUBackend._write_call``: checked for this step's slot mapping,
+    rows and pools) on K and V rows at ``k_ptr`` / ``v_ptr``, ``k_stride`` / ``v_stride`` elements
+    apart, into ``cache``'s pools; ValueError where a slot lies outside them."""
+    slots, fn, bytes_, (n, row, num_slots, threads) = call[0], call[7], call[8], call[9]
+    bad = fn(k_ptr, bytes_ * k_stride, v_ptr, bytes_ * v_stride, slots.data_ptr(), n, row, cache[0].data_ptr(),
+             cache[1].data_ptr(), num_slots, threads)
+    if bad:
+        raise _bad_slots(bad, num_slots)
+
+
 def _bad_rows(bad: int, num_blocks: int, width: int) -> ValueError:
     """The row kernel's refusal: ``bad`` rows would read past the pool or their block table."""
     return ValueError(f"attention: {bad} row(s) would read keys outside the K/V pool's {num_blocks} blocks "
                       f"or past their block table's {width} columns (a corrupt block table)")
 
 
-def _bad_out(out: torch.Tensor, q: torch.Tensor) -> ValueError:
-    """``forward_into``'s refusal: an output buffer that is not a contiguous tensor like q."""
-    return ValueError(f"attention out must be a contiguous {q.dtype} tensor of q's shape {tuple(q.shape)}, "
-                      f"not {out.dtype} {tuple(out.shape)}")
+def _output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """Where the row kernel writes q's rows: ``out`` (``forward_into``'s buffer: ValueError unless a
+    contiguous tensor of q's shape and dtype), or a new tensor like q."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype is not q.dtype or not out.is_contiguous():
+        raise ValueError(f"attention out must be a contiguous {q.dtype} tensor of q's shape {tuple(q.shape)}, "
+                         f"not {out.dtype} {tuple(out.shape)}")
+    return out
 
 
 class CPUBackend(TorchBackend):
@@ -183,11 +199,7 @@ class CPUBackend(TorchBackend):
                 and v_pool.is_contiguous() and torch.get_num_threads() == call[6]):
             # Another layer of the step whose call was checked (``_write_call``): rows of the same
             # shape, dtype and row layout into pools of the same shape; only the addresses differ.
-            fn, bytes_, (n, row, num_slots, threads) = call[7], call[8], call[9]
-            bad = fn(k.data_ptr(), bytes_ * k.stride(0), v.data_ptr(), bytes_ * v.stride(0), slots.data_ptr(), n,
-                     row, k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
-            if bad:
-                raise _bad_slots(bad, num_slots)
+            _write_rows(call, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cache)
             return
         n, hkv, d = k.shape
         if v.shape != k.shape or k_pool.shape[2:] != (hkv, d) or v_pool.shape != k_pool.shape:
@@ -210,10 +222,7 @@ class CPUBackend(TorchBackend):
         # dtype, row stride 1, thread count, kernel, bytes an element in its strides, its fixed arguments).
         self._write_call = (slots, k.shape, k.dtype, k_pool.shape, k_pool.dtype, d, torch.get_num_threads(), fn,
                             bytes_, (n, bytes_ * hkv * d, num_slots, threads))
-        bad = fn(k.data_ptr(), bytes_ * k.stride(0), v.data_ptr(), bytes_ * v.stride(0), slots.data_ptr(), n,
-                 bytes_ * hkv * d, k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
-        if bad:
-            raise _bad_slots(bad, num_slots)
+        _write_rows(self._write_call, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cache)
 
     def write_merged(self, cache: KVCache, qkv: torch.Tensor, k_at: int, v_at: int, meta: BatchMeta) -> None:
         """``write(cache, k, v, meta)`` of the rows' K and V held side by side in one projection's
@@ -230,12 +239,8 @@ class CPUBackend(TorchBackend):
                 and v_at + w <= qkv.shape[1] and k_pool.shape == call[3] and v_pool.shape == call[3]
                 and k_pool.dtype is call[4] and v_pool.dtype is call[4] and call[5] == d and k_pool.is_contiguous()
                 and v_pool.is_contiguous() and torch.get_num_threads() == call[6]):
-            fn, bytes_, (n, row, num_slots, threads) = call[7], call[8], call[9]
-            base, size, stride = qkv.data_ptr(), qkv.element_size(), bytes_ * qkv.stride(0)
-            bad = fn(base + k_at * size, stride, base + v_at * size, stride, slots.data_ptr(), n, row,
-                     k_pool.data_ptr(), v_pool.data_ptr(), num_slots, threads)
-            if bad:
-                raise _bad_slots(bad, num_slots)
+            base, size = qkv.data_ptr(), qkv.element_size()
+            _write_rows(call, base + k_at * size, qkv.stride(0), base + v_at * size, qkv.stride(0), cache)
             return
         n = qkv.shape[0]
         self.write(cache, qkv[:, k_at:k_at + w].view(n, hkv, d), qkv[:, v_at:v_at + w].view(n, hkv, d), meta)
@@ -488,10 +493,7 @@ class CPUBackend(TorchBackend):
             # and dtype, the same tables and positions (so the same step: its first layer read
             # $ENGINE_ATTENTION_DECODE, ``_decode_lib``), pools of the same shape; only the
             # tensors' addresses differ.
-            if out is None:
-                out = torch.empty_like(q)
-            elif out.shape != q.shape or out.dtype is not q.dtype or not out.is_contiguous():
-                raise _bad_out(out, q)
+            out = _output(out, q)
             bad = call[9](q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), *call[10])
             if bad:
                 raise _bad_rows(bad, call[4][0], tables.shape[1])
@@ -513,10 +515,7 @@ class CPUBackend(TorchBackend):
             tables = tables.to(torch.int32).contiguous()
         if q_pos.dtype != torch.int64 or not q_pos.is_contiguous():
             q_pos = q_pos.to(torch.int64).contiguous()  # int64 [G]
-        if out is None:
-            out = torch.empty_like(q)
-        elif out.shape != q.shape or out.dtype is not q.dtype or not out.is_contiguous():
-            raise _bad_out(out, q)
+        out = _output(out, q)
         chosen = lib is None
         if chosen:
             lib = self._decode_lib(q.dtype, hq, cache)
