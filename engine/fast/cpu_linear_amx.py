@@ -121,10 +121,7 @@ class AmxLinear:
         m = x.shape[0]
         out = torch.empty(m, self.n // 2 if self.gated else self.n, dtype=out_dtype)
         if m:
-            mode = 2 if self.gated else int(out_dtype == torch.float32)
-            status = self._call(x.data_ptr(), m, self.k, self._packed_ptr, self.n, out.data_ptr(), mode, self.threads())
-            if status:
-                raise _refused(status)
+            self.run(x.data_ptr(), m, out.data_ptr(), self.threads(), out_dtype)
         return out
 
     def threads(self, num_threads: int | None = None) -> int:
@@ -134,13 +131,14 @@ class AmxLinear:
             num_threads = torch.get_num_threads()
         return max(1, min(num_threads, self._groups // MIN_GROUPS_PER_THREAD))
 
-    def run(self, x_ptr: int, m: int, out_ptr: int, threads: int) -> None:
-        """``self(x)`` (bfloat16 out) for a caller that checked its buffers itself and calls many
-        times a step (``FusedFlatModel``'s layer loop: no checks, no new output tensor): x a
-        contiguous bfloat16 [m, K] at ``x_ptr``, m >= 1; the output, a contiguous bfloat16 [m, N]
-        ([m, N / 2] gated), written at ``out_ptr``; ``threads`` from ``threads()``. The same kernel
-        call as ``__call__``'s, so the same bits."""
-        status = self._call(x_ptr, m, self.k, self._packed_ptr, self.n, out_ptr, 2 if self.gated else 0, threads)
+    def run(self, x_ptr: int, m: int, out_ptr: int, threads: int, out_dtype: torch.dtype = torch.bfloat16) -> None:
+        """``self(x, out_dtype)`` for a caller that checked its buffers itself and calls many times a
+        step (``FusedFlatModel``'s layer loop: no checks, no new output tensor): x a contiguous
+        bfloat16 [m, K] at ``x_ptr``, m >= 1; the output, a contiguous [m, N] of ``out_dtype``
+        (bfloat16 [m, N / 2] gated), written at ``out_ptr``; ``threads`` from ``threads()``.
+        ``__call__`` checks its tensors and calls this."""
+        mode = 2 if self.gated else int(out_dtype == torch.float32)
+        status = self._call(x_ptr, m, self.k, self._packed_ptr, self.n, out_ptr, mode, threads)
         if status:
             raise _refused(status)
 
