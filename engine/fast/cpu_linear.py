@@ -97,7 +97,7 @@ class SmallLinear:
             raise ValueError(f"SmallLinear packs 2-D float32 or bfloat16 CPU weights, not {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}")
         if gated and not takes_gated(weight.shape[0]):
-            raise ValueError(f"SmallLinear(gated=True) needs the 16-float kernel (ENGINE_KERNEL_ISA={isa()} here) "
+            raise ValueError(f"SmallLinear(gated=True) needs the 16-float kernel (this width: {isa()}) "
                              f"and out features a multiple of 32, not {weight.shape[0]}")
         self.n, self.k = weight.shape
         self.gated = gated
