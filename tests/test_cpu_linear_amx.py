@@ -87,6 +87,27 @@ def test_amx_linear_large_output_written_past_the_cache(threads, monkeypatch):
         assert torch.equal(got, got32.bfloat16()), f"[{n}, {k}] at {m} rows: not one rounding of the float result"
 
 
+def test_two_threads_compute_every_value_as_one_does():
+    """``run`` on two threads (each chunk's column groups shared out up to 128 rows per thread,
+    one run of row pairs per thread above: 256 rows on two threads, a thread's run ending in a
+    partial row block at 257 and 300) writes exactly what one thread writes, in each output mode:
+    bfloat16, float32 and gated."""
+    if not cpu_linear_amx.available():
+        return  # test_without_amx_the_layout_is_not_offered covers this CPU
+    gen = torch.Generator().manual_seed(5)
+    for n, k, gated in [(512, 96, False), (640, 1536, False), (512, 64, True)]:
+        lin = cpu_linear_amx.AmxLinear(torch.randn(n, k, generator=gen).bfloat16(), gated=gated)
+        assert lin.threads(2) == 2, f"[{n}, {k}]: enough column groups for two threads"
+        width = n // 2 if gated else n
+        for m in [16, 64, 255, 256, 257, 300, 700]:
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            for out_dtype in [torch.bfloat16] if gated else [torch.bfloat16, torch.float32]:
+                outs = [torch.full((m, width), float("nan"), dtype=out_dtype) for _ in range(2)]
+                for threads, out in zip((1, 2), outs):
+                    lin.run(x.data_ptr(), m, out.data_ptr(), threads, out_dtype)
+                assert torch.equal(outs[0], outs[1]), f"[{n}, {k}]{' gated' if gated else ''} at {m} rows, {out_dtype}"
+
+
 def test_gated_amx_linear_is_the_linear_then_silu_mul():
     """A SwiGLU gate/up weight packed gated: its call returns exactly what the bf16 linear followed
     by the elementwise SiLU-mul kernel returns (the same roundings, bit for bit), at every row count."""
