@@ -38,18 +38,23 @@
 // Products of bfloat16 values are exact in float and the sums are float: oneDNN's arithmetic on
 // the same values, in another summation order.
 //
-// Two threads or more: a call of up to kSplitRows rows per thread shares each chunk's column groups
-// (one run of neighbouring groups per thread), its A tiles packed by all of them first; a call of more
-// rows gives each thread one run of row pairs instead, on which it does what one thread does on a
-// whole call (its own chunks, its own A tiles, no barrier per chunk, each thread reading the whole
-// weight: from the L2/L3 cache once the first chunk brought it in). Measured on the Sapphire Rapids
-// class core, two threads against one per call (`python -m course.tuning.levers linear-threads
-// --rows 64,256,512,2048`), the small preset's [512, 512] / [1024, 512] / [512, 1536] at 2,048 rows:
-// the column split 1.24 / 1.52 / 1.41x, the row split 1.83 / 1.86 / 1.97x (the columns' chunks each
-// ended in a barrier, and every thread read A tiles the other had packed). Below 128 rows per thread
-// the column split stays: split by rows at 64 rows, each thread reads every weight for 32 rows
-// (ad-hoc timing: 1.32-1.37x against 1.57-1.61x). Either way each output value is computed exactly
-// as on one thread (a row's products and sums do not depend on the rows beside it).
+// Two threads or more: a call of few rows per thread shares each chunk's column groups (one run of
+// neighbouring groups per thread), its A tiles packed by all of them first; a call of many rows
+// (kSplitRows per thread; half that for a weight of at most kSplitWeightBytes, which stays in a
+// core's L2 cache) gives each thread one run of row pairs instead, on which it does what one thread
+// does on a whole call (its own chunks, its own A tiles, no barrier per chunk, but each thread
+// reading the whole weight). Measured on the Sapphire Rapids class core, two threads against one
+// per call (`python -m course.tuning.levers linear-threads --rows 64,256,512,2048`), the small
+// preset's [512, 512] / [1024, 512] / [512, 1536] at 2,048 rows: the column split 1.24 / 1.52 /
+// 1.41x, the row split 1.83 / 1.86 / 1.97x (the columns' chunks each ended in a barrier, and every
+// thread read A tiles the other had packed). At 256 rows the row split won for those weights
+// (1.62-1.63x against 1.33-1.44x) but lost for larger ones, whose trips from L3 it doubles (ad-hoc
+// timing: [3072, 512] gated 1.69 against 1.89x; the 0.6B shape's [4096, 1024] 1.52-1.58 against
+// 1.81x, [6144, 1024] gated 1.67-1.71 against 1.93x; at 1,024 rows they are level or the row split
+// leads: 1.94-2.00 against 1.85-2.02x); at 64 rows the column split leads everywhere (split by rows,
+// each thread reads every weight for 32 rows: 1.32-1.37x against 1.57-1.61x). Either way each
+// output value is computed exactly as on one thread (a row's products and sums do not depend on the
+// rows beside it).
 //
 // The tile configuration belongs to the thread: each work loop holds its own for its duration
 // (`OwnTiles`, cpu_amx_tiles.h), then the one in force before it (oneDNN's, or none) is back.
@@ -79,7 +84,8 @@ constexpr int64_t kChunkBytes = 768 * 1024;  // a chunk's A tiles at most (a dee
 constexpr int64_t kPassSlices = 16;  // K slices per pass of a row pair (its A tiles, 32 KiB, stay in the L1 cache)
 constexpr int64_t kPanelBytes = 512 * 1024;  // B tiles of a panel of column groups (whole K), kept in the L2 cache
 constexpr int64_t kFewPairs = 2;  // up to this many row pairs: each column pair meets them in turn (B reused from L1)
-constexpr int64_t kSplitRows = 128;  // rows per thread from which a call's threads split its rows, not its columns (see the top)
+constexpr int64_t kSplitRows = 256;  // rows per thread from which a call's threads split its rows, not its columns (see the top)
+constexpr int64_t kSplitWeightBytes = 2 << 20;  // a weight at most this big: from half as many rows per thread
 constexpr int64_t kStreamBytes = 1 << 20;  // an output this big is written past the cache (it would not stay in it)
 constexpr int64_t kTile = kRows * kDepth;  // bf16 elements of a B tile (16 pair rows x 16 columns x 2)
 
@@ -462,7 +468,8 @@ extern "C" int64_t linear_amx_bfloat16(const void* x, int64_t m, int64_t k, cons
   if (mode < kBf16 || mode > kSiluMul || (mode == kSiluMul && n % (kGroup * kCols))) return -1;
   const uint16_t* const xs = static_cast<const uint16_t*>(x);
   const uint16_t* const w = static_cast<const uint16_t*>(packed);
-  if (threads > 1 && m >= threads * kSplitRows) {
+  const bool by_rows = m >= threads * kSplitRows || (m >= threads * kSplitRows / 2 && n * k * 2 <= kSplitWeightBytes);
+  if (threads > 1 && by_rows) {
     // Many rows: each thread one run of row pairs, the whole call on its rows (one thread's path:
     // its own A tiles, no barrier per chunk), so every output value is computed as on one thread.
     const int64_t ldo = mode == kSiluMul ? n / 2 : n, esize = mode == kF32 ? 4 : 2;
