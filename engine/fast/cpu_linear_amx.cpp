@@ -20,9 +20,10 @@
 // (`share`, cpu_kernel_share.h). A chunk of one row block (a decode step of up to 16 requests):
 // per group, the group's accumulators zeroed, then for each slice one A tile (16 rows x 32 of x,
 // read in place; fewer rows from a zero-padded copy) and the group's B tiles, one tile product
-// each. A chunk of several row blocks (`several`): its rows first copied into A tiles of 1 KiB
-// each (zero-padded, on 64-byte lines); up to kFewPairs pairs of row blocks (64 rows), each column
-// pair's B tiles meet the row pairs right after each other (B reused from L1); more: the groups in
+// each. A chunk of several row blocks (`several`): up to kFewPairs pairs of row blocks (64 rows),
+// A read in place as above and each column pair's B tiles meeting the row pairs right after each
+// other (B reused from L1); more rows, first copied into A tiles of 1 KiB each (zero-padded, on
+// 64-byte lines), then the groups in
 // panels whose B tiles (whole K, about kPanelBytes) stay in L2; per panel, per pair of row blocks,
 // K in even passes of at most kPassSlices slices (the pair's A tiles of a pass, 32 KiB, stay in L1
 // while every column pair of the panel passes: the B tiles are loaded with the hint not to keep
@@ -227,7 +228,7 @@ struct Unstored {
 template <int R, int C>
 inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b, int64_t stride,
                        int64_t s0, int64_t s1, bool load, float* acc0, float* acc1, Unstored& prev, Pending& pend,
-                       bool nt) {
+                       bool nt, int64_t a_slice, int64_t a_ld) {
   const int64_t ld = kGroup * kCols * 4;
   // B tiles past L1 (keeping the row pair's A tiles there) where each tile row is one cache line; a
   // weight off the 64-byte grid (not torch's allocation) has rows across two lines, each line read
@@ -237,7 +238,7 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
     const uint16_t* t = b + s0 * stride;
     if (prev.rows > 0) _tile_stored(0, prev.acc0, ld);
     if (load) _tile_loadd(0, acc0, ld); else _tile_zero(0);
-    _tile_loadd(4, a0 + s0 * kTile, 64);
+    _tile_loadd(4, a0 + s0 * a_slice, a_ld);
     if (nt) _tile_stream_loadd(6, t, 64); else _tile_loadd(6, t, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (prev.rows > 0 && prev.cols > 1) _tile_stored(1, prev.acc0 + kCols, ld);
@@ -249,7 +250,7 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
     if (prev.rows > 1) _tile_stored(2, prev.acc1, ld);
     if (R > 1) {
       if (load) _tile_loadd(2, acc1, ld); else _tile_zero(2);
-      _tile_loadd(5, a1 + s0 * kTile, 64);
+      _tile_loadd(5, a1 + s0 * a_slice, a_ld);
       _tile_dpbf16ps(2, 5, 6);
     }
     if (prev.rows > 1 && prev.cols > 1) _tile_stored(3, prev.acc1 + kCols, ld);
@@ -261,7 +262,7 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
   const int64_t per = (pend.total() - pend.next + (s1 - s0) - 2) / std::max<int64_t>(1, s1 - s0 - 1);  // rows to emit per slice
   for (int64_t kb = s0 + 1; kb < s1; ++kb) {
     const uint16_t* t = b + kb * stride;
-    _tile_loadd(4, a0 + kb * kTile, 64);
+    _tile_loadd(4, a0 + kb * a_slice, a_ld);
     if (nt) _tile_stream_loadd(6, t, 64); else _tile_loadd(6, t, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (C > 1) {
@@ -269,7 +270,7 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
       _tile_dpbf16ps(1, 4, 7);
     }
     if (R > 1) {
-      _tile_loadd(5, a1 + kb * kTile, 64);
+      _tile_loadd(5, a1 + kb * a_slice, a_ld);
       _tile_dpbf16ps(2, 5, 6);
       if (C > 1) _tile_dpbf16ps(3, 5, 7);
     }
@@ -279,9 +280,13 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
   prev.acc0 = acc0, prev.acc1 = acc1, prev.rows = R, prev.cols = C;
 }
 
-// Rows [c0, c1) of the call (several row blocks, copied to `apack` as A tiles) against column
-// groups [begin, end). Up to kFewPairs row pairs: per group, column pair and K pass, the row pairs
-// in turn (the B tiles read from memory once, again from L1). More: the groups in panels whose B
+// Rows [c0, c1) of the call (several row blocks) against column groups [begin, end). Up to
+// kFewPairs row pairs, A read in place (`apack` null: x's rows, row stride lda, the rows from `full`
+// on from the zero-padded `tail`): per group, column pair and K pass, the row pairs in turn (the B
+// tiles read from memory once, again from L1). Packing those few rows first cost more than it saved
+// (ad-hoc timing, [512, 512] at 64 rows, weight in cache: one thread 28.0 -> 25.6 us), and on two
+// threads, which packed half each, every thread then read the half the other core had written
+// (28.1 -> 17.9 us). More rows, copied to `apack` as A tiles: the groups in panels whose B
 // tiles (whole K) stay in the L2 cache (about kPanelBytes); per panel, per row pair, per K pass
 // (even passes of at most kPassSlices slices: the pair's A tiles of a pass stay in L1), the row
 // pair meets every column pair of the panel in turn, so an output row is written left to right, a
@@ -290,7 +295,8 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
 // in turn; with several, partial sums carried between passes (one buffer per row pair, or per
 // group of the panel).
 inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, int64_t slices, int64_t blocks,
-                    const uint16_t* w, int64_t begin, int64_t end, Pending& pend) {
+                    const uint16_t* w, int64_t begin, int64_t end, Pending& pend, const uint16_t* x, int64_t lda,
+                    int64_t full, const uint16_t* tail) {
   constexpr int64_t kBuf = 2 * kRows * kGroup * kCols;  // floats of one row pair x one group
   const int64_t pairs = (c1 - c0 + 2 * kRows - 1) / (2 * kRows);
   const bool few = pairs <= kFewPairs;
@@ -309,6 +315,12 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
     const int64_t r0 = c0 + pr * 2 * kRows, r1 = r0 + kRows;
     const uint16_t* a0 = apack + (2 * pr) * slices * kTile;
     const uint16_t* a1 = a0 + slices * kTile;
+    int64_t a_slice = kTile, a_ld = 64;
+    if (apack == nullptr) {  // A read in place: x's rows (row stride lda), a partial last block from `tail`
+      a0 = r0 < full ? x + r0 * lda : tail;
+      a1 = r1 < full ? x + r1 * lda : tail;
+      a_slice = kDepth, a_ld = lda * 2;
+    }
     const int64_t nb0 = g * kGroup, width = std::min(kGroup, blocks - nb0), cols = std::min<int64_t>(2, width - j);
     const uint16_t* bj = w + tile_offset(nb0, 0, blocks, slices) + j * kTile;
     const int64_t stride = width * kTile;
@@ -319,11 +331,11 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
     // ~3% faster on weights out of cache at 256 rows)
     const bool load = s0 > 0, nt = !few && pr > 0;
     if (r1 < c1) {
-      if (cols == 2) pair_block<2, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt);
-      else pair_block<2, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt);
+      if (cols == 2) pair_block<2, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld);
+      else pair_block<2, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld);
     } else {
-      if (cols == 2) pair_block<1, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt);
-      else pair_block<1, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt);
+      if (cols == 2) pair_block<1, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld);
+      else pair_block<1, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld);
     }
     if (s1 == slices) {  // emitted during the next block (or at the end)
       pend.acc[0] = p0, pend.acc[1] = p1;
@@ -369,7 +381,9 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
     static thread_local std::vector<uint16_t> apack;
     uint16_t* a_tiles = nullptr;  // apack's first 64-byte line
     const int64_t rbs = c1 - c0 > kRows ? (c1 - c0 + kRows - 1) / kRows : 0;
-    if (rbs) {
+    // Up to kFewPairs row pairs: A read in place (see the top), nothing packed.
+    const int64_t packed_blocks = c1 - c0 <= kFewPairs * 2 * kRows ? 0 : rbs;
+    if (packed_blocks) {
       apack.resize(rbs * kRows * k + 32);
       a_tiles = line_aligned(apack.data());
     }
@@ -385,7 +399,7 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
               std::memset(dst, 0, kDepth * sizeof(uint16_t));
           }
     };
-    share_after(rbs, pack, groups, threads, [&](auto&& next) {
+    share_after(packed_blocks, pack, groups, threads, [&](auto&& next) {
       OwnTiles tiles(8);
       Pending pend;
       pend.out = out, pend.mode = mode, pend.n = ldo;
@@ -393,7 +407,7 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
       int64_t begin, end;
       while (next(begin, end)) {
       if (c1 - c0 > kRows) {  // several row blocks
-        several(a_tiles, c0, c1, m, slices, blocks, w, begin, end, pend);
+        several(a_tiles, c0, c1, m, slices, blocks, w, begin, end, pend, x, k, full, tail.data());
       } else {
         alignas(64) float acc[kRows * kGroup * kCols];
         for (int64_t g = begin; g < end; ++g) {
