@@ -14,6 +14,7 @@
     python -m course.tuning.levers ew-step [--preset qwen3-0.6b] [--rows 2048] [--before 6ddabc4]   one step's elementwise kernels: torch ops / avx2 / avx512 / a revision's
     python -m course.tuning.levers linear-amx [--preset qwen3-0.6b] [--rows 1,16,64,256]   bf16 linears: oneDNN packed vs the AMX kernel
     python -m course.tuning.levers linear-threads [--rows 16,64]   each weight shape's kernel (panels, AMX) at one thread and two
+    python -m course.tuning.levers workload-parts --dtype bfloat16 [--rounds 3]   a workload's time per part, one thread and two
 
 ``attention`` times one layer's decode attention on the bench's small-model shapes (8 query / 4
 kv heads of 64, blocks of 16): TorchBackend (gather, then bmm), CPUBackend (the C++ kernel reading
@@ -390,6 +391,95 @@ def parts(args) -> None:
     med["rest"] = med["step"] - med["linears"] - med["attention"] - med["write"]
     print(f"decode step, R={args.requests}, context ~{args.context}, {args.dtype}, {torch.get_num_threads()} "
           f"thread(s), ms: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()))
+
+
+def workload_parts(args) -> None:
+    """Where a whole workload's time goes at one thread and at two, and so what caps a second
+    thread: the fast core (``run.py bench``'s: cpu backend, fused model) serving ``--workload``
+    (random by default) on ``--preset``, in one process, each round one run at one thread and one
+    at two (the order alternating), timers around each part's calls (a call inside another timed
+    call counts once), median ms per part over ``--rounds`` rounds after one to warm up. The parts:
+    the linears (every layout's), attention, K/V writes, the elementwise kernels' calls, the LM head,
+    the embedding; the scheduler, ``build_batch`` (the runner's ``prepare``), the sampler; "rest": the
+    step's other Python (the forward's own and the bookkeeping), and outside the steps. Last, the cap
+    Amdahl puts on two threads: one thread's time over (its unsplit parts + the others at 2x)."""
+    from course.bench.compare import MODEL_PRESETS, CoreRunner, fast_config, make_workload, run_workload
+    from course.bench.machine import machine_line
+    from engine.fast import cpu_attention, cpu_elementwise, cpu_linear, cpu_linear_amx, fused, linear_layout
+    from engine.models import tiny_model
+
+    print(machine_line(2))
+    spent: dict[str, float] = {}
+    depth = [0]
+
+    def timer(inner, part):
+        def call(*a, **k):
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    spent[part] = spent.get(part, 0.0) + time.perf_counter() - start
+        return call
+
+    def timed(cls, name, part):
+        setattr(cls, name, timer(getattr(cls, name), part))
+    for cls, name in ((linear_layout.Linear, "__call__"), (cpu_linear.SmallLinear, "run"),
+                      (cpu_linear_amx.AmxLinear, "run"), (cpu_linear_amx.AmxLinear, "__call__")):
+        timed(cls, name, "linears")
+    for name in ("forward", "forward_into", "forward_rows"):
+        timed(cpu_attention.CPUBackend, name, "attention")
+    for name in ("write", "write_merged"):
+        timed(cpu_attention.CPUBackend, name, "K/V writes")
+    timed(fused.FusedFlatModel, "compute_logits", "LM head")
+    timed(fused.FusedFlatModel, "embed", "embedding")
+    functions = cpu_elementwise.functions
+    cpu_elementwise.functions = lambda work: tuple(timer(f, "elementwise") for f in functions(work))
+    for name in ("add_rms_norm", "qk_norm_rope", "silu_mul"):
+        setattr(cpu_elementwise, name, timer(getattr(cpu_elementwise, name), "elementwise"))
+    model = tiny_model(seed=0, **MODEL_PRESETS[args.preset]).to(getattr(torch, args.dtype))
+    runner = CoreRunner(model, "cpu", max_num_seqs=256, **fast_config("cpu"))
+    core = runner.core
+    core.scheduler.schedule = timer(core.scheduler.schedule, "scheduler")
+    core.runner.prepare = timer(core.runner.prepare, "build_batch")
+    core.sampler = timer(core.sampler, "sampler")
+    step = core.step
+
+    def whole_step():
+        start = time.perf_counter()
+        try:
+            return step()
+        finally:
+            spent["step"] = spent.get("step", 0.0) + time.perf_counter() - start
+    core.step = whole_step
+    work = make_workload(args.workload, model.cfg.vocab_size, preset=args.preset)
+    rows: dict[int, list[dict[str, float]]] = {1: [], 2: []}
+    for round_ in range(args.rounds + 1):  # round 0 warms up
+        for threads in ((1, 2) if round_ % 2 else (2, 1)):
+            torch.set_num_threads(threads)
+            spent.clear()
+            start = time.perf_counter()
+            run_workload(runner.fresh(), work)
+            total = time.perf_counter() - start
+            if round_:
+                parts = {k: v for k, v in spent.items() if k != "step"}
+                inside = spent.get("step", 0.0) - sum(parts.values())
+                rows[threads].append({**parts, "rest of the step": inside, "outside the steps": total - spent.get("step", 0.0),
+                                      "all": total})
+    torch.set_num_threads(args.threads)
+    names = list(rows[1][0])
+    med = {t: {k: statistics.median(r.get(k, 0.0) for r in rows[t]) * 1000 for k in names} for t in (1, 2)}
+    print(f"{args.preset}, {args.dtype}, workload {args.workload!r}: median ms of {args.rounds} round(s)")
+    print(f"{'part':20s} {'1 thread':>9s} {'2 threads':>9s} {'x':>6s}")
+    for k in names:
+        one, two = med[1][k], med[2][k]
+        print(f"{k:20s} {one:9.1f} {two:9.1f} {one / two if two else float('nan'):5.2f}x")
+    serial = sum(med[1][k] for k in ("scheduler", "build_batch", "sampler", "rest of the step", "outside the steps"))
+    print(f"one thread's serial Python (scheduler, build_batch, sampler, rest, outside): {serial:.1f} ms "
+          f"({serial / med[1]['all']:.0%}); with every other part at 2x, two threads would cap at "
+          f"{med[1]['all'] / (serial + (med[1]['all'] - serial) / 2):.2f}x")
 
 
 def linear(args) -> None:
@@ -825,7 +915,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("attention", "prefill-attention", "step", "parts", "linear", "elementwise",
                                      "ew-step", "argmax", "pages", "linear-pages", "linear-amx",
-                                     "linear-threads"))
+                                     "linear-threads", "workload-parts"))
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--dtype", default="float32")
@@ -842,6 +932,7 @@ def main() -> int:
     ap.add_argument("--prefill", action="store_true", help="step: time a fresh engine's first (prefill) step")
     ap.add_argument("--preset", default="small", help="step, linear: the bench's model preset (small, qwen3-0.6b, test)")
     ap.add_argument("--layers", type=int, default=0, help="step, linear: this many of the preset's layers (0: all)")
+    ap.add_argument("--workload", default="random", help="workload-parts: the bench workload (default random)")
     ap.add_argument("--prefix", type=int, default=0, help="prefill-attention: cached tokens before each request's rows")
     ap.add_argument("--before", default=None, metavar="REV",
                     help="prefill-attention: also the row kernel as it was at this git revision (e.g. 6ddabc4)")
@@ -851,7 +942,8 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     {"attention": attention, "prefill-attention": prefill_attention, "step": step, "parts": parts, "linear": linear,
      "elementwise": elementwise, "ew-step": ew_step, "argmax": argmax, "pages": pages,
-     "linear-pages": linear_pages, "linear-amx": linear_amx, "linear-threads": linear_threads}[args.what](args)
+     "linear-pages": linear_pages, "linear-amx": linear_amx, "linear-threads": linear_threads,
+     "workload-parts": workload_parts}[args.what](args)
     return 0
 
 
