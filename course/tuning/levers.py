@@ -602,11 +602,12 @@ def ew_step(args) -> None:
     the Python calls the model makes (into reused outputs, as the model passes them), and in float32
     with AVX-512 the step as the fused model runs it there: SiLU-mul inside the gate/up linear
     (``SmallLinear(gated=True)``), counted as what the gated call takes over the plain one, or 0
-    where it takes less (it writes half the bytes). Interleaved rounds; median wall and
+    where it takes less (it writes half the bytes); likewise in bfloat16 on a CPU with AMX, whose
+    gate/up linear the fused model runs gated in the AMX layout (``AmxLinear(gated=True)``). Interleaved rounds; median wall and
     CPU ms per step. k is rotated in place, so every call gets a fresh copy of qkv (not timed)."""
     from course.bench.compare import MODEL_PRESETS
     from course.bench.machine import machine_line
-    from engine.fast import cpu_elementwise as ew, cpu_linear
+    from engine.fast import cpu_elementwise as ew, cpu_linear, cpu_linear_amx
     from engine.models.config import Qwen3Config
     from engine.rope import rope_cos_sin
 
@@ -706,6 +707,13 @@ def ew_step(args) -> None:
             gated_pair = (cpu_linear.SmallLinear(w_gu), cpu_linear.SmallLinear(w_gu, gated=True),
                           torch.randn(n, d, generator=gen))
             fns["avx512, SiLU-mul in the gate/up linear"] = variant("avx512", gated_pair)
+        if dtype == torch.bfloat16 and cpu_linear_amx.available() and "avx512" in ew.built_isas():
+            # The same seam in bfloat16 where the AMX layout runs the gate/up linear gated (what the
+            # fused model runs on such a CPU: the probe keeps ``amx`` there), measured the same way.
+            w_gu = (torch.randn(2 * inter, d, generator=gen) * d ** -0.5).bfloat16()
+            gated_pair = (cpu_linear_amx.AmxLinear(w_gu), cpu_linear_amx.AmxLinear(w_gu, gated=True),
+                          torch.randn(n, d, generator=gen).bfloat16())
+            fns["avx512, SiLU-mul in the gate/up linear (AMX)"] = variant("avx512", gated_pair)
         with torch.inference_mode():
             for f in fns.values():
                 f()
