@@ -15,9 +15,10 @@ from engine.serve import EngineConfig, EngineCore
 from tests.test_fused import assert_serves_generate
 
 # (out, in) features: one block; a group of four; groups with a tail of 1, 2 and 3 blocks; deep K;
-# a K of 65 slices (two passes of the several-row-block path, partial sums carried between them)
-SHAPES = [(16, 32), (64, 96), (80, 64), (96, 128), (112, 1536), (32, 2080)]
-ROWS = [1, 5, 16, 17, 31, 32, 33, 64, 257, 300]  # tile rows, pairs of row blocks, the 256-row chunks
+# a K so deep that a chunk is 32 rows (rows read in place in chunks after the first, a partial last
+# block); a K of 65 slices (two passes of the several-row-block path, partial sums carried between them)
+SHAPES = [(16, 32), (64, 96), (80, 64), (96, 128), (112, 1536), (48, 12288), (32, 2080)]
+ROWS = [1, 5, 16, 17, 31, 32, 33, 52, 64, 257, 300]  # tile rows, pairs of row blocks, the 256-row chunks
 
 
 def test_the_layout_is_offered_exactly_where_the_kernel_runs(monkeypatch):
