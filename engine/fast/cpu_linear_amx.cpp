@@ -45,12 +45,13 @@
 // core's L2 cache) gives each thread one run of row pairs instead, on which it does what one thread
 // does on a whole call (its own chunks, its own A tiles, no barrier per chunk, but each thread
 // reading the whole weight). Measured on the Sapphire Rapids class core, two threads against one
-// per call (`python -m course.tuning.levers linear-threads --rows 64,256,512,2048`), the small
-// preset's [512, 512] / [1024, 512] / [512, 1536] at 2,048 rows: the column split 1.24 / 1.52 /
-// 1.41x, the row split 1.83 / 1.86 / 1.97x (the columns' chunks each ended in a barrier, and every
-// thread read A tiles the other had packed). At 256 rows the row split won for those weights
-// (1.62-1.63x against 1.33-1.44x) but lost for larger ones, whose trips from L3 it doubles (ad-hoc
-// timing: [3072, 512] gated 1.69 against 1.89x; the 0.6B shape's [4096, 1024] 1.52-1.58 against
+// per call (`python -m course.tuning.levers linear-threads --rows 16,64,256,2048`, against the same
+// at the column split), the small preset's [512, 512] / [1024, 512] / [512, 1536] at 2,048 rows: the
+// column split 1.24 / 1.52 / 1.41x, the row split 1.73 / 1.87 / 1.89x (the columns' chunks each
+// ended in a barrier, and every thread read A tiles the other had packed). At 256 rows the row split
+// did as well or better for those weights (1.43-1.66x against 1.33-1.44x; these calls last 60-300 us
+// and move by ~0.15x between sittings) but lost for larger ones, whose trips from L3 it doubles
+// (ad-hoc timing: [3072, 512] gated 1.69 against 1.89x; the 0.6B shape's [4096, 1024] 1.52-1.58 against
 // 1.81x, [6144, 1024] gated 1.67-1.71 against 1.93x; at 1,024 rows they are level or the row split
 // leads: 1.94-2.00 against 1.85-2.02x); at 64 rows the column split leads everywhere (split by rows,
 // each thread reads every weight for 32 rows: 1.32-1.37x against 1.57-1.61x). Either way each
@@ -313,14 +314,12 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
   // (several passes) in buffer `slot`.
   const auto block = [&](int64_t pr, int64_t s0, int64_t s1, int64_t g, int64_t j, int64_t slot) {
     const int64_t r0 = c0 + pr * 2 * kRows, r1 = r0 + kRows;
-    const uint16_t* a0 = apack + (2 * pr) * slices * kTile;
-    const uint16_t* a1 = a0 + slices * kTile;
-    int64_t a_slice = kTile, a_ld = 64;
-    if (apack == nullptr) {  // A read in place: x's rows (row stride lda), a partial last block from `tail`
-      a0 = r0 < full ? x + r0 * lda : tail;
-      a1 = r1 < full ? x + r1 * lda : tail;
-      a_slice = kDepth, a_ld = lda * 2;
-    }
+    // A tiles: packed (a row block's tiles one after the other, 1 KiB each), or read in place
+    // (`apack` null: x's rows, row stride lda; a partial last block from `tail`)
+    const bool packed = apack != nullptr;
+    const uint16_t* a0 = packed ? apack + (2 * pr) * slices * kTile : r0 < full ? x + r0 * lda : tail;
+    const uint16_t* a1 = packed ? a0 + slices * kTile : r1 < full ? x + r1 * lda : tail;
+    const int64_t a_slice = packed ? kTile : kDepth, a_ld = packed ? 64 : lda * 2;  // elements a slice, bytes a row
     const int64_t nb0 = g * kGroup, width = std::min(kGroup, blocks - nb0), cols = std::min<int64_t>(2, width - j);
     const uint16_t* bj = w + tile_offset(nb0, 0, blocks, slices) + j * kTile;
     const int64_t stride = width * kTile;
