@@ -195,11 +195,5 @@ ELEMENTWISE_ENTRY_POINTS(float, float32, Wide<64>, avx512)
 ELEMENTWISE_ENTRY_POINTS(uint16_t, bfloat16, Wide<64>, avx512)
 #endif
 
-// Which widths this build has: "avx2,avx512" where the target has AVX-512F, else "avx2".
-extern "C" const char* elementwise_isas() {
-#if defined(__AVX512F__)
-  return "avx2,avx512";
-#else
-  return "avx2";
-#endif
-}
+// Which widths this build has (cpu_kernel_wide.h's kBuiltWidths).
+extern "C" const char* elementwise_isas() { return kBuiltWidths; }

@@ -23,6 +23,15 @@
 
 namespace {
 
+// The widths a kernel library built with this header has, as its `*_isas()` entry reports them:
+// "avx2,avx512" where the target has AVX-512F (the only targets its 16-float code is built for),
+// else "avx2".
+#if defined(__AVX512F__)
+constexpr const char* kBuiltWidths = "avx2,avx512";
+#else
+constexpr const char* kBuiltWidths = "avx2";
+#endif
+
 // A float32 or bfloat16 element as a float (bfloat16: its bits are a float's upper half).
 inline float value(float x) { return x; }
 inline float value(uint16_t h) {

@@ -436,10 +436,4 @@ W512_ENTRY(gated, bfloat16, uint16_t, true)
 #undef W512_ENTRY
 #endif
 
-extern "C" const char* linear_isas() {
-#if defined(__AVX512F__)
-  return "avx2,avx512";
-#else
-  return "avx2";
-#endif
-}
+extern "C" const char* linear_isas() { return kBuiltWidths; }
