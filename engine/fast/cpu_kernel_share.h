@@ -37,13 +37,18 @@ inline int share_team(int64_t threads) {
 #endif
 }
 
+// The chunk size share() cuts `total` items into for `threads`: about kChunksPerThread a thread.
+inline int64_t share_chunk(int64_t total, int64_t threads) {
+  return std::max<int64_t>(1, (total + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
+}
+
 template <typename F>
 void share(int64_t total, int64_t threads, F&& run) {
   if (threads <= 1 || total < 2) {
     run(0, total);
     return;
   }
-  const int64_t chunk = std::max<int64_t>(1, (total + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
+  const int64_t chunk = share_chunk(total, threads);
   const int64_t chunks = (total + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(share_team(threads)) schedule(dynamic, 1)
   for (int64_t c = 0; c < chunks; ++c) {
@@ -71,10 +76,11 @@ void share_runs(int64_t total, int64_t threads, F&& run) {
 // thread of the team calls per_thread(next) once, where next(begin, end) hands it the next chunk of
 // [0, total) (false when none is left): one run of neighbours per thread (a weight's columns read
 // front to back by each core: the AMX linear's small calls on two threads 1.41-1.47x -> 1.66-1.75x
-// one thread, against ~8 chunks per thread), a thread that starts late finding its run taken. One team for both phases (one fork and join, a barrier
-// between), so a call's preparation (the AMX linear packing its input rows into tiles) is not left
-// to one thread, and what a thread sets up for its chunks (the AMX tile configuration, a write-out
-// pipeline) is set up once per thread, not once per chunk.
+// one thread, against ~8 chunks per thread), a thread that starts late finding its run taken. One
+// team for both phases (one fork and join, a barrier between), so a call's preparation (the AMX
+// linear packing its input rows into tiles) is not left to one thread, and what a thread sets up
+// for its chunks (the AMX tile configuration, a write-out pipeline) is set up once per thread, not
+// once per chunk.
 template <typename Prep, typename F>
 void share_after(int64_t prep_total, Prep&& prep, int64_t total, int64_t threads, F&& per_thread) {
   if (threads <= 1 || total < 2) {
@@ -87,10 +93,7 @@ void share_after(int64_t prep_total, Prep&& prep, int64_t total, int64_t threads
     });
     return;
   }
-  auto cut = [threads](int64_t n) {
-    return std::max<int64_t>(1, (n + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
-  };
-  const int64_t prep_chunk = cut(prep_total), chunk = (total + threads - 1) / threads;
+  const int64_t prep_chunk = share_chunk(prep_total, threads), chunk = (total + threads - 1) / threads;
   const int64_t prep_chunks = (prep_total + prep_chunk - 1) / prep_chunk, chunks = (total + chunk - 1) / chunk;
   int64_t taken = 0;  // chunks handed out (under the atomic capture below)
 #pragma omp parallel num_threads(share_team(threads))
