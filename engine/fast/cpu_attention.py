@@ -118,6 +118,16 @@ def _write_rows(call: tuple, k_ptr: int, k_stride: int, v_ptr: int, v_stride: in
         raise _bad_slots(bad, num_slots)
 
 
+def _same_pools(call: tuple | None, cache: KVCache, slots: torch.Tensor) -> bool:
+    """Whether ``call`` (``CPUBackend._write_call``, or None) was checked for this step's slot
+    mapping, pools of these shapes and dtypes (contiguous) and torch's thread count now: what
+    ``write`` and ``write_merged`` ask of a checked call besides their rows' own layout."""
+    k_pool, v_pool = cache
+    return (call is not None and call[0] is slots and k_pool.shape == call[3] and v_pool.shape == call[3]
+            and k_pool.dtype is call[4] and v_pool.dtype is call[4] and k_pool.is_contiguous()
+            and v_pool.is_contiguous() and torch.get_num_threads() == call[6])
+
+
 def _bad_rows(bad: int, num_blocks: int, width: int) -> ValueError:
     """The row kernel's refusal: ``bad`` rows would read past the pool or their block table."""
     return ValueError(f"attention: {bad} row(s) would read keys outside the K/V pool's {num_blocks} blocks "
@@ -192,11 +202,9 @@ class CPUBackend(TorchBackend):
         other dtype, and any kernel that cannot be built here, take the reference's path."""
         k_pool, v_pool, slots = *cache, meta.slot_mapping
         call = self._write_call
-        if (call is not None and call[0] is slots and k.shape == call[1] and v.shape == call[1] and k.dtype is call[2]
-                and v.dtype is call[2] and k_pool.shape == call[3] and v_pool.shape == call[3]
-                and k_pool.dtype is call[4] and v_pool.dtype is call[4] and k.stride(2) == 1 and v.stride(2) == 1
-                and k.stride(1) == call[5] and v.stride(1) == call[5] and k_pool.is_contiguous()
-                and v_pool.is_contiguous() and torch.get_num_threads() == call[6]):
+        if (_same_pools(call, cache, slots) and k.shape == call[1] and v.shape == call[1] and k.dtype is call[2]
+                and v.dtype is call[2] and k.stride(2) == 1 and v.stride(2) == 1 and k.stride(1) == call[5]
+                and v.stride(1) == call[5]):
             # Another layer of the step whose call was checked (``_write_call``): rows of the same
             # shape, dtype and row layout into pools of the same shape; only the addresses differ.
             _write_rows(call, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cache)
@@ -230,15 +238,12 @@ class CPUBackend(TorchBackend):
         (Hkv, D: the pools'), read where they lie without making those views once ``write`` has
         checked a call of this step (``_write_call``: the same slot mapping, row shape and dtype, and
         pools; the rows' stride in qkv its own). qkv: [N, width], unit column stride."""
-        k_pool, v_pool, slots = *cache, meta.slot_mapping
-        call = self._write_call
-        hkv, d = k_pool.shape[2:]
+        slots, call = meta.slot_mapping, self._write_call
+        hkv, d = cache[0].shape[2:]
         w = hkv * d
-        if (call is not None and call[0] is slots and qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.dtype is call[2]
+        if (_same_pools(call, cache, slots) and qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.dtype is call[2]
                 and call[1] == (qkv.shape[0], hkv, d) and 0 <= k_at and 0 <= v_at and k_at + w <= qkv.shape[1]
-                and v_at + w <= qkv.shape[1] and k_pool.shape == call[3] and v_pool.shape == call[3]
-                and k_pool.dtype is call[4] and v_pool.dtype is call[4] and call[5] == d and k_pool.is_contiguous()
-                and v_pool.is_contiguous() and torch.get_num_threads() == call[6]):
+                and v_at + w <= qkv.shape[1] and call[5] == d):
             base, size = qkv.data_ptr(), qkv.element_size()
             _write_rows(call, base + k_at * size, qkv.stride(0), base + v_at * size, qkv.stride(0), cache)
             return
