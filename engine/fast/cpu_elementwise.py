@@ -87,14 +87,10 @@ def isa() -> str:
     forced = os.environ.get(ISA_ENV)
     chosen = _isa_of.get(forced)
     if chosen is None:
-        chosen = _choose_isa(forced)
+        chosen = choose_isa(forced, built_isas(), "elementwise kernels")
         if library() is not None:  # the built widths are known from now on
             _isa_of[forced] = chosen
     return chosen
-
-
-def _choose_isa(forced: str | None) -> str:
-    return choose_isa(forced, built_isas(), "elementwise kernels")
 
 
 def choose_isa(forced: str | None, built: tuple[str, ...], what: str) -> str:
