@@ -335,6 +335,31 @@ def step(args) -> None:
           f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f}, ms: {res}")
 
 
+class PartTimer:
+    """Wall time per named part of a step, from timers wrapped around the calls that make up each
+    part (``wrap`` a function, ``patch`` a class's method in place); a call made inside another
+    timed call counts once, in the outer one's part. ``spent``: part -> seconds so far."""
+
+    def __init__(self, spent: dict[str, float] | None = None) -> None:
+        self.spent = spent if spent is not None else {}
+        self._depth = 0
+
+    def wrap(self, inner, part: str):
+        def call(*a, **k):
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    self.spent[part] = self.spent.get(part, 0.0) + time.perf_counter() - start
+        return call
+
+    def patch(self, cls, name: str, part: str) -> None:
+        setattr(cls, name, self.wrap(getattr(cls, name), part))
+
+
 def parts(args) -> None:
     """Where the fast core's decode step goes (the fused flat model, the cpu backend): timers around
     the linears (every layout's kernel: the panels', the AMX tiles', oneDNN's through ``Linear``),
@@ -347,28 +372,14 @@ def parts(args) -> None:
     from engine.fast import cpu_attention, cpu_linear, cpu_linear_amx, linear_layout
 
     spent = {"linears": 0.0, "attention": 0.0, "write": 0.0}
-    depth = [0]
-
-    def timed(cls, name, part):
-        inner = getattr(cls, name)
-
-        def call(self, *a, **k):
-            depth[0] += 1
-            start = time.perf_counter()
-            try:
-                return inner(self, *a, **k)
-            finally:
-                depth[0] -= 1
-                if depth[0] == 0:
-                    spent[part] += time.perf_counter() - start
-        setattr(cls, name, call)
+    timer = PartTimer(spent)
     for cls, name in ((linear_layout.Linear, "__call__"), (cpu_linear.SmallLinear, "run"),
                       (cpu_linear_amx.AmxLinear, "run"), (cpu_linear_amx.AmxLinear, "__call__")):
-        timed(cls, name, "linears")
-    timed(cpu_attention.CPUBackend, "forward", "attention")
-    timed(cpu_attention.CPUBackend, "forward_into", "attention")
-    timed(cpu_attention.CPUBackend, "write", "write")
-    timed(cpu_attention.CPUBackend, "write_merged", "write")
+        timer.patch(cls, name, "linears")
+    timer.patch(cpu_attention.CPUBackend, "forward", "attention")
+    timer.patch(cpu_attention.CPUBackend, "forward_into", "attention")
+    timer.patch(cpu_attention.CPUBackend, "write", "write")
+    timer.patch(cpu_attention.CPUBackend, "write_merged", "write")
     model = tiny_model(seed=0, **MODEL_PRESETS["small"]).to(getattr(torch, args.dtype))
     core = EngineCore(model, EngineConfig(attention_backend="cpu", flat_model="fused", max_num_seqs=256,
                                           num_blocks=args.requests * (-(-(args.context + 80) // 16) + 1) + 1))
@@ -409,42 +420,27 @@ def workload_parts(args) -> None:
     from engine.models import tiny_model
 
     print(machine_line(2))
-    spent: dict[str, float] = {}
-    depth = [0]
-
-    def timer(inner, part):
-        def call(*a, **k):
-            depth[0] += 1
-            start = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                depth[0] -= 1
-                if depth[0] == 0:
-                    spent[part] = spent.get(part, 0.0) + time.perf_counter() - start
-        return call
-
-    def timed(cls, name, part):
-        setattr(cls, name, timer(getattr(cls, name), part))
+    timer = PartTimer()
+    spent = timer.spent
     for cls, name in ((linear_layout.Linear, "__call__"), (cpu_linear.SmallLinear, "run"),
                       (cpu_linear_amx.AmxLinear, "run"), (cpu_linear_amx.AmxLinear, "__call__")):
-        timed(cls, name, "linears")
+        timer.patch(cls, name, "linears")
     for name in ("forward", "forward_into", "forward_rows"):
-        timed(cpu_attention.CPUBackend, name, "attention")
+        timer.patch(cpu_attention.CPUBackend, name, "attention")
     for name in ("write", "write_merged"):
-        timed(cpu_attention.CPUBackend, name, "K/V writes")
-    timed(fused.FusedFlatModel, "compute_logits", "LM head")
-    timed(fused.FusedFlatModel, "embed", "embedding")
+        timer.patch(cpu_attention.CPUBackend, name, "K/V writes")
+    timer.patch(fused.FusedFlatModel, "compute_logits", "LM head")
+    timer.patch(fused.FusedFlatModel, "embed", "embedding")
     functions = cpu_elementwise.functions
-    cpu_elementwise.functions = lambda work: tuple(timer(f, "elementwise") for f in functions(work))
+    cpu_elementwise.functions = lambda work: tuple(timer.wrap(f, "elementwise") for f in functions(work))
     for name in ("add_rms_norm", "qk_norm_rope", "silu_mul"):
-        setattr(cpu_elementwise, name, timer(getattr(cpu_elementwise, name), "elementwise"))
+        timer.patch(cpu_elementwise, name, "elementwise")
     model = tiny_model(seed=0, **MODEL_PRESETS[args.preset]).to(getattr(torch, args.dtype))
     runner = CoreRunner(model, "cpu", max_num_seqs=256, **fast_config("cpu"))
     core = runner.core
-    core.scheduler.schedule = timer(core.scheduler.schedule, "scheduler")
-    core.runner.prepare = timer(core.runner.prepare, "build_batch")
-    core.sampler = timer(core.sampler, "sampler")
+    timer.patch(core.scheduler, "schedule", "scheduler")  # these three on the instances
+    timer.patch(core.runner, "prepare", "build_batch")
+    timer.patch(core, "sampler", "sampler")
     step = core.step
 
     def whole_step():
