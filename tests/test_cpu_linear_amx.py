@@ -89,10 +89,11 @@ def test_amx_linear_large_output_written_past_the_cache(threads, monkeypatch):
 
 
 def test_two_threads_compute_every_value_as_one_does():
-    """``run`` on two threads (each chunk's column groups shared out for few rows, one run of row
-    pairs per thread for many: from 256 rows on two threads for a weight of at most 2 MiB, from 512
-    for a larger one; a thread's run ending in a partial row block at 257, 300 and 700) writes
-    exactly what one thread writes, in each output mode: bfloat16, float32 and gated."""
+    """``run`` on two threads (each chunk's column groups shared out for few rows, each thread
+    reading a partial last row block from its own copy at 1, 5, 17 and 40; one run of row pairs per
+    thread for many: from 256 rows on two threads for a weight of at most 2 MiB, from 512 for a
+    larger one; a thread's run ending in a partial row block at 257, 300 and 700) writes exactly
+    what one thread writes, in each output mode: bfloat16, float32 and gated."""
     if not cpu_linear_amx.available():
         return  # test_without_amx_the_layout_is_not_offered covers this CPU
     gen = torch.Generator().manual_seed(5)
@@ -100,7 +101,7 @@ def test_two_threads_compute_every_value_as_one_does():
         lin = cpu_linear_amx.AmxLinear(torch.randn(n, k, generator=gen).bfloat16(), gated=gated)
         assert lin.threads(2) == 2, f"[{n}, {k}]: enough column groups for two threads"
         width = n // 2 if gated else n
-        for m in [16, 64, 255, 256, 257, 300, 512, 700]:
+        for m in [1, 5, 16, 17, 40, 64, 255, 256, 257, 300, 512, 700]:
             x = torch.randn(m, k, generator=gen).bfloat16()
             for out_dtype in [torch.bfloat16] if gated else [torch.bfloat16, torch.float32]:
                 outs = [torch.full((m, width), float("nan"), dtype=out_dtype) for _ in range(2)]

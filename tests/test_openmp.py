@@ -198,3 +198,40 @@ def test_run_py_chooses_the_spin_policy_before_torch_loads():
     assert _probe(True, OMP_WAIT_POLICY="PASSIVE")[:2] == [None, "OMP_WAIT_POLICY=PASSIVE"]
     late = _probe(False)
     assert late[0] is None and "libgomp's default" in late[1] and "loaded before the probe" in late[2], late
+
+
+SMALL_TEAM = """
+import json, sys, torch
+sys.path.insert(0, {root!r})
+from engine.fast import cpu_linear, cpu_linear_amx
+gen = torch.Generator().manual_seed(7)
+torch.set_num_threads(1)
+wrong = []
+kernels = [("small", torch.float32, cpu_linear.SmallLinear)]
+if cpu_linear_amx.available():
+    kernels.append(("amx", torch.bfloat16, cpu_linear_amx.AmxLinear))
+for name, dtype, make in kernels:
+    lin = make(torch.randn(1024, 256, generator=gen).to(dtype))
+    for m in (1, 17, 40, 600):
+        x = torch.randn(m, 256, generator=gen).to(dtype)
+        outs = [torch.full((m, 1024), float("nan"), dtype=dtype) for _ in range(2)]
+        for threads, out in zip((1, 4), outs):
+            lin.run(x.data_ptr(), m, out.data_ptr(), threads)
+        if not torch.equal(outs[0], outs[1]):
+            wrong.append(f"{{name}} at {{m}} rows: {{int(outs[1].isnan().any(1).sum())}} row(s) with unwritten values")
+print(json.dumps({{"kernels": [k[0] for k in kernels], "wrong": wrong}}))
+"""
+
+
+def test_a_team_smaller_than_asked_still_computes_every_value():
+    """A linear call cut into one run of work per thread (``share_runs``, ``share_after``: each
+    thread its own run first) whose OpenMP team comes out smaller than that (here OMP_THREAD_LIMIT=1:
+    four runs, one thread) still has every run done, by the threads there are: every output value
+    written, the same as one thread's, for the float32 small-batch kernel and, where it runs, the
+    AMX one (few rows, one row block's copy; many rows split by rows)."""
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
+    out = subprocess.run([sys.executable, "-c", SMALL_TEAM.format(root=str(ROOT))], capture_output=True,
+                         text=True, cwd=ROOT, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "small" in found["kernels"] and not found["wrong"], found

@@ -19,6 +19,7 @@
 // than the work's chunks leaves its extra threads nothing to do.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #ifdef _OPENMP
 #include <omp.h>
@@ -56,27 +57,75 @@ void share(int64_t total, int64_t threads, F&& run) {
   }
 }
 
-// share() with one run of neighbours per thread: run(begin, end) over [0, total) in as many
-// contiguous runs as threads. For work where each item prefetches the next (the small-batch linear's
+// The runs of one parallel region, each handed out once: thread t's own run (run t) first, then
+// any run not yet taken. A call of the same shape so gives each thread the same run every time, the
+// part of a weight it read the call before (a run taken by whichever thread asked first went to
+// either core, call by call: the AMX [512, 512] linear at 40 rows on two threads, weight in cache,
+// 15.9 us a call; each thread its own run, 13.5); a thread that starts late still finds its run done
+// by another rather than holding the call back. Runs past kOwnRuns are handed out in order.
+constexpr int64_t kOwnRuns = 256;
+
+class OwnRuns {
+ public:
+  explicit OwnRuns(int64_t runs) : runs_(runs) {
+    for (int64_t r = 0; r < std::min(runs, kOwnRuns); ++r) taken_[r].store(false, std::memory_order_relaxed);
+  }
+  // The next run for thread `me` (its `tries`-th ask; start at 0), or -1 when none is left.
+  int64_t next(int64_t me, int64_t& tries) {
+    const int64_t own = std::min(runs_, kOwnRuns);
+    for (; tries < own; ++tries) {
+      const int64_t r = (me + tries) % own;
+      if (!taken_[r].exchange(true, std::memory_order_relaxed)) {
+        ++tries;
+        return r;
+      }
+    }
+    const int64_t r = own + rest_.fetch_add(1, std::memory_order_relaxed);
+    return r < runs_ ? r : -1;
+  }
+
+ private:
+  int64_t runs_;
+  std::atomic<bool> taken_[kOwnRuns];
+  std::atomic<int64_t> rest_{0};
+};
+
+inline int64_t thread_index() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+// run(begin, end) over [0, total) in as many contiguous runs as threads (at most), each thread its
+// own run first (`OwnRuns`). For work where each item prefetches the next (the small-batch linear's
 // panels): within its run the next is read by the same thread. (Cut finer, as share() does, the next
 // is often another core's and its prefetch wasted: two threads ran the float32 [512, 512] linear at
-// 16 rows 1.13x one thread; in one run each, 1.84x; two runs each, 1.72x.) A thread that starts late
-// finds its run taken.
+// 16 rows 1.13x one thread; in one run each, 1.84x; two runs each, 1.72x.)
 template <typename F>
 void share_runs(int64_t total, int64_t threads, F&& run) {
   const int64_t teams = std::max<int64_t>(1, threads);
-  const int64_t span = std::max<int64_t>(1, (total + teams - 1) / teams);
-  share((total + span - 1) / span, threads, [&](int64_t begin, int64_t end) {
-    run(begin * span, std::min(total, end * span));
-  });
+  const int64_t span = std::max<int64_t>(1, (total + teams - 1) / teams), runs = (total + span - 1) / span;
+  if (threads <= 1 || runs < 2) {
+    run(0, total);
+    return;
+  }
+  OwnRuns handout(runs);
+#pragma omp parallel num_threads(share_team(threads))
+  {
+    const int64_t me = thread_index();
+    int64_t tries = 0;
+    for (int64_t r; (r = handout.next(me, tries)) >= 0;) run(r * span, std::min(total, (r + 1) * span));
+  }
 }
 
 // share() preceded by a first phase every chunk of the second needs done, and with a scope per
 // thread: prep(begin, end) over [0, prep_total) shared as share() does, then (all of it done) each
 // thread of the team calls per_thread(next) once, where next(begin, end) hands it the next chunk of
-// [0, total) (false when none is left): one run of neighbours per thread (a weight's columns read
-// front to back by each core: the AMX linear's small calls on two threads 1.41-1.47x -> 1.66-1.75x
-// one thread, against ~8 chunks per thread), a thread that starts late finding its run taken. One
+// [0, total) (false when none is left): one run of neighbours per thread, its own first (`OwnRuns`:
+// a weight's columns read front to back by each core, the same columns every call; the AMX linear's
+// small calls on two threads 1.41-1.47x -> 1.66-1.75x one thread, against ~8 chunks per thread). One
 // team for both phases (one fork and join, a barrier between), so a call's preparation (the AMX
 // linear packing its input rows into tiles) is not left to one thread, and what a thread sets up
 // for its chunks (the AMX tile configuration, a write-out pipeline) is set up once per thread, not
@@ -95,17 +144,19 @@ void share_after(int64_t prep_total, Prep&& prep, int64_t total, int64_t threads
   }
   const int64_t prep_chunk = share_chunk(prep_total, threads), chunk = (total + threads - 1) / threads;
   const int64_t prep_chunks = (prep_total + prep_chunk - 1) / prep_chunk, chunks = (total + chunk - 1) / chunk;
-  int64_t taken = 0;  // chunks handed out (under the atomic capture below)
+  OwnRuns handout(chunks);
 #pragma omp parallel num_threads(share_team(threads))
   {
+    if (prep_chunks > 0) {  // (every thread of the team takes this branch or none does)
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t c = 0; c < prep_chunks; ++c) prep(c * prep_chunk, std::min(prep_total, (c + 1) * prep_chunk));
-    // the loop's implicit barrier: every chunk prepared before any runs
+      for (int64_t c = 0; c < prep_chunks; ++c) prep(c * prep_chunk, std::min(prep_total, (c + 1) * prep_chunk));
+      // the loop's implicit barrier: every chunk prepared before any runs (nothing to prepare: no barrier)
+    }
+    const int64_t me = thread_index();
+    int64_t tries = 0;
     per_thread([&](int64_t& begin, int64_t& end) {
-      int64_t c;
-#pragma omp atomic capture
-      c = taken++;
-      if (c >= chunks) return false;
+      const int64_t c = handout.next(me, tries);
+      if (c < 0) return false;
       begin = c * chunk, end = std::min(total, (c + 1) * chunk);
       return true;
     });

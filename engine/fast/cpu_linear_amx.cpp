@@ -19,8 +19,8 @@
 // input stays in the L2 cache); per chunk the column groups are shared by torch's OpenMP workers
 // (`share`, cpu_kernel_share.h). A chunk of one row block (a decode step of up to 16 requests):
 // per group, the group's accumulators zeroed, then for each slice one A tile (16 rows x 32 of x,
-// read in place; fewer rows from a zero-padded copy) and the group's B tiles, one tile product
-// each. A chunk of several row blocks (`several`): up to kFewPairs pairs of row blocks (64 rows),
+// read in place; fewer rows from the thread's own copy, `padded_tail`) and the group's B tiles,
+// one tile product each. A chunk of several row blocks (`several`): up to kFewPairs pairs of row blocks (64 rows),
 // A read in place as above and each column pair's B tiles meeting the row pairs right after each
 // other (B reused from L1); more rows, first copied into A tiles of 1 KiB each (zero-padded, on
 // 64-byte lines), then the groups in
@@ -283,8 +283,8 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
 
 // Rows [c0, c1) of the call (several row blocks) against column groups [begin, end). Up to
 // kFewPairs row pairs, A read in place (`apack` null: x's rows, row stride lda, the rows from `full`
-// on from the zero-padded `tail`): per group, column pair and K pass, the row pairs in turn (the B
-// tiles read from memory once, again from L1). Packing those few rows first cost more than it saved
+// on from the thread's copy `tail`): per group, column pair and K pass, the row pairs in turn (the
+// B tiles read from memory once, again from L1). Packing those few rows first cost more than it saved
 // (ad-hoc timing, [512, 512] at 64 rows, weight in cache: one thread 28.0 -> 25.6 us), and on two
 // threads, which packed half each, every thread then read the half the other core had written
 // (28.1 -> 17.9 us). More rows, copied to `apack` as A tiles: the groups in panels whose B
@@ -361,17 +361,26 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
   prev.store();  // the last block's tiles (the caller then emits `pend`)
 }
 
+// The last `count` (< kRows) rows of x, K each, as a row block of kRows rows in this thread's own
+// buffer (one A tile per slice, read in place). Each thread copies the rows it reads, so no thread
+// reads a buffer another core wrote: on two threads a padded copy made once by the calling thread
+// cost the other core ~3-4 us a call ([512, 512] at 1-15 rows, weight in cache: slower on two
+// threads than on one). The rows past `count` hold whatever the buffer held (zeros, or an earlier
+// call's rows): each is multiplied on its own into accumulator rows that are never written out.
+inline const uint16_t* padded_tail(const uint16_t* rows, int64_t count, int64_t k) {
+  static thread_local std::vector<uint16_t> buf;
+  if (static_cast<int64_t>(buf.size()) < kRows * k + 32) buf.assign(kRows * k + 32, 0);
+  uint16_t* const t = line_aligned(buf.data());
+  std::memcpy(t, rows, count * k * sizeof(uint16_t));
+  return t;
+}
+
 int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n, void* out, int64_t mode,
             int64_t threads) {
   const int64_t ldo = mode == kSiluMul ? n / 2 : n;  // out's row length
   if (!tiles_permitted()) return -2;
   const int64_t blocks = n / kCols, slices = k / kDepth, groups = (blocks + kGroup - 1) / kGroup;
-  const int64_t full = m / kRows * kRows;  // rows served in place; the rest from a padded copy
-  std::vector<uint16_t> tail;
-  if (full < m) {
-    tail.assign(kRows * k, 0);
-    std::memcpy(tail.data(), x + full * k, (m - full) * k * sizeof(uint16_t));
-  }
+  const int64_t full = m / kRows * kRows;  // rows served in place; the rest from a copy (`padded_tail`)
   const int64_t chunk = std::clamp<int64_t>(kChunkBytes / (2 * k) / (2 * kRows) * (2 * kRows), 2 * kRows, kChunkRows);
   for (int64_t c0 = 0; c0 < m; c0 += chunk) {
     const int64_t c1 = std::min(m, c0 + chunk);
@@ -403,17 +412,20 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
       Pending pend;
       pend.out = out, pend.mode = mode, pend.n = ldo;
       pend.stream = m * ldo * (mode == kF32 ? 4 : 2) >= kStreamBytes;
+      const uint16_t* tail = nullptr;  // this thread's copy of the partial last row block, made at first use
+      const auto tail_rows = [&] { return tail ? tail : (tail = padded_tail(x + full * k, m - full, k)); };
       int64_t begin, end;
       while (next(begin, end)) {
       if (c1 - c0 > kRows) {  // several row blocks
-        several(a_tiles, c0, c1, m, slices, blocks, w, begin, end, pend, x, k, full, tail.data());
+        several(a_tiles, c0, c1, m, slices, blocks, w, begin, end, pend, x, k, full,
+                packed_blocks || c1 <= full ? nullptr : tail_rows());
       } else {
         alignas(64) float acc[kRows * kGroup * kCols];
         for (int64_t g = begin; g < end; ++g) {
           const int64_t nb0 = g * kGroup, width = std::min(kGroup, blocks - nb0);
           const uint16_t* b = w + tile_offset(nb0, 0, blocks, slices);
           for (int64_t r0 = c0; r0 < c1; r0 += kRows) {
-            const uint16_t* a = r0 < full ? x + r0 * k : tail.data();
+            const uint16_t* a = r0 < full ? x + r0 * k : tail_rows();
             switch (width) {
               case 4: group_block<4>(a, k, b, slices, acc); break;
               case 3: group_block<3>(a, k, b, slices, acc); break;
