@@ -75,7 +75,7 @@ def test_amx_linear_large_output_written_past_the_cache(threads, monkeypatch):
     columns are line-aligned (N = 1024: every row; N = 1040: every other row, and a one-block tail
     group): the same values as ever, one rounding of the float result, float64 up to summation."""
     if not cpu_linear_amx.available():
-        return  # test_without_amx_the_layout_is_not_offered covers this CPU
+        return  # test_the_layout_is_offered_exactly_where_the_kernel_runs covers this CPU
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen = torch.Generator().manual_seed(4)
     for n, k, m in [(1024, 64, 520), (1040, 96, 600)]:
@@ -96,7 +96,7 @@ def test_two_threads_compute_every_value_as_one_does():
     larger one; a thread's run ending in a partial row block at 257, 300 and 700) writes exactly
     what one thread writes, in each output mode: bfloat16, float32 and gated."""
     if not cpu_linear_amx.available():
-        return  # test_without_amx_the_layout_is_not_offered covers this CPU
+        return  # test_the_layout_is_offered_exactly_where_the_kernel_runs covers this CPU
     gen = torch.Generator().manual_seed(5)
     for n, k, gated in [(512, 96, False), (640, 1536, False), (1024, 1536, False), (512, 64, True)]:
         lin = cpu_linear_amx.AmxLinear(torch.randn(n, k, generator=gen).bfloat16(), gated=gated)
@@ -117,7 +117,7 @@ def test_gated_amx_linear_is_the_linear_then_silu_mul():
     from engine.fast import cpu_elementwise
 
     if not cpu_linear_amx.available():
-        return  # test_without_amx_the_layout_is_not_offered covers this CPU
+        return  # test_the_layout_is_offered_exactly_where_the_kernel_runs covers this CPU
     gen = torch.Generator().manual_seed(2)
     for inter, k in [(32, 64), (96, 128), (160, 1536)]:
         w = torch.randn(2 * inter, k, generator=gen).bfloat16()

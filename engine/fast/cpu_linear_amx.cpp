@@ -20,11 +20,11 @@
 // (`share`, cpu_kernel_share.h). A chunk of one row block (a decode step of up to 16 requests):
 // per group, the group's accumulators zeroed, then for each slice one A tile (16 rows x 32 of x,
 // read in place; fewer rows from the thread's own copy, `padded_tail`) and the group's B tiles,
-// one tile product each. A chunk of several row blocks (`several`): up to kFewPairs pairs of row blocks (64 rows),
-// A read in place as above and each column pair's B tiles meeting the row pairs right after each
-// other (B reused from L1); more rows, first copied into A tiles of 1 KiB each (zero-padded, on
-// 64-byte lines), then the groups in
-// panels whose B tiles (whole K, about kPanelBytes) stay in L2; per panel, per pair of row blocks,
+// one tile product each. A chunk of several row blocks (`several`): up to kFewPairs pairs of row
+// blocks (64 rows), A read in place as above and each column pair's B tiles meeting the row pairs
+// right after each other (B reused from L1); more rows, first copied into A tiles of 1 KiB each
+// (zero-padded, on 64-byte lines), then the groups in panels whose B tiles (whole K, about
+// kPanelBytes) stay in L2; per panel, per pair of row blocks,
 // K in even passes of at most kPassSlices slices (the pair's A tiles of a pass, 32 KiB, stay in L1
 // while every column pair of the panel passes: the B tiles are loaded with the hint not to keep
 // them in L1). Each block: two row blocks x two column blocks, 4 accumulators, each A and B tile
@@ -40,9 +40,9 @@
 // the same values, in another summation order.
 //
 // Two threads or more: a call of few rows per thread shares each chunk's column groups (one run of
-// neighbouring groups per thread), its A tiles packed by all of them first; a call of many rows
-// (kSplitRows per thread; half that for a weight of at most kSplitWeightBytes, which stays in a
-// core's L2 cache) gives each thread one run of row pairs instead, on which it does what one thread
+// neighbouring groups per thread; above 64 rows its A tiles packed by all of them first); a call of
+// many rows (kSplitRows per thread; half that for a weight of at most kSplitWeightBytes, which stays
+// in a core's L2 cache) gives each thread one run of row pairs instead, on which it does what one thread
 // does on a whole call (its own chunks, its own A tiles, no barrier per chunk, but each thread
 // reading the whole weight). Measured on the Sapphire Rapids class core, two threads against one
 // per call (`python -m course.tuning.levers linear-threads --rows 16,64,256,2048`, against the same
@@ -284,11 +284,11 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
 // Rows [c0, c1) of the call (several row blocks) against column groups [begin, end). Up to
 // kFewPairs row pairs, A read in place (`apack` null: x's rows, row stride lda, the rows from `full`
 // on from the thread's copy `tail`): per group, column pair and K pass, the row pairs in turn (the
-// B tiles read from memory once, again from L1). Packing those few rows first cost more than it saved
-// (ad-hoc timing, [512, 512] at 64 rows, weight in cache: one thread 28.0 -> 25.6 us), and on two
-// threads, which packed half each, every thread then read the half the other core had written
-// (28.1 -> 17.9 us). More rows, copied to `apack` as A tiles: the groups in panels whose B
-// tiles (whole K) stay in the L2 cache (about kPanelBytes); per panel, per row pair, per K pass
+// B tiles read from memory once, again from L1). Packing those few rows first cost more than it
+// saved (ad-hoc timing, [512, 512] at 64 rows, weight in cache: one thread 28.0 -> 25.6 us), and on
+// two threads, which packed half each, every thread then read the half the other core had written
+// (28.1 -> 17.9 us). More rows, copied to `apack` as A tiles: the groups in panels whose B tiles
+// (whole K) stay in the L2 cache (about kPanelBytes); per panel, per row pair, per K pass
 // (even passes of at most kPassSlices slices: the pair's A tiles of a pass stay in L1), the row
 // pair meets every column pair of the panel in turn, so an output row is written left to right, a
 // panel's width at a time. Each block's tiles go to a buffer during the next block (`Unstored`)
