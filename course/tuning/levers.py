@@ -359,6 +359,14 @@ class PartTimer:
     def patch(self, cls, name: str, part: str) -> None:
         setattr(cls, name, self.wrap(getattr(cls, name), part))
 
+    def patch_linears(self, part: str = "linears") -> None:
+        """Every linear layout's entry point as ``part``: ``Linear`` (oneDNN's and the plain
+        tensor's), the panels' and the AMX tiles' direct ``run`` and the AMX layout's own call."""
+        from engine.fast import cpu_linear, cpu_linear_amx, linear_layout
+        for cls, name in ((linear_layout.Linear, "__call__"), (cpu_linear.SmallLinear, "run"),
+                          (cpu_linear_amx.AmxLinear, "run"), (cpu_linear_amx.AmxLinear, "__call__")):
+            self.patch(cls, name, part)
+
 
 def parts(args) -> None:
     """Where the fast core's decode step goes (the fused flat model, the cpu backend): timers around
@@ -369,13 +377,11 @@ def parts(args) -> None:
     from course.bench.compare import MODEL_PRESETS
     from engine.models import tiny_model
     from engine.serve import EngineConfig, EngineCore, SamplingParams
-    from engine.fast import cpu_attention, cpu_linear, cpu_linear_amx, linear_layout
+    from engine.fast import cpu_attention
 
     spent = {"linears": 0.0, "attention": 0.0, "write": 0.0}
     timer = PartTimer(spent)
-    for cls, name in ((linear_layout.Linear, "__call__"), (cpu_linear.SmallLinear, "run"),
-                      (cpu_linear_amx.AmxLinear, "run"), (cpu_linear_amx.AmxLinear, "__call__")):
-        timer.patch(cls, name, "linears")
+    timer.patch_linears()
     timer.patch(cpu_attention.CPUBackend, "forward", "attention")
     timer.patch(cpu_attention.CPUBackend, "forward_into", "attention")
     timer.patch(cpu_attention.CPUBackend, "write", "write")
@@ -416,15 +422,13 @@ def workload_parts(args) -> None:
     Amdahl puts on two threads: one thread's time over (its unsplit parts + the others at 2x)."""
     from course.bench.compare import MODEL_PRESETS, CoreRunner, fast_config, make_workload, run_workload
     from course.bench.machine import machine_line
-    from engine.fast import cpu_attention, cpu_elementwise, cpu_linear, cpu_linear_amx, fused, linear_layout
+    from engine.fast import cpu_attention, cpu_elementwise, fused
     from engine.models import tiny_model
 
     print(machine_line(2))
     timer = PartTimer()
     spent = timer.spent
-    for cls, name in ((linear_layout.Linear, "__call__"), (cpu_linear.SmallLinear, "run"),
-                      (cpu_linear_amx.AmxLinear, "run"), (cpu_linear_amx.AmxLinear, "__call__")):
-        timer.patch(cls, name, "linears")
+    timer.patch_linears()
     for name in ("forward", "forward_into", "forward_rows"):
         timer.patch(cpu_attention.CPUBackend, name, "attention")
     for name in ("write", "write_merged"):
@@ -599,8 +603,8 @@ def ew_step(args) -> None:
     with AVX-512 the step as the fused model runs it there: SiLU-mul inside the gate/up linear
     (``SmallLinear(gated=True)``), counted as what the gated call takes over the plain one, or 0
     where it takes less (it writes half the bytes); likewise in bfloat16 on a CPU with AMX, whose
-    gate/up linear the fused model runs gated in the AMX layout (``AmxLinear(gated=True)``). Interleaved rounds; median wall and
-    CPU ms per step. k is rotated in place, so every call gets a fresh copy of qkv (not timed)."""
+    gate/up linear the fused model runs gated in the AMX layout (``AmxLinear(gated=True)``).
+    Interleaved rounds; median wall and CPU ms per step. k is rotated in place, so every call gets a fresh copy of qkv (not timed)."""
     from course.bench.compare import MODEL_PRESETS
     from course.bench.machine import machine_line
     from engine.fast import cpu_elementwise as ew, cpu_linear, cpu_linear_amx
