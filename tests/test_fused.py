@@ -379,11 +379,13 @@ def use_isa(isa: str, monkeypatch) -> None:
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_elementwise_kernels_match_torch(threads, isa, monkeypatch):
+@pytest.mark.parametrize("hq, hkv", [(3, 1), (6, 3)])
+def test_elementwise_kernels_match_torch(threads, isa, hq, hkv, monkeypatch):
     """The float32 elementwise kernels equal the PyTorch expressions they replace (float32, up to
     summation order), at both vector widths, on widths that are not a multiple of the 8- or 16-float
     vector and with enough rows to be shared by two threads; the residual is updated in place and v
-    is left alone."""
+    is left alone. 9 q/k heads: the kernel's groups of heads (kHeadGroup) end in a partial one, and
+    the q heads end inside a group."""
     import torch.nn.functional as F
 
     from engine.rope import rope_cos_sin
@@ -393,7 +395,7 @@ def test_elementwise_kernels_match_torch(threads, isa, monkeypatch):
     monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", dict.fromkeys(ew.MIN_ELEMENTS_PER_THREAD, 1))  # share even these small calls
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen = torch.Generator().manual_seed(1)
-    n, d, hq, hkv, dh, inter = 37, 100, 3, 1, 18, 75
+    n, d, dh, inter = 37, 100, 18, 75
     hidden, residual = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
     weight = torch.rand(d, generator=gen) + 0.5
     want_res = hidden + residual
@@ -432,12 +434,15 @@ def test_elementwise_kernels_match_torch(threads, isa, monkeypatch):
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dh", [18, 64])
-def test_bfloat16_elementwise_kernels_round_as_torch_does(threads, isa, dh, monkeypatch):
+@pytest.mark.parametrize("hq, hkv", [(3, 1), (6, 3)])
+def test_bfloat16_elementwise_kernels_round_as_torch_does(threads, isa, dh, hq, hkv, monkeypatch):
     """The bfloat16 kernels round where the PyTorch ops of a bfloat16 model (and so generate())
     round: RMSNorm (the model's module: normalised in float32, rounded, times the weight), the
     residual add, RoPE's products and sum, SiLU then the product with up. On these inputs every
     value is bit-equal to PyTorch's, at both vector widths, at widths that are not a multiple of
-    the 8- or 16-float vector, and with heads whose halves fill whole vectors (64)."""
+    the 8- or 16-float vector, and with heads whose halves fill whole vectors (64); with 4 q/k heads
+    (one whole group of the kernel's kHeadGroup) and 9 (a partial last group, the q heads ending
+    inside one)."""
     import torch.nn.functional as F
 
     from engine.models.layers import RMSNorm
@@ -448,7 +453,7 @@ def test_bfloat16_elementwise_kernels_round_as_torch_does(threads, isa, dh, monk
     monkeypatch.setattr(ew, "MIN_ELEMENTS_PER_THREAD", dict.fromkeys(ew.MIN_ELEMENTS_PER_THREAD, 1))
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen, bf = torch.Generator().manual_seed(1), torch.bfloat16
-    n, d, hq, hkv, inter = 37, 100, 3, 1, 75
+    n, d, inter = 37, 100, 75
     hidden, residual = torch.randn(n, d, generator=gen).to(bf), torch.randn(n, d, generator=gen).to(bf)
     norm = RMSNorm(d, 1e-6).requires_grad_(False)
     norm.weight.copy_(torch.rand(d, generator=gen) + 0.5)
@@ -462,9 +467,11 @@ def test_bfloat16_elementwise_kernels_round_as_torch_does(threads, isa, dh, monk
     cos, sin = rope_cos_sin(torch.randint(0, 500, (n,), generator=gen), dh, 10000.0, bf)
     qk = qkv[:, :(hq + hkv) * dh].view(n, hq + hkv, dh)
     want_qk = apply_rope(qk_weight * F.rms_norm(qk, (dh,), None, 1e-6), cos, sin)
+    v_before = qkv[:, (hq + hkv) * dh:].clone()
     q = ew.qk_norm_rope(qkv, hq, hkv, dh, qk_weight, cos, sin, 1e-6)
     assert torch.equal(q, want_qk[:, :hq]) and torch.equal(qkv[:, hq * dh:(hq + hkv) * dh].view(n, hkv, dh),
                                                            want_qk[:, hq:]), "q/k norm + RoPE differ in bfloat16"
+    assert torch.equal(qkv[:, (hq + hkv) * dh:], v_before), "v must not be touched"
     gate_up = (torch.randn(n, 2 * inter, generator=gen) * 3).to(bf)
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(ew.silu_mul(gate_up), F.silu(gate) * up), "silu_mul differs in bfloat16"
