@@ -220,6 +220,24 @@ struct Unstored {
   }
 };
 
+// The B tiles of the panel a thread multiplies next, fetched into L2 a few lines a slice (`per`)
+// while the row pairs after the first multiply this one from L2. Without it, the first row pair
+// of each panel waited on memory while the matrix unit idled, and the later pairs ran on the unit
+// with memory idle; 4 lines a slice (1-3 of the next panel's 8,192 lines at 128 rows) gained most:
+// ~4-9% at 96-512 rows at both presets' shapes, on one thread and two (more lines a slice made
+// the call slower than none: the prefetches held the line fill buffers the tile loads need).
+// `linear_amx_set_prefetch(0)` turns it off (to measure it: `levers linear-amx`).
+constexpr int64_t kAheadLines = 4;
+bool panel_prefetch = true;
+
+struct Ahead {
+  const char* next = nullptr;  // the next line to fetch
+  const char* end = nullptr;   // past the last
+  void step() {
+    for (int64_t i = 0; i < kAheadLines && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
 // Two row blocks (A tiles 4, 5 from `a0`, `a1`: a row block's A tiles packed one after the other,
 // 1 KiB each; R = 1: `a0` only) against C column blocks of one group (B tiles at `b`, `stride`
 // elements apart per slice, in registers 6 and 7), slices [s0, s1): accumulators 0-3 = (row block
@@ -229,7 +247,7 @@ struct Unstored {
 template <int R, int C>
 inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b, int64_t stride,
                        int64_t s0, int64_t s1, bool load, float* acc0, float* acc1, Unstored& prev, Pending& pend,
-                       bool nt, int64_t a_slice, int64_t a_ld) {
+                       bool nt, int64_t a_slice, int64_t a_ld, Ahead* ahead) {
   const int64_t ld = kGroup * kCols * 4;
   // B tiles past L1 (keeping the row pair's A tiles there) where each tile row is one cache line; a
   // weight off the 64-byte grid (not torch's allocation) has rows across two lines, each line read
@@ -276,6 +294,7 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
       if (C > 1) _tile_dpbf16ps(3, 5, 7);
     }
     pend.step(per);
+    if (ahead != nullptr) ahead->step();
   }
   pend.flush();
   prev.acc0 = acc0, prev.acc1 = acc1, prev.rows = R, prev.cols = C;
@@ -294,10 +313,12 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
 // panel's width at a time. Each block's tiles go to a buffer during the next block (`Unstored`)
 // and out during the one after that stored them (`Pending`): with one K pass, two staging buffers
 // in turn; with several, partial sums carried between passes (one buffer per row pair, or per
-// group of the panel).
+// group of the panel). From the second row pair of a panel on, the next panel's B tiles (or, after
+// the last, the first again when another chunk of rows follows: `again`) come into L2 a few lines
+// a slice (`Ahead`).
 inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, int64_t slices, int64_t blocks,
                     const uint16_t* w, int64_t begin, int64_t end, Pending& pend, const uint16_t* x, int64_t lda,
-                    int64_t full, const uint16_t* tail) {
+                    int64_t full, const uint16_t* tail, bool again) {
   constexpr int64_t kBuf = 2 * kRows * kGroup * kCols;  // floats of one row pair x one group
   const int64_t pairs = (c1 - c0 + 2 * kRows - 1) / (2 * kRows);
   const bool few = pairs <= kFewPairs;
@@ -310,6 +331,8 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
   float* const base = line_aligned(buf.data());
   int64_t flip = 0;
   Unstored prev;
+  Ahead ahead;
+  Ahead* fetching = nullptr;  // `ahead` during a panel's row pairs after the first
   // One block: row pair pr, slices [s0, s1), column blocks j, j + 1 of group g; its partial sums
   // (several passes) in buffer `slot`.
   const auto block = [&](int64_t pr, int64_t s0, int64_t s1, int64_t g, int64_t j, int64_t slot) {
@@ -330,11 +353,11 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
     // ~3% faster on weights out of cache at 256 rows)
     const bool load = s0 > 0, nt = !few && pr > 0;
     if (r1 < c1) {
-      if (cols == 2) pair_block<2, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld);
-      else pair_block<2, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld);
+      if (cols == 2) pair_block<2, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld, fetching);
+      else pair_block<2, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld, fetching);
     } else {
-      if (cols == 2) pair_block<1, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld);
-      else pair_block<1, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld);
+      if (cols == 2) pair_block<1, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld, fetching);
+      else pair_block<1, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld, fetching);
     }
     if (s1 == slices) {  // emitted during the next block (or at the end)
       pend.acc[0] = p0, pend.acc[1] = p1;
@@ -352,11 +375,22 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
         for (int64_t s0 = 0; s0 < slices; s0 += depth)
           for (int64_t pr = 0; pr < pairs; ++pr) block(pr, s0, std::min(slices, s0 + depth), g, j, pr);
   } else {
-    for (int64_t g0 = begin; g0 < end; g0 += panel)
-      for (int64_t pr = 0; pr < pairs; ++pr)
+    for (int64_t g0 = begin; g0 < end; g0 += panel) {
+      // what `ahead` fetches during this panel: the next panel of [begin, end), or after the last
+      // its first again where another chunk of rows follows (`again`)
+      const int64_t gn = g0 + panel < end ? g0 + panel : again ? begin : end;
+      ahead.next = ahead.end = nullptr;
+      if (panel_prefetch && gn != g0 && gn < end) {  // groups follow each other whole: one run of bytes
+        ahead.next = reinterpret_cast<const char*>(w + gn * kGroup * slices * kTile);
+        ahead.end = reinterpret_cast<const char*>(w + std::min(blocks, std::min(end, gn + panel) * kGroup) * slices * kTile);
+      }
+      for (int64_t pr = 0; pr < pairs; ++pr) {
+        fetching = pr > 0 ? &ahead : nullptr;
         for (int64_t s0 = 0; s0 < slices; s0 += depth)
           for (int64_t g = g0; g < std::min(end, g0 + panel); ++g)
             for (int64_t j = 0; j < width(g); j += 2) block(pr, s0, std::min(slices, s0 + depth), g, j, g - g0);
+      }
+    }
   }
   prev.store();  // the last block's tiles (the caller then emits `pend`)
 }
@@ -418,7 +452,7 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
       while (next(begin, end)) {
       if (c1 - c0 > kRows) {  // several row blocks
         several(a_tiles, c0, c1, m, slices, blocks, w, begin, end, pend, x, k, full,
-                packed_blocks || c1 <= full ? nullptr : tail_rows());
+                packed_blocks || c1 <= full ? nullptr : tail_rows(), c1 < m);
       } else {
         alignas(64) float acc[kRows * kGroup * kCols];
         for (int64_t g = begin; g < end; ++g) {
@@ -449,6 +483,16 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
 
 // Whether this build runs the kernel (AMX-BF16 targeted); the OS may still refuse the tiles (-2).
 extern "C" int64_t linear_amx_available() { return LINEAR_AMX; }
+
+// The next panel's prefetch (`Ahead`) on (the default) or off (0: to measure it, or to test that the
+// results do not depend on it).
+extern "C" void linear_amx_set_prefetch(int64_t on) {
+#if LINEAR_AMX
+  panel_prefetch = on != 0;
+#else
+  (void)on;
+#endif
+}
 
 // w [N, K] bfloat16 (row-major) -> packed [N * K] in the kernel's order (see the top). N must be a
 // multiple of 16 and K of 32 (the caller checks).

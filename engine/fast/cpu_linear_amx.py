@@ -36,6 +36,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_amx_rows.restype = None
     lib.linear_amx_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                     ctypes.c_void_p]
+    lib.linear_amx_set_prefetch.restype = None  # on by default; off only to measure it (levers.py) or test
+    lib.linear_amx_set_prefetch.argtypes = [ctypes.c_int64]
     lib.linear_amx_bfloat16.restype = ctypes.c_int64  # 0; -1 no AMX in this build; -2 tiles refused
     lib.linear_amx_bfloat16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
