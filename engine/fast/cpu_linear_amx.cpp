@@ -119,6 +119,29 @@ inline void round_16(const float* src, uint16_t* dst) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), rounded_16(src));
 }
 
+// Software prefetch of the weight (both on by default; `linear_amx_set_prefetch(0)` turns them off,
+// to measure them: `python -m course.tuning.levers linear-amx`).
+//   - One row block (`group_block`, a decode step): every slice also asks for 4 lines 16 KiB
+//     further on in the packed weight, which the call reads front to back. The hardware's
+//     prefetcher follows that stream but starts again at each 4 KiB page; these lines reach the
+//     next pages first. ~3-4% off a pass over the 0.6B shape's weights from memory at 1 and 16
+//     rows, on one thread and two (ad-hoc timing; it reads at ~15 GB/s, near this core's ~15.6).
+//   - Up to kFewPairs row pairs (`several`'s few path, 17-64 rows): the first row pair's pass, which
+//     reads each column pair's B tiles from memory, asks for 8 lines 16 KiB on a slice: ~12-16%
+//     off that pass over the 0.6B shape's weights at 32 and 64 rows, on one thread and two (4 lines:
+//     ~5%; 12 no better than 8).
+//   - Several row blocks (`several`): the B tiles of the panel a thread multiplies next, fetched
+//     into L2 a few lines a slice (`Ahead`) while the row pairs after the first multiply this
+//     panel from L2. Without it, the first row pair of each panel waited on memory while the matrix
+//     unit idled, and the later pairs ran on the unit with memory idle; 4 lines a slice (1-3 of the
+//     next panel's 8,192 lines at 128 rows) gained most: ~4-9% at 96-512 rows at both presets'
+//     shapes, on one thread and two (more lines a slice, or every other line, made the call slower
+//     than none: the prefetches held the line fill buffers the tile loads need).
+bool weight_prefetch = true;
+constexpr int64_t kDecodeAheadBytes = 16 << 10;
+constexpr int64_t kAheadLines = 4;
+constexpr int64_t kFewAheadLines = 8;
+
 // Rows [r0, r0 + 16) of a chunk against one group of `width` column blocks starting at block nb0:
 // tiles 0-3 accumulate, tile 4 is A, tiles 5-7 B. `a` points at the block's first row (stride lda
 // elements); `acc` receives the 16 x (width x 16) floats.
@@ -131,6 +154,8 @@ inline void group_block(const uint16_t* a, int64_t lda, const uint16_t* b, int64
   for (int64_t kb = 0; kb < slices; ++kb) {
     _tile_loadd(4, a + kb * kDepth, lda * 2);
     const uint16_t* t = b + kb * W * kTile;
+    if (weight_prefetch)  // the next pages of the weight (see weight_prefetch)
+      for (int64_t i = 0; i < kAheadLines; ++i) _mm_prefetch(reinterpret_cast<const char*>(t) + kDecodeAheadBytes + 64 * i, _MM_HINT_T1);
     // B tiles in registers 5, 6, 7 in turn: a load need not wait for the product reading the last
     if (W > 0) { _tile_loadd(5, t, 64); _tile_dpbf16ps(0, 4, 5); }
     if (W > 1) { _tile_loadd(6, t + kTile, 64); _tile_dpbf16ps(1, 4, 6); }
@@ -220,16 +245,6 @@ struct Unstored {
   }
 };
 
-// The B tiles of the panel a thread multiplies next, fetched into L2 a few lines a slice (`per`)
-// while the row pairs after the first multiply this one from L2. Without it, the first row pair
-// of each panel waited on memory while the matrix unit idled, and the later pairs ran on the unit
-// with memory idle; 4 lines a slice (1-3 of the next panel's 8,192 lines at 128 rows) gained most:
-// ~4-9% at 96-512 rows at both presets' shapes, on one thread and two (more lines a slice made
-// the call slower than none: the prefetches held the line fill buffers the tile loads need).
-// `linear_amx_set_prefetch(0)` turns it off (to measure it: `levers linear-amx`).
-constexpr int64_t kAheadLines = 4;
-bool panel_prefetch = true;
-
 struct Ahead {
   const char* next = nullptr;  // the next line to fetch
   const char* end = nullptr;   // past the last
@@ -244,10 +259,12 @@ struct Ahead {
 // i, column block j) at 2i + j, started from zero or (`load`) from acc0 / acc1 (16 x C x 16 each,
 // row stride kGroup x 16), and left in the registers: `prev` (the block before's) is stored in the
 // first slice, then `pend` (its floats, if final) emitted a few rows per slice; `prev` becomes this block.
+// Each slice after the first also steps `ahead` (if any) and asks for `far_lines` lines of the
+// weight kDecodeAheadBytes on (see weight_prefetch).
 template <int R, int C>
 inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b, int64_t stride,
                        int64_t s0, int64_t s1, bool load, float* acc0, float* acc1, Unstored& prev, Pending& pend,
-                       bool nt, int64_t a_slice, int64_t a_ld, Ahead* ahead) {
+                       bool nt, int64_t a_slice, int64_t a_ld, Ahead* ahead, int64_t far_lines) {
   const int64_t ld = kGroup * kCols * 4;
   // B tiles past L1 (keeping the row pair's A tiles there) where each tile row is one cache line; a
   // weight off the 64-byte grid (not torch's allocation) has rows across two lines, each line read
@@ -295,6 +312,8 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
     }
     pend.step(per);
     if (ahead != nullptr) ahead->step();
+    for (int64_t i = 0; i < far_lines; ++i)  // the weight's pages ahead (few row pairs: B read from memory here)
+      _mm_prefetch(reinterpret_cast<const char*>(t) + kDecodeAheadBytes + 64 * i, _MM_HINT_T1);
   }
   pend.flush();
   prev.acc0 = acc0, prev.acc1 = acc1, prev.rows = R, prev.cols = C;
@@ -352,12 +371,13 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
     // B past L1 once the row pair 0 brought it into L2 (its first trip from memory with normal loads:
     // ~3% faster on weights out of cache at 256 rows)
     const bool load = s0 > 0, nt = !few && pr > 0;
+    const int64_t far = few && pr == 0 && weight_prefetch ? kFewAheadLines : 0;
     if (r1 < c1) {
-      if (cols == 2) pair_block<2, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld, fetching);
-      else pair_block<2, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld, fetching);
+      if (cols == 2) pair_block<2, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld, fetching, far);
+      else pair_block<2, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld, fetching, far);
     } else {
-      if (cols == 2) pair_block<1, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld, fetching);
-      else pair_block<1, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld, fetching);
+      if (cols == 2) pair_block<1, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld, fetching, far);
+      else pair_block<1, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld, fetching, far);
     }
     if (s1 == slices) {  // emitted during the next block (or at the end)
       pend.acc[0] = p0, pend.acc[1] = p1;
@@ -380,7 +400,7 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
       // its first again where another chunk of rows follows (`again`)
       const int64_t gn = g0 + panel < end ? g0 + panel : again ? begin : end;
       ahead.next = ahead.end = nullptr;
-      if (panel_prefetch && gn != g0 && gn < end) {  // groups follow each other whole: one run of bytes
+      if (weight_prefetch && gn != g0 && gn < end) {  // groups follow each other whole: one run of bytes
         ahead.next = reinterpret_cast<const char*>(w + gn * kGroup * slices * kTile);
         ahead.end = reinterpret_cast<const char*>(w + std::min(blocks, std::min(end, gn + panel) * kGroup) * slices * kTile);
       }
@@ -484,11 +504,10 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
 // Whether this build runs the kernel (AMX-BF16 targeted); the OS may still refuse the tiles (-2).
 extern "C" int64_t linear_amx_available() { return LINEAR_AMX; }
 
-// The next panel's prefetch (`Ahead`) on (the default) or off (0: to measure it, or to test that the
-// results do not depend on it).
+// The weight's software prefetch (`weight_prefetch`) on (the default) or off (0: to measure it).
 extern "C" void linear_amx_set_prefetch(int64_t on) {
 #if LINEAR_AMX
-  panel_prefetch = on != 0;
+  weight_prefetch = on != 0;
 #else
   (void)on;
 #endif
