@@ -46,12 +46,14 @@ import torch.nn.functional as F  # noqa: E402
 
 
 def interleaved(fns: dict, rounds: int) -> dict[str, float]:
-    """Median ms of each callable, called in turn ``rounds`` times (after one warm-up call each)."""
+    """Median ms of each callable, called in turn ``rounds`` times (after one warm-up call each),
+    in reverse order every other round: whichever runs right after another meets the caches that
+    one left (the same weights in L2, or another variant's), so a fixed order favoured one."""
     for f in fns.values():
         f()
     times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
+    for round_ in range(rounds):
+        for k, f in (reversed(fns.items()) if round_ % 2 else fns.items()):
             start = time.perf_counter()
             f()
             times[k].append(time.perf_counter() - start)
