@@ -111,6 +111,34 @@ def test_two_threads_compute_every_value_as_one_does():
                 assert torch.equal(outs[0], outs[1]), f"[{n}, {k}]{' gated' if gated else ''} at {m} rows, {out_dtype}"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_weight_prefetch_changes_no_value(threads):
+    """``linear_amx_set_prefetch`` (the software prefetch of the weight: pages ahead for a decode or
+    few-row call, the next panel during a panel's later row pairs, the first again before the next
+    chunk of rows) off and on: the same bits, at row counts that take each path on a weight of
+    several panels (K = 1024: 256 columns a panel, 6 of them) and 2 chunks at 300 rows; each within
+    float summation of the float64 product, and the switch left on."""
+    if not cpu_linear_amx.available():
+        return  # test_the_layout_is_offered_exactly_where_the_kernel_runs covers this CPU
+    lib = cpu_linear_amx.library()
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(1536, 1024, generator=gen).bfloat16()
+    lin = cpu_linear_amx.AmxLinear(w)
+    for m in [1, 16, 40, 64, 100, 300]:
+        x = torch.randn(m, 1024, generator=gen).bfloat16()
+        outs = [torch.full((m, 1536), float("nan"), dtype=torch.float32) for _ in range(2)]
+        try:
+            for on, out in zip((0, 1), outs):
+                lib.linear_amx_set_prefetch(on)
+                lin.run(x.data_ptr(), m, out.data_ptr(), threads, torch.float32)
+        finally:
+            lib.linear_amx_set_prefetch(1)
+        assert torch.equal(outs[0], outs[1]), f"{m} rows, {threads} thread(s): the prefetch changed a value"
+        want = x.double() @ w.double().T
+        err = ((outs[1].double() - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-5, f"{m} rows, {threads} thread(s): relative error {err:.2e}"
+
+
 def test_gated_amx_linear_is_the_linear_then_silu_mul():
     """A SwiGLU gate/up weight packed gated: its call returns exactly what the bf16 linear followed
     by the elementwise SiLU-mul kernel returns (the same roundings, bit for bit), at every row count."""
