@@ -127,7 +127,7 @@ inline void round_16(const float* src, uint16_t* dst) {
 //     next pages first. ~3-4% off a pass over the 0.6B shape's weights from memory at 1 and 16
 //     rows, on one thread and two (ad-hoc timing; it reads at ~15 GB/s, near this core's ~15.6).
 //   - Up to kFewPairs row pairs (`several`'s few path, 17-64 rows): the first row pair's pass, which
-//     reads each column pair's B tiles from memory, asks for 8 lines 16 KiB on a slice: ~12-16%
+//     reads each column pair's B tiles from memory, asks for 8 lines 16 KiB ahead each slice: ~12-16%
 //     off that pass over the 0.6B shape's weights at 32 and 64 rows, on one thread and two (4 lines:
 //     ~5%; 12 no better than 8).
 //   - Several row blocks (`several`): the B tiles of the panel a thread multiplies next, fetched
@@ -245,6 +245,7 @@ struct Unstored {
   }
 };
 
+// A run of the weight's bytes asked for kAheadLines lines at a time (`several`: the next panel).
 struct Ahead {
   const char* next = nullptr;  // the next line to fetch
   const char* end = nullptr;   // past the last
