@@ -98,28 +98,6 @@ inline int64_t thread_index() {
 #endif
 }
 
-// run(begin, end) over [0, total) in as many contiguous runs as threads (at most), each thread its
-// own run first (`OwnRuns`). For work where each item prefetches the next (the small-batch linear's
-// panels): within its run the next is read by the same thread. (Cut finer, as share() does, the next
-// is often another core's and its prefetch wasted: two threads ran the float32 [512, 512] linear at
-// 16 rows 1.13x one thread; in one run each, 1.84x; two runs each, 1.72x.)
-template <typename F>
-void share_runs(int64_t total, int64_t threads, F&& run) {
-  const int64_t teams = std::max<int64_t>(1, threads);
-  const int64_t span = std::max<int64_t>(1, (total + teams - 1) / teams), runs = (total + span - 1) / span;
-  if (threads <= 1 || runs < 2) {
-    run(0, total);
-    return;
-  }
-  OwnRuns handout(runs);
-#pragma omp parallel num_threads(share_team(threads))
-  {
-    const int64_t me = thread_index();
-    int64_t tries = 0;
-    for (int64_t r; (r = handout.next(me, tries)) >= 0;) run(r * span, std::min(total, (r + 1) * span));
-  }
-}
-
 // share() preceded by a first phase every chunk of the second needs done, and with a scope per
 // thread: prep(begin, end) over [0, prep_total) shared as share() does, then (all of it done) each
 // thread of the team calls per_thread(next) once, where next(begin, end) hands it the next chunk of
@@ -161,6 +139,18 @@ void share_after(int64_t prep_total, Prep&& prep, int64_t total, int64_t threads
       return true;
     });
   }
+}
+
+// run(begin, end) over [0, total) in as many contiguous runs as threads (at most), each thread its
+// own run first (`OwnRuns`). For work where each item prefetches the next (the small-batch linear's
+// panels): within its run the next is read by the same thread. (Cut finer, as share() does, the next
+// is often another core's and its prefetch wasted: two threads ran the float32 [512, 512] linear at
+// 16 rows 1.13x one thread; in one run each, 1.84x; two runs each, 1.72x.)
+template <typename F>
+void share_runs(int64_t total, int64_t threads, F&& run) {
+  share_after(0, [](int64_t, int64_t) {}, total, threads, [&](auto&& next) {
+    for (int64_t begin, end; next(begin, end);) run(begin, end);
+  });
 }
 
 }  // namespace
