@@ -119,7 +119,7 @@ inline void round_16(const float* src, uint16_t* dst) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), rounded_16(src));
 }
 
-// Software prefetch of the weight (both on by default; `linear_amx_set_prefetch(0)` turns them off,
+// Software prefetch of the weight (all three on by default; `linear_amx_set_prefetch(0)` turns them off,
 // to measure them: `python -m course.tuning.levers linear-amx`).
 //   - One row block (`group_block`, a decode step): every slice also asks for 4 lines 16 KiB
 //     further on in the packed weight, which the call reads front to back. The hardware's
@@ -142,6 +142,12 @@ constexpr int64_t kDecodeAheadBytes = 16 << 10;
 constexpr int64_t kAheadLines = 4;
 constexpr int64_t kFewAheadLines = 8;
 
+// `lines` lines of the packed weight kDecodeAheadBytes past `at` (the first two kinds above).
+inline void pages_ahead(const uint16_t* at, int64_t lines) {
+  for (int64_t i = 0; i < lines; ++i)
+    _mm_prefetch(reinterpret_cast<const char*>(at) + kDecodeAheadBytes + 64 * i, _MM_HINT_T1);
+}
+
 // Rows [r0, r0 + 16) of a chunk against one group of `width` column blocks starting at block nb0:
 // tiles 0-3 accumulate, tile 4 is A, tiles 5-7 B. `a` points at the block's first row (stride lda
 // elements); `acc` receives the 16 x (width x 16) floats.
@@ -154,8 +160,7 @@ inline void group_block(const uint16_t* a, int64_t lda, const uint16_t* b, int64
   for (int64_t kb = 0; kb < slices; ++kb) {
     _tile_loadd(4, a + kb * kDepth, lda * 2);
     const uint16_t* t = b + kb * W * kTile;
-    if (weight_prefetch)  // the next pages of the weight (see weight_prefetch)
-      for (int64_t i = 0; i < kAheadLines; ++i) _mm_prefetch(reinterpret_cast<const char*>(t) + kDecodeAheadBytes + 64 * i, _MM_HINT_T1);
+    if (weight_prefetch) pages_ahead(t, kAheadLines);
     // B tiles in registers 5, 6, 7 in turn: a load need not wait for the product reading the last
     if (W > 0) { _tile_loadd(5, t, 64); _tile_dpbf16ps(0, 4, 5); }
     if (W > 1) { _tile_loadd(6, t + kTile, 64); _tile_dpbf16ps(1, 4, 6); }
@@ -313,8 +318,7 @@ inline void pair_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
     }
     pend.step(per);
     if (ahead != nullptr) ahead->step();
-    for (int64_t i = 0; i < far_lines; ++i)  // the weight's pages ahead (few row pairs: B read from memory here)
-      _mm_prefetch(reinterpret_cast<const char*>(t) + kDecodeAheadBytes + 64 * i, _MM_HINT_T1);
+    pages_ahead(t, far_lines);  // few row pairs: B read from memory here
   }
   pend.flush();
   prev.acc0 = acc0, prev.acc1 = acc1, prev.rows = R, prev.cols = C;
@@ -351,8 +355,7 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
   float* const base = line_aligned(buf.data());
   int64_t flip = 0;
   Unstored prev;
-  Ahead ahead;
-  Ahead* fetching = nullptr;  // `ahead` during a panel's row pairs after the first
+  Ahead ahead;  // the next panel's bytes, stepped by a panel's row pairs after the first (empty on the few path)
   // One block: row pair pr, slices [s0, s1), column blocks j, j + 1 of group g; its partial sums
   // (several passes) in buffer `slot`.
   const auto block = [&](int64_t pr, int64_t s0, int64_t s1, int64_t g, int64_t j, int64_t slot) {
@@ -373,6 +376,7 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
     // ~3% faster on weights out of cache at 256 rows)
     const bool load = s0 > 0, nt = !few && pr > 0;
     const int64_t far = few && pr == 0 && weight_prefetch ? kFewAheadLines : 0;
+    Ahead* const fetching = pr > 0 ? &ahead : nullptr;
     if (r1 < c1) {
       if (cols == 2) pair_block<2, 2>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld, fetching, far);
       else pair_block<2, 1>(a0, a1, bj, stride, s0, s1, load, p0, p1, prev, pend, nt, a_slice, a_ld, fetching, far);
@@ -405,12 +409,10 @@ inline void several(const uint16_t* apack, int64_t c0, int64_t c1, int64_t m, in
         ahead.next = reinterpret_cast<const char*>(w + gn * kGroup * slices * kTile);
         ahead.end = reinterpret_cast<const char*>(w + std::min(blocks, std::min(end, gn + panel) * kGroup) * slices * kTile);
       }
-      for (int64_t pr = 0; pr < pairs; ++pr) {
-        fetching = pr > 0 ? &ahead : nullptr;
+      for (int64_t pr = 0; pr < pairs; ++pr)
         for (int64_t s0 = 0; s0 < slices; s0 += depth)
           for (int64_t g = g0; g < std::min(end, g0 + panel); ++g)
             for (int64_t j = 0; j < width(g); j += 2) block(pr, s0, std::min(slices, s0 + depth), g, j, g - g0);
-      }
     }
   }
   prev.store();  // the last block's tiles (the caller then emits `pend`)
