@@ -843,7 +843,7 @@ def linear_amx(args) -> None:
     """A preset's layer weights in bfloat16 (the small preset's 4 layers, 25 MB; Qwen3-0.6B's 28,
     880 MB: out of every cache), a pass of one matmul per weight at each of ``--rows``: oneDNN's
     prepacked matmul and the AMX kernel's own packing (``cpu_linear_amx``), with and without its
-    prefetch of the next panel (calls of more than 64 rows), interleaved rounds, median ms."""
+    software prefetch of the weight (``linear_amx_set_prefetch``), interleaved rounds, median ms."""
     from course.bench.compare import MODEL_PRESETS
     from course.bench.machine import machine_line
     from engine.fast import cpu_linear_amx
@@ -869,7 +869,7 @@ def linear_amx(args) -> None:
     lib = cpu_linear_amx.library()
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k, _ in shapes}
-        def amx(prefetch: bool):  # the kernel with / without its next panel's prefetch (above 64 rows)
+        def amx(prefetch: bool):  # the kernel with / without its software prefetch of the weight
             def run():
                 lib.linear_amx_set_prefetch(int(prefetch))
                 try:
@@ -879,11 +879,11 @@ def linear_amx(args) -> None:
             return run
         fns = {"oneDNN packed": lambda: [torch.ops.mkldnn._linear_pointwise.default(xs[k], w, None, "none", [], "")
                                          for w, (k, _) in zip(packed, shapes)],
-               "amx": amx(True), "amx, no panel prefetch": amx(False)}
+               "amx": amx(True), "amx, no prefetch": amx(False)}
         res = interleaved(fns, args.rounds)
         print(f"{args.preset}, {layers} layers' bf16 linears ({size / 1e6:.0f} MB), {rows} row(s), "
               f"{torch.get_num_threads()} thread(s), median ms of a pass: {res} "
-              f"(amx {res['oneDNN packed'] / res['amx']:.2f}x oneDNN, {res['amx, no panel prefetch'] / res['amx']:.2f}x "
+              f"(amx {res['oneDNN packed'] / res['amx']:.2f}x oneDNN, {res['amx, no prefetch'] / res['amx']:.2f}x "
               f"without the prefetch; {size / res['amx'] / 1e6:.1f} GB/s)")
 
 
