@@ -146,6 +146,8 @@ void qk_norm_rope(T* qkv, int64_t ld, int64_t n, int64_t hq, int64_t hkv, int64_
         }
         for (; i < dh; ++i) cf[i] = value(c[i]), sf[i] = value(s[i]);
       }
+      const float* const cr = [&] { if constexpr (widen) return cf; else return c; }();  // the row's cos, float
+      const float* const sr = [&] { if constexpr (widen) return sf; else return s; }();
       for (int64_t h0 = 0; h0 < heads; h0 += kHeadGroup<T>) {
         const int64_t h1 = std::min(heads, h0 + kHeadGroup<T>);
         for (int64_t h = h0; h < h1; ++h) inv[h - h0] = inv_rms(sum_of_squares<T, W>(qkv + r * ld + h * dh, dh), dh, eps);
@@ -159,20 +161,14 @@ void qk_norm_rope(T* qkv, int64_t ld, int64_t n, int64_t hq, int64_t hkv, int64_
           for (; i + W::N <= half; i += W::N) {
             const auto y1 = rnd<T, W>(rnd<T, W>(W::load(x + i) * a) * W::load(w + i));
             const auto y2 = rnd<T, W>(rnd<T, W>(W::load(x + i + half) * a) * W::load(w + i + half));
-            typename W::F c1, c2, s1, s2;
-            if constexpr (widen) {
-              c1 = W::load(cf + i), c2 = W::load(cf + i + half), s1 = W::load(sf + i), s2 = W::load(sf + i + half);
-            } else {
-              c1 = W::load(c + i), c2 = W::load(c + i + half), s1 = W::load(s + i), s2 = W::load(s + i + half);
-            }
-            W::store(o + i, rnd<T, W>(y1 * c1) - rnd<T, W>(y2 * s1));  // the store rounds
-            W::store(o + i + half, rnd<T, W>(y2 * c2) + rnd<T, W>(y1 * s2));
+            W::store(o + i, rnd<T, W>(y1 * W::load(cr + i)) - rnd<T, W>(y2 * W::load(sr + i)));  // the store rounds
+            W::store(o + i + half, rnd<T, W>(y2 * W::load(cr + i + half)) + rnd<T, W>(y1 * W::load(sr + i + half)));
           }
           for (; i < half; ++i) {
             const float y1 = rnd<T>(rnd<T>(value(x[i]) * a) * value(w[i]));
             const float y2 = rnd<T>(rnd<T>(value(x[i + half]) * a) * value(w[i + half]));
-            put(o + i, rnd<T>(y1 * value(c[i])) - rnd<T>(y2 * value(s[i])));
-            put(o + i + half, rnd<T>(y2 * value(c[i + half])) + rnd<T>(y1 * value(s[i + half])));
+            put(o + i, rnd<T>(y1 * cr[i]) - rnd<T>(y2 * sr[i]));
+            put(o + i + half, rnd<T>(y2 * cr[i + half]) + rnd<T>(y1 * sr[i + half]));
           }
         }
       }
