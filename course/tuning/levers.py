@@ -421,7 +421,8 @@ def workload_parts(args) -> None:
     the linears (every layout's), attention, K/V writes, the elementwise kernels' calls, the LM head,
     the embedding; the scheduler, ``build_batch`` (the runner's ``prepare``), the sampler; "rest": the
     step's other Python (the forward's own and the bookkeeping), and outside the steps. Last, the cap
-    Amdahl puts on two threads: one thread's time over (its unsplit parts + the others at 2x)."""
+    Amdahl puts on two threads: one thread's time over (its unsplit parts + the others at 2x); and the
+    forward passes alone (``runner.execute``, timed apart: its parts and the Python between them)."""
     from course.bench.compare import MODEL_PRESETS, CoreRunner, fast_config, make_workload, run_workload
     from course.bench.machine import machine_line
     from engine.fast import cpu_attention, cpu_elementwise, fused
@@ -447,6 +448,8 @@ def workload_parts(args) -> None:
     timer.patch(core.scheduler, "schedule", "scheduler")  # these three on the instances
     timer.patch(core.runner, "prepare", "build_batch")
     timer.patch(core, "sampler", "sampler")
+    forward = PartTimer()  # the whole forward pass (its parts and the Python between them), timed apart
+    forward.patch(core.runner, "execute", "forward")
     step = core.step
 
     def whole_step():
@@ -458,10 +461,12 @@ def workload_parts(args) -> None:
     core.step = whole_step
     work = make_workload(args.workload, model.cfg.vocab_size, preset=args.preset)
     rows: dict[int, list[dict[str, float]]] = {1: [], 2: []}
+    passes: dict[int, list[float]] = {1: [], 2: []}  # the forward passes' time per run
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for threads in ((1, 2) if round_ % 2 else (2, 1)):
             torch.set_num_threads(threads)
             spent.clear()
+            forward.spent.clear()
             start = time.perf_counter()
             run_workload(runner.fresh(), work)
             total = time.perf_counter() - start
@@ -470,6 +475,7 @@ def workload_parts(args) -> None:
                 inside = spent.get("step", 0.0) - sum(parts.values())
                 rows[threads].append({**parts, "rest of the step": inside, "outside the steps": total - spent.get("step", 0.0),
                                       "all": total})
+                passes[threads].append(forward.spent.get("forward", 0.0))
     torch.set_num_threads(args.threads)
     names = list(rows[1][0])
     med = {t: {k: statistics.median(r.get(k, 0.0) for r in rows[t]) * 1000 for k in names} for t in (1, 2)}
@@ -482,6 +488,11 @@ def workload_parts(args) -> None:
     print(f"one thread's serial Python (scheduler, build_batch, sampler, rest, outside): {serial:.1f} ms "
           f"({serial / med[1]['all']:.0%}); with every other part at 2x, two threads would cap at "
           f"{med[1]['all'] / (serial + (med[1]['all'] - serial) / 2):.2f}x")
+    one, two = (statistics.median(passes[t]) * 1000 for t in (1, 2))
+    inner = ("embedding", "elementwise", "linears", "K/V writes", "attention", "LM head")
+    between = [(statistics.median(passes[t]) * 1000 - sum(med[t].get(k, 0.0) for k in inner)) for t in (1, 2)]
+    print(f"the forward passes alone (runner.execute): {one:.1f} -> {two:.1f} ms, {one / two:.2f}x; of which the "
+          f"Python between their parts (in 'rest' above): {between[0]:.1f} -> {between[1]:.1f} ms")
 
 
 def linear(args) -> None:
