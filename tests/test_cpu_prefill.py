@@ -305,11 +305,12 @@ def test_the_amx_kernel_over_requests_that_share_cached_blocks(threads):
     shares) may reuse the keys packed for the request before them: every request's rows still
     match float64 attention over its own keys, where the shared blocks are read to different
     lengths (a block that one request reads only partly), by blocks smaller and larger than the
-    kernel's 32-key chunk, and with a window. (No AMX here: nothing to check; the path is not
-    offered, as the test above asserts.)"""
+    kernel's 32-key chunk, and with a window. (No AMX here: it checks only that the path is not
+    offered, as the test above does.)"""
     from engine.fast import cpu_prefill
 
-    if cpu_prefill.amx_library() is None:
+    if cpu_prefill.amx_library() is None:  # nothing to run here: the path must not be offered
+        assert not cpu_prefill.amx_serves(torch.bfloat16, 8, 4, 64)
         return
     gen = torch.Generator().manual_seed(10)
     before = torch.get_num_threads()
