@@ -59,12 +59,16 @@ def test_amx_linear_matches_float64_matmul(threads, monkeypatch):
             err = ((got32.double() - want).abs().max() / want.abs().max()).item()
             assert err < 1e-5, f"[{n}, {k}] at {m} rows, {threads} thread(s): relative error {err:.2e}"
             assert torch.equal(lin(x), got32.bfloat16()), f"[{n}, {k}] at {m} rows: not one rounding of the float result"
+            assert torch.equal(lin(x, torch.float32, widened=True), got32.bfloat16().float()), \
+                f"[{n}, {k}] at {m} rows: widened outputs are not the bf16 outputs as float32"
         ids = torch.tensor([0, n - 1, n // 2, 17 % n])
         assert torch.equal(lin.rows(ids), w[ids]), f"[{n}, {k}]: rows() differ from the weight's rows"
     with pytest.raises(ValueError, match="multiple of 16"):
         cpu_linear_amx.AmxLinear(torch.zeros(24, 32, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="bfloat16 CPU input"):
         lin(torch.zeros(2, 2080))
+    with pytest.raises(ValueError, match="widened outputs are float32"):
+        lin(torch.zeros(2, lin.k, dtype=torch.bfloat16), widened=True)
     with pytest.raises(ValueError, match=r"row ids must lie in \[0, 32\)"):
         lin.rows(torch.tensor([32]))
 
@@ -87,6 +91,26 @@ def test_amx_linear_large_output_written_past_the_cache(threads, monkeypatch):
         err = ((got32.double() - want).abs().max() / want.abs().max()).item()
         assert err < 1e-5, f"[{n}, {k}] at {m} rows: relative error {err:.2e}"
         assert torch.equal(got, got32.bfloat16()), f"[{n}, {k}] at {m} rows: not one rounding of the float result"
+        assert torch.equal(lin(x, torch.float32, widened=True), got.float()), f"[{n}, {k}] at {m} rows: widened"
+
+
+def test_widened_outputs_carry_the_bfloat16_bits_of_nan_and_infinity():
+    """Rows whose sums are NaN (a NaN input), infinite (inputs near bfloat16's largest value) or
+    finite: the widened float32 outputs hold exactly the bfloat16 outputs' bits (a NaN quieted as
+    the bfloat16 rounding quiets it, infinities kept), on the few-row and the many-row paths."""
+    if not cpu_linear_amx.available():
+        return  # test_the_layout_is_offered_exactly_where_the_kernel_runs covers this CPU
+    gen = torch.Generator().manual_seed(9)
+    lin = cpu_linear_amx.AmxLinear(torch.rand(64, 64, generator=gen).bfloat16() + 0.5)  # positive weights
+    for m in (3, 70):
+        x = torch.randn(m, 64, generator=gen).bfloat16()
+        x[0, 5] = float("nan")
+        x[1] = 3e38  # every product overflows float32 sums to +inf
+        x[2, :] = -3e38
+        got = lin(x, torch.float32, widened=True).view(torch.int32)
+        want = lin(x).float().view(torch.int32)
+        assert torch.equal(got, want), f"{m} rows: widened bits differ from the bfloat16 outputs' bits"
+        assert lin(x)[0].isnan().all() and lin(x)[1].isposinf().all() and lin(x)[2].isneginf().all()
 
 
 def test_two_threads_compute_every_value_as_one_does():
@@ -94,7 +118,7 @@ def test_two_threads_compute_every_value_as_one_does():
     reading a partial last row block from its own copy at 1, 5, 17 and 40; one run of row pairs per
     thread for many: from 256 rows on two threads for a weight of at most 2 MiB, from 512 for a
     larger one; a thread's run ending in a partial row block at 257, 300 and 700) writes exactly
-    what one thread writes, in each output mode: bfloat16, float32 and gated."""
+    what one thread writes, in each output mode: bfloat16, float32, widened and gated."""
     if not cpu_linear_amx.available():
         return  # test_the_layout_is_offered_exactly_where_the_kernel_runs covers this CPU
     gen = torch.Generator().manual_seed(5)
@@ -104,11 +128,14 @@ def test_two_threads_compute_every_value_as_one_does():
         width = n // 2 if gated else n
         for m in [1, 5, 16, 17, 40, 64, 255, 256, 257, 300, 512, 700]:
             x = torch.randn(m, k, generator=gen).bfloat16()
-            for out_dtype in [torch.bfloat16] if gated else [torch.bfloat16, torch.float32]:
+            modes = [(torch.bfloat16, False)] if gated else [(torch.bfloat16, False), (torch.float32, False),
+                                                              (torch.float32, True)]
+            for out_dtype, widened in modes:
                 outs = [torch.full((m, width), float("nan"), dtype=out_dtype) for _ in range(2)]
                 for threads, out in zip((2, 1), outs):  # two first: no buffer of the call before holds x already
-                    lin.run(x.data_ptr(), m, out.data_ptr(), threads, out_dtype)
-                assert torch.equal(outs[0], outs[1]), f"[{n}, {k}]{' gated' if gated else ''} at {m} rows, {out_dtype}"
+                    lin.run(x.data_ptr(), m, out.data_ptr(), threads, out_dtype, widened)
+                assert torch.equal(outs[0], outs[1]), \
+                    f"[{n}, {k}]{' gated' if gated else ''} at {m} rows, {out_dtype}{' widened' if widened else ''}"
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -201,4 +228,8 @@ def test_bfloat16_engine_with_amx_linears_matches_generate(tied, monkeypatch):
         assert core.flat.lm_head.layout == "amx"
         ids = torch.tensor([0, 15, 16, 17, model.cfg.vocab_size - 1])
         assert torch.equal(core.flat.embed(ids), model.model.embed_tokens(ids)), "lookups from the head's tiles"
+    if core.flat.lm_head.layout == "amx":  # logits widened as the head writes them: its bf16 outputs, as float32
+        hidden = torch.randn(5, model.cfg.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+        logits = core.flat.compute_logits(hidden)
+        assert logits.dtype == torch.float32 and torch.equal(logits, core.flat.lm_head(hidden).float())
     assert_serves_generate(core, model, f"amx linears (tied={tied})")

@@ -15,6 +15,7 @@
     python -m course.tuning.levers linear-amx [--preset qwen3-0.6b] [--rows 1,16,64,256]   bf16 linears: oneDNN packed vs the AMX kernel
     python -m course.tuning.levers linear-threads [--rows 16,64]   each weight shape's kernel (panels, AMX) at one thread and two
     python -m course.tuning.levers workload-parts --dtype bfloat16 [--rounds 3]   a workload's time per part, one thread and two
+    python -m course.tuning.levers lm-head --rows 1,16,64   a bf16 LM head's logits (AMX): widened after it or as it writes them
 
 ``attention`` times one layer's decode attention on the bench's small-model shapes (8 query / 4
 kv heads of 64, blocks of 16): TorchBackend (gather, then bmm), CPUBackend (the C++ kernel reading
@@ -769,6 +770,39 @@ def argmax(args) -> None:
               f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f} (median ms): {res}")
 
 
+def lm_head(args) -> None:
+    """A bfloat16 model's logits where the CPU has AMX: the LM head at Qwen3-0.6B's shape ([151,936,
+    1,024] in the AMX layout) on ``--rows`` sample rows, then the greedy kernel. The head's bfloat16
+    outputs widened by ``.float()`` (the fused model's path before: a new bfloat16 output as the
+    kernel wrote it then, its pages not touched first), widened as the kernel writes them
+    (``widened=True``: the path now, the new output's pages touched first), and the same with the
+    pages left to fault inside the kernel. The same logits each way (checked). Interleaved,
+    median ms; the machine line says whether torch's allocator is on 2 MiB pages (run.py sets
+    ``THP_MEM_ALLOC_ENABLE=1``): on 4 KiB pages the last is the slow one."""
+    from course.bench.machine import machine_line
+    from engine.fast import cpu_greedy, cpu_linear_amx
+
+    if not cpu_linear_amx.available():
+        raise SystemExit("no AMX linear here (cpu_linear_amx.available() is False)")
+    print(machine_line(torch.get_num_threads()))
+    gen = torch.Generator().manual_seed(0)
+    head = cpu_linear_amx.AmxLinear((torch.randn(151_936, 1024, generator=gen) * 0.05).bfloat16())
+
+    def untouched(x, widened):  # the output as torch.empty gives it, written by the kernel alone
+        out = torch.empty(x.shape[0], head.n, dtype=torch.float32 if widened else torch.bfloat16)
+        head.run(x.data_ptr(), x.shape[0], out.data_ptr(), head.threads(), out.dtype, widened)
+        return out
+    for rows in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(rows, 1024, generator=gen).bfloat16()
+        ways = {"bf16, then .float() (before)": lambda: untouched(x, False).float(),
+                "widened in the kernel": lambda: head(x, torch.float32, widened=True),
+                "widened, pages faulting inside": lambda: untouched(x, True)}
+        logits = [f() for f in ways.values()]
+        assert all(torch.equal(v.view(torch.int32), logits[0].view(torch.int32)) for v in logits), "not the same bits"
+        res = interleaved({k: (lambda f=f: cpu_greedy.argmax_rows(f())) for k, f in ways.items()}, args.rounds)
+        print(f"LM head + greedy, {rows} rows (median ms): {res}", flush=True)
+
+
 def pages(args) -> None:
     """Decode attention over K/V pools of 1 GiB, rows out of cache (64 MiB touched before each call):
     the pools on ordinary 4 KiB pages (``torch.zeros``) against ``huge_pages.zeros`` (2 MiB pages
@@ -947,7 +981,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("attention", "prefill-attention", "step", "parts", "linear", "elementwise",
                                      "ew-step", "argmax", "pages", "linear-pages", "linear-amx",
-                                     "linear-threads", "workload-parts"))
+                                     "linear-threads", "workload-parts", "lm-head"))
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--dtype", default="float32")
@@ -968,14 +1002,14 @@ def main() -> int:
     ap.add_argument("--prefix", type=int, default=0, help="prefill-attention: cached tokens before each request's rows")
     ap.add_argument("--before", default=None, metavar="REV",
                     help="prefill-attention: also the row kernel as it was at this git revision (e.g. 6ddabc4)")
-    ap.add_argument("--rows", default="16,64,256", help="linear: the row counts, comma-separated; ew-step: one "
+    ap.add_argument("--rows", default="16,64,256", help="linear, lm-head: the row counts, comma-separated; ew-step: one "
                     "row count (default there 2048)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     {"attention": attention, "prefill-attention": prefill_attention, "step": step, "parts": parts, "linear": linear,
      "elementwise": elementwise, "ew-step": ew_step, "argmax": argmax, "pages": pages,
      "linear-pages": linear_pages, "linear-amx": linear_amx, "linear-threads": linear_threads,
-     "workload-parts": workload_parts}[args.what](args)
+     "workload-parts": workload_parts, "lm-head": lm_head}[args.what](args)
     return 0
 
 

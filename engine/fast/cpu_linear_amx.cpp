@@ -178,7 +178,11 @@ inline void group_block(const uint16_t* a, int64_t lda, const uint16_t* b, int64
 // value rounded once. Gated (`mode` kSiluMul): acc's 16-column blocks are (gate, up) pairs of a
 // SwiGLU projection and out gets, per pair, the 16 values R(R(silu(R(g))) * R(u)) at column c0 / 2:
 // the bf16 linear's outputs, then cpu_elementwise_kernel.cpp's silu_mul on them, in one pass.
-constexpr int64_t kBf16 = 0, kF32 = 1, kSiluMul = 2;  // output modes
+// kWidened: float32 out holding the bf16 outputs (each value rounded as kBf16 rounds it, then
+// widened exactly), what a bfloat16 LM head's logits become before sampling, without the bf16
+// copy in between.
+constexpr int64_t kBf16 = 0, kF32 = 1, kSiluMul = 2, kWidened = 3;  // output modes
+constexpr int64_t out_bytes(int64_t mode) { return mode == kF32 || mode == kWidened ? 4 : 2; }
 inline void emit(const float* acc, int64_t rows, int64_t cols, void* out, int64_t mode, int64_t n, int64_t r0,
                  int64_t c0, bool stream = false) {
   using W = Wide<64>;
@@ -194,6 +198,15 @@ inline void emit(const float* acc, int64_t rows, int64_t cols, void* out, int64_
     }
     if (mode == kF32) {
       std::memcpy(static_cast<float*>(out) + (r0 + i) * n + c0, src, cols * sizeof(float));
+    } else if (mode == kWidened) {
+      float* dst = static_cast<float*>(out) + (r0 + i) * n + c0;
+      for (int64_t j = 0; j < cols; j += kCols) {  // 16 values: one 64-byte line
+        const __m512i v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded_16(src + j)), 16);
+        if (stream && reinterpret_cast<uintptr_t>(dst + j) % 64 == 0)
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + j), v);
+        else
+          _mm512_storeu_si512(dst + j, v);
+      }
     } else {
       uint16_t* dst = static_cast<uint16_t*>(out) + (r0 + i) * n + c0;
       int64_t j = 0;
@@ -468,7 +481,7 @@ int64_t run(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t 
       OwnTiles tiles(8);
       Pending pend;
       pend.out = out, pend.mode = mode, pend.n = ldo;
-      pend.stream = m * ldo * (mode == kF32 ? 4 : 2) >= kStreamBytes;
+      pend.stream = m * ldo * out_bytes(mode) >= kStreamBytes;
       const uint16_t* tail = nullptr;  // this thread's copy of the partial last row block, made at first use
       const auto tail_rows = [&] { return tail ? tail : (tail = padded_tail(x + full * k, m - full, k)); };
       int64_t begin, end;
@@ -551,19 +564,20 @@ extern "C" void linear_amx_rows(const uint16_t* packed, int64_t n, int64_t k, co
 
 // out [M, N] = x [M, K] bfloat16 times the packed weight's transpose: bfloat16 (mode 0) or float32
 // (mode 1); mode 2: the weight's 16-column blocks are (gate, up) pairs (a SwiGLU gate/up weight
-// packed in that order, N a multiple of 64) and out [M, N / 2] bfloat16 is SiLU(gate) * up.
+// packed in that order, N a multiple of 64) and out [M, N / 2] bfloat16 is SiLU(gate) * up; mode 3:
+// float32 out [M, N] holding mode 0's bfloat16 values, widened.
 // Returns 0; -1 where this build has no AMX (or a mode is unknown); -2 where Linux refused the tile state.
 extern "C" int64_t linear_amx_bfloat16(const void* x, int64_t m, int64_t k, const void* packed, int64_t n,
                                        void* out, int64_t mode, int64_t threads) {
 #if LINEAR_AMX
-  if (mode < kBf16 || mode > kSiluMul || (mode == kSiluMul && n % (kGroup * kCols))) return -1;
+  if (mode < kBf16 || mode > kWidened || (mode == kSiluMul && n % (kGroup * kCols))) return -1;
   const uint16_t* const xs = static_cast<const uint16_t*>(x);
   const uint16_t* const w = static_cast<const uint16_t*>(packed);
   const bool by_rows = m >= threads * kSplitRows || (m >= threads * kSplitRows / 2 && n * k * 2 <= kSplitWeightBytes);
   if (threads > 1 && by_rows) {
     // Many rows: each thread one run of row pairs, the whole call on its rows (one thread's path:
     // its own A tiles, no barrier per chunk), so every output value is computed as on one thread.
-    const int64_t ldo = mode == kSiluMul ? n / 2 : n, esize = mode == kF32 ? 4 : 2;
+    const int64_t ldo = mode == kSiluMul ? n / 2 : n, esize = out_bytes(mode);
     int64_t status = 0;
     share_runs((m + 2 * kRows - 1) / (2 * kRows), threads, [&](int64_t begin, int64_t end) {
       const int64_t r0 = begin * 2 * kRows, r1 = std::min(m, end * 2 * kRows);

@@ -26,6 +26,14 @@ from engine.fast.cpu_build import OptionalKernels
 SOURCE = Path(__file__).with_name("cpu_linear_amx.cpp")
 COLS, DEPTH = 16, 32  # the packing's column block and slice depth (out features, in features)
 MIN_GROUPS_PER_THREAD = 4  # fewer 64-column groups than this per thread: one thread does them all
+# A new output this large has its pages touched before the kernel writes it. Fresh memory faults
+# each page in on its first write, and a fault taken inside the kernel's tile work cost far more
+# than one outside it: a Qwen3-0.6B-shaped LM head on 64 rows (39 MB of float32 logits) with the
+# greedy kernel after it, on 4 KiB pages, 61.8-63.3 ms with its pages faulting inside against
+# 52.1-53.0 ms touched first (the AMX Xeon of issue 40, `python -m course.tuning.levers lm-head`;
+# on 2 MiB pages the faults are few and the two are level).
+TOUCH_BYTES = 1 << 20
+PAGE_BYTES = 4096
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -113,17 +121,25 @@ class AmxLinear:
         self._packed_ptr = self.packed.data_ptr()  # ``run``'s: ``packed`` is made here only
         self._groups = -(-self.n // (4 * COLS))  # 64-column groups, what ``threads`` shares out
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, widened: bool = False) -> torch.Tensor:
+        """x [M, K] bfloat16 -> [M, N] in ``out_dtype``: bfloat16 (each float sum rounded once, to
+        nearest even) or float32 (the float sums themselves); ``widened`` (float32 only, not gated):
+        the bfloat16 outputs written as float32, exactly ``self(x).float()`` in one pass (a bfloat16
+        LM head's logits as the sampler takes them)."""
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or not x.is_cpu:
             raise ValueError(f"AmxLinear [{self.n}, {self.k}] takes a bfloat16 CPU input [M, {self.k}], "
                              f"not {x.dtype} {tuple(x.shape)}")
         if out_dtype not in (torch.bfloat16, torch.float32) or (self.gated and out_dtype != torch.bfloat16):
             raise ValueError(f"out_dtype must be bfloat16 or float32 (bfloat16 for a gated one), not {out_dtype}")
+        if widened and (out_dtype != torch.float32 or self.gated):
+            raise ValueError("widened outputs are float32 ones, of a linear that is not gated")
         x = x.contiguous()
         m = x.shape[0]
         out = torch.empty(m, self.n // 2 if self.gated else self.n, dtype=out_dtype)
+        if out.numel() * out.element_size() >= TOUCH_BYTES:  # one element a page: its faults taken here
+            out.view(-1)[::PAGE_BYTES // out.element_size()].zero_()
         if m:
-            self.run(x.data_ptr(), m, out.data_ptr(), self.threads(), out_dtype)
+            self.run(x.data_ptr(), m, out.data_ptr(), self.threads(), out_dtype, widened)
         return out
 
     def threads(self, num_threads: int | None = None) -> int:
@@ -133,13 +149,14 @@ class AmxLinear:
             num_threads = torch.get_num_threads()
         return max(1, min(num_threads, self._groups // MIN_GROUPS_PER_THREAD))
 
-    def run(self, x_ptr: int, m: int, out_ptr: int, threads: int, out_dtype: torch.dtype = torch.bfloat16) -> None:
-        """``self(x, out_dtype)`` for a caller that checked its buffers itself and calls many times a
-        step (``FusedFlatModel``'s layer loop: no checks, no new output tensor): x a contiguous
+    def run(self, x_ptr: int, m: int, out_ptr: int, threads: int, out_dtype: torch.dtype = torch.bfloat16,
+            widened: bool = False) -> None:
+        """``self(x, out_dtype, widened)`` for a caller that checked its buffers itself and calls many
+        times a step (``FusedFlatModel``'s layer loop: no checks, no new output tensor): x a contiguous
         bfloat16 [m, K] at ``x_ptr``, m >= 1; the output, a contiguous [m, N] of ``out_dtype``
-        (bfloat16 [m, N / 2] gated), written at ``out_ptr``; ``threads`` from ``threads()``.
-        ``__call__`` checks its tensors and calls this."""
-        mode = 2 if self.gated else int(out_dtype == torch.float32)
+        (bfloat16 [m, N / 2] gated; float32 with ``widened``), written at ``out_ptr``; ``threads`` from
+        ``threads()``. ``__call__`` checks its tensors and calls this."""
+        mode = 2 if self.gated else 3 if widened else int(out_dtype == torch.float32)
         status = self._call(x_ptr, m, self.k, self._packed_ptr, self.n, out_ptr, mode, threads)
         if status:
             raise _refused(status)
