@@ -615,6 +615,7 @@ class FusedFlatModel(FlatModel):
         """hidden [M, D] -> logits [M, V] in float32 (float64 for float64 models): the LM head in
         ``linear_dtype``, only the logits widened."""
         work = work_dtype(hidden.dtype)
-        if self.lm_head.amx is not None and work == torch.float32:  # the bf16 logits written as float32 at once
-            return self.lm_head.amx(hidden.to(self.linear_dtype), torch.float32, widened=True)
+        amx = getattr(self.lm_head, "amx", None)  # (a head replaced by a plain callable is called as one)
+        if amx is not None and work == torch.float32:  # the head writes its bf16 logits as float32 itself
+            return amx(hidden.to(self.linear_dtype), torch.float32, widened=True)
         return self.lm_head(hidden.to(self.linear_dtype)).to(work)
