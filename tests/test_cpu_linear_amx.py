@@ -143,7 +143,7 @@ def test_the_weight_prefetch_changes_no_value(threads):
     """``linear_amx_set_prefetch`` (the software prefetch of the weight: pages ahead for a decode or
     few-row call, the next panel during a panel's later row pairs, the first again before the next
     chunk of rows) off and on: the same bits, at row counts that take each path on a weight of
-    several panels (K = 1024: 256 columns a panel, 6 of them) and 2 chunks at 300 rows; each within
+    several panels (K = 1024: 128 columns a panel, 12 of them) and 2 chunks at 300 rows; each within
     float summation of the float64 product, and the switch left on."""
     if not cpu_linear_amx.available():
         return  # test_the_layout_is_offered_exactly_where_the_kernel_runs covers this CPU

@@ -84,7 +84,12 @@ constexpr int64_t kRows = 16;       // rows of a block (a tile's rows)
 constexpr int64_t kChunkRows = 256;  // rows whose input is kept in cache across the groups (at most)
 constexpr int64_t kChunkBytes = 768 * 1024;  // a chunk's A tiles at most (a deep K: fewer rows), L2-resident
 constexpr int64_t kPassSlices = 16;  // K slices per pass of a row pair (its A tiles, 32 KiB, stay in the L1 cache)
-constexpr int64_t kPanelBytes = 512 * 1024;  // B tiles of a panel of column groups (whole K), kept in the L2 cache
+// B tiles of a panel of column groups (whole K), kept in the L2 cache (beside the next panel coming
+// in and the chunk's A tiles). 256 KiB against 512, Qwen3-0.6B's linears on one thread
+// (`python -m course.tuning.levers linear-amx --preset qwen3-0.6b --rows 128,256`, two runs of each
+// tree): 139.8-140.0 / 236.3-238.7 ms a pass against 144.7-148.9 / 249.2-258.7 at 128 / 256 rows;
+// 128-192 KiB (a single column group at K = 1,024) were slower at 2,048 rows.
+constexpr int64_t kPanelBytes = 256 * 1024;
 constexpr int64_t kFewPairs = 2;  // up to this many row pairs: each column pair meets them in turn (B reused from L1)
 constexpr int64_t kSplitRows = 256;  // rows per thread from which threads split a call's rows, not its columns
 constexpr int64_t kSplitWeightBytes = 2 << 20;  // a weight at most this big: from half as many rows per thread
