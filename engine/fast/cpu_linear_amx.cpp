@@ -138,10 +138,11 @@ inline void round_16(const float* src, uint16_t* dst) {
 //   - Several row blocks (`several`): the B tiles of the panel a thread multiplies next, fetched
 //     into L2 a few lines a slice (`Ahead`) while the row pairs after the first multiply this
 //     panel from L2. Without it, the first row pair of each panel waited on memory while the matrix
-//     unit idled, and the later pairs ran on the unit with memory idle; 4 lines a slice (1-3 of the
-//     next panel's 8,192 lines at 128 rows) gained most: ~4-9% at 96-512 rows at both presets'
-//     shapes, on one thread and two (more lines a slice, or every other line, made the call slower
-//     than none: the prefetches held the line fill buffers the tile loads need).
+//     unit idled, and the later pairs ran on the unit with memory idle; 4 lines a slice (at 128
+//     rows, 3 of every 8 of the next panel's lines) gained most: ~4-9% at 96-512 rows at both
+//     presets' shapes, on one thread and two, measured with panels of 512 KiB (more lines a slice,
+//     or every other line, made the call slower than none: the prefetches held the line fill
+//     buffers the tile loads need; with 256 KiB panels, 3 lines were level with 4 within drift).
 bool weight_prefetch = true;
 constexpr int64_t kDecodeAheadBytes = 16 << 10;
 constexpr int64_t kAheadLines = 4;
