@@ -154,17 +154,16 @@ struct Wide {
   // scalar ones (which held a q/k head's norm back: issue 40's qk_norm_rope, ~1.3-1.8x in bfloat16).
   static float sum(F v) {
 #if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector: the halves as register extracts
-    if constexpr (N == 16) {
-      const auto v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                      __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const auto sum8 = [](auto v8) {  // 8 lanes: 4, 2, then 1
       const auto v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) + __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
       const auto v2 = __builtin_shufflevector(v4, v4, 0, 1) + __builtin_shufflevector(v4, v4, 2, 3);
       return v2[0] + v2[1];
-    } else if constexpr (N == 8) {
-      const auto v4 = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-      const auto v2 = __builtin_shufflevector(v4, v4, 0, 1) + __builtin_shufflevector(v4, v4, 2, 3);
-      return v2[0] + v2[1];
-    }
+    };
+    if constexpr (N == 16)
+      return sum8(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+    else if constexpr (N == 8)
+      return sum8(v);
 #endif
     for (int half = N / 2; half >= 1; half /= 2)  // the same tree through memory (an older compiler)
       for (int j = 0; j < half; ++j) v[j] += v[j + half];
