@@ -489,11 +489,11 @@ def workload_parts(args) -> None:
     print(f"one thread's serial Python (scheduler, build_batch, sampler, rest, outside): {serial:.1f} ms "
           f"({serial / med[1]['all']:.0%}); with every other part at 2x, two threads would cap at "
           f"{med[1]['all'] / (serial + (med[1]['all'] - serial) / 2):.2f}x")
-    one, two = (statistics.median(passes[t]) * 1000 for t in (1, 2))
+    whole = {t: statistics.median(passes[t]) * 1000 for t in (1, 2)}
     inner = ("embedding", "elementwise", "linears", "K/V writes", "attention", "LM head")
-    between = [(statistics.median(passes[t]) * 1000 - sum(med[t].get(k, 0.0) for k in inner)) for t in (1, 2)]
-    print(f"the forward passes alone (runner.execute): {one:.1f} -> {two:.1f} ms, {one / two:.2f}x; of which the "
-          f"Python between their parts (in 'rest' above): {between[0]:.1f} -> {between[1]:.1f} ms")
+    between = {t: whole[t] - sum(med[t].get(k, 0.0) for k in inner) for t in (1, 2)}
+    print(f"the forward passes alone (runner.execute): {whole[1]:.1f} -> {whole[2]:.1f} ms, {whole[1] / whole[2]:.2f}x; "
+          f"of which the Python between their parts (in 'rest' above): {between[1]:.1f} -> {between[2]:.1f} ms")
 
 
 def linear(args) -> None:
