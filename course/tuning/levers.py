@@ -14,7 +14,7 @@
     python -m course.tuning.levers ew-step [--preset qwen3-0.6b] [--rows 2048] [--before 6ddabc4]   one step's elementwise kernels: torch ops / avx2 / avx512 / a revision's
     python -m course.tuning.levers linear-amx [--preset qwen3-0.6b] [--rows 1,16,64,256]   bf16 linears: oneDNN packed vs the AMX kernel
     python -m course.tuning.levers linear-threads [--rows 16,64]   each weight shape's kernel (panels, AMX) at one thread and two
-    python -m course.tuning.levers workload-parts --dtype bfloat16 [--rounds 3]   a workload's time per part, one thread and two
+    python -m course.tuning.levers workload-parts --dtype bfloat16 [--rounds 3]   a workload's time per part, one thread and two, its prompt and decode steps apart
     python -m course.tuning.levers lm-head --rows 1,16,64   a bf16 LM head's logits (AMX): widened after it or as it writes them
 
 ``attention`` times one layer's decode attention on the bench's small-model shapes (8 query / 4
@@ -423,9 +423,14 @@ def workload_parts(args) -> None:
     the embedding; the scheduler, ``build_batch`` (the runner's ``prepare``), the sampler; "rest": the
     step's other Python (the forward's own and the bookkeeping), and outside the steps. Last, the cap
     Amdahl puts on two threads: one thread's time over (its unsplit parts + the others at 2x); and the
-    forward passes alone (``runner.execute``, timed apart: its parts and the Python between them)."""
+    forward passes alone (``runner.execute``, timed apart: its parts and the Python between them); and
+    the steps whose batch holds prompt rows and the decode-only ones (one row per request) apart:
+    their whole steps, forward passes and kernel parts, and for the decode steps the rate at which
+    their attention read the pools (each row's context, every layer's K and V) beside the memory's
+    (``roofline.machine_limits``) at one thread and two."""
     from course.bench.compare import MODEL_PRESETS, CoreRunner, fast_config, make_workload, run_workload
     from course.bench.machine import machine_line
+    from course.bench.roofline import machine_limits
     from engine.fast import cpu_attention, cpu_elementwise, fused
     from engine.models import tiny_model
 
@@ -451,23 +456,49 @@ def workload_parts(args) -> None:
     timer.patch(core, "sampler", "sampler")
     forward = PartTimer()  # the whole forward pass (its parts and the Python between them), timed apart
     forward.patch(core.runner, "execute", "forward")
-    step = core.step
+    step, execute = core.step, core.runner.execute
+    cfg = model.cfg
+    kv_bytes = 2 * cfg.num_key_value_heads * cfg.head_dim * cfg.num_hidden_layers * core.runner.kv_caches[0][0].element_size()
+    kind = [""]  # the step's kind, from the batch its forward pass got
+    by_kind: dict[str, dict[str, float]] = {}  # kind -> part -> seconds (and "steps", "K/V bytes") of the current run
+
+    def execute_noting(batch):
+        decode = batch.input_ids.shape[0] == len(batch.request_ids)  # one row per request
+        kind[0] = "decode" if decode else "prompt"
+        if decode:  # the keys and values its attention reads, every layer: K/V bytes a token x context
+            tally = by_kind.setdefault("decode", {})
+            tally["K/V bytes"] = tally.get("K/V bytes", 0.0) + kv_bytes * int(batch.meta.seq_lens_cpu.sum())
+        return execute(batch)
+    core.runner.execute = execute_noting
 
     def whole_step():
+        kind[0] = ""
+        before, before_fwd = dict(spent), forward.spent.get("forward", 0.0)
         start = time.perf_counter()
         try:
             return step()
         finally:
-            spent["step"] = spent.get("step", 0.0) + time.perf_counter() - start
+            took = time.perf_counter() - start
+            spent["step"] = spent.get("step", 0.0) + took
+            if kind[0]:
+                tally = by_kind.setdefault(kind[0], {})
+                for part, seconds in spent.items():
+                    if part != "step":
+                        tally[part] = tally.get(part, 0.0) + seconds - before.get(part, 0.0)
+                tally["steps"] = tally.get("steps", 0) + 1
+                tally["step"] = tally.get("step", 0.0) + took
+                tally["forward"] = tally.get("forward", 0.0) + forward.spent.get("forward", 0.0) - before_fwd
     core.step = whole_step
     work = make_workload(args.workload, model.cfg.vocab_size, preset=args.preset)
     rows: dict[int, list[dict[str, float]]] = {1: [], 2: []}
     passes: dict[int, list[float]] = {1: [], 2: []}  # the forward passes' time per run
+    kinds: dict[int, list[dict[str, dict[str, float]]]] = {1: [], 2: []}  # per run, by_kind
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for threads in ((1, 2) if round_ % 2 else (2, 1)):
             torch.set_num_threads(threads)
             spent.clear()
             forward.spent.clear()
+            by_kind.clear()
             start = time.perf_counter()
             run_workload(runner.fresh(), work)
             total = time.perf_counter() - start
@@ -477,6 +508,7 @@ def workload_parts(args) -> None:
                 rows[threads].append({**parts, "rest of the step": inside, "outside the steps": total - spent.get("step", 0.0),
                                       "all": total})
                 passes[threads].append(forward.spent.get("forward", 0.0))
+                kinds[threads].append({k: dict(v) for k, v in by_kind.items()})
     torch.set_num_threads(args.threads)
     names = list(rows[1][0])
     med = {t: {k: statistics.median(r.get(k, 0.0) for r in rows[t]) * 1000 for k in names} for t in (1, 2)}
@@ -494,6 +526,27 @@ def workload_parts(args) -> None:
     between = {t: whole[t] - sum(med[t].get(k, 0.0) for k in inner) for t in (1, 2)}
     print(f"the forward passes alone (runner.execute): {whole[1]:.1f} -> {whole[2]:.1f} ms, {whole[1] / whole[2]:.2f}x; "
           f"of which the Python between their parts (in 'rest' above): {between[1]:.1f} -> {between[2]:.1f} ms")
+    inner_parts = [k for k in names if k in inner]
+    for k, label in (("prompt", "steps with prompt rows"), ("decode", "decode-only steps (one row per request)")):
+        if not all(k in run for t in (1, 2) for run in kinds[t]):
+            continue
+        at = {t: {part: statistics.median(run[k].get(part, 0.0) for run in kinds[t]) * 1000
+                  for part in ("step", "forward", *inner_parts)} for t in (1, 2)}
+        print(f"{label}, {kinds[1][0][k]['steps']:.0f} of them: whole steps {at[1]['step']:.1f} -> {at[2]['step']:.1f} ms, "
+              f"{at[1]['step'] / at[2]['step']:.2f}x; their forward passes {at[1]['forward']:.1f} -> "
+              f"{at[2]['forward']:.1f} ms, {at[1]['forward'] / at[2]['forward']:.2f}x; "
+              + ", ".join(f"{part} {at[1][part]:.1f} -> {at[2][part]:.1f}" for part in inner_parts))
+        if k == "decode" and at[1].get("attention", 0.0) > 0 and at[2].get("attention", 0.0) > 0:
+            gb = kinds[1][0][k]["K/V bytes"] / 1e9
+            read = {}
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                read[t] = machine_limits()["read_bandwidth"] / 1e9
+            torch.set_num_threads(args.threads)
+            print(f"  their attention reads {gb:.2f} GB of K/V (the pools' bytes a token x each row's context, every "
+                  f"layer): {gb / at[1]['attention'] * 1000:.1f} GB/s on one thread, "
+                  f"{gb / at[2]['attention'] * 1000:.1f} on two; the memory (roofline.machine_limits, a sum over "
+                  f"256 MiB): {read[1]:.1f} and {read[2]:.1f} GB/s")
 
 
 def linear(args) -> None:
