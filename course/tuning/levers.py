@@ -463,9 +463,8 @@ def workload_parts(args) -> None:
     by_kind: dict[str, dict[str, float]] = {}  # kind -> part -> seconds (and "steps", "K/V bytes") of the current run
 
     def execute_noting(batch):
-        decode = batch.input_ids.shape[0] == len(batch.request_ids)  # one row per request
-        kind[0] = "decode" if decode else "prompt"
-        if decode:  # the keys and values its attention reads, every layer: K/V bytes a token x context
+        kind[0] = "decode" if batch.meta.decode_only else "prompt"
+        if batch.meta.decode_only:  # the keys and values its attention reads, every layer: K/V bytes a token x context
             tally = by_kind.setdefault("decode", {})
             tally["K/V bytes"] = tally.get("K/V bytes", 0.0) + kv_bytes * int(batch.meta.seq_lens_cpu.sum())
         return execute(batch)
